@@ -1,0 +1,43 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# The virtual environment is created once; re-running skips every install that is up to date.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch. An unpinned torch would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint format bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/grouprl train
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+$(VENV)/.bench: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[dev,bench]"
+	touch $(VENV)/.bench
+
+bench: $(VENV)/.bench
+	$(BIN)/python benchmarks/rollout.py
+	$(BIN)/python benchmarks/vs_trl.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

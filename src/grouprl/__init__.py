@@ -1,0 +1,3 @@
+"""grouprl: critic-free RL (GRPO, GSPO and their variants) for language-model reasoning."""
+
+__version__ = "0.1.0"
