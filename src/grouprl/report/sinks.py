@@ -1,0 +1,84 @@
+"""Metric sinks: one JSON object per line, and TensorBoard scalars."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN or infinity; write them as null rather than invalid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes it, so a crash loses at most one line."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def truncate_jsonl(path: Path, *, keep_through_step: int) -> None:
+    """Drop records after `keep_through_step`, so a resumed run does not log a step twice."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= keep_through_step
+    ]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+class MetricSinks:
+    """metrics.jsonl, eval.jsonl, samples.jsonl and TensorBoard event files in a run directory."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl")
+        self.evals = JsonlWriter(self.run_dir / "eval.jsonl")
+        self.samples = JsonlWriter(self.run_dir / "samples.jsonl")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        self.metrics.write({"step": step, **metrics})
+        self._scalars("train", step, metrics)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.evals.write({"step": step, **metrics})
+        self._scalars("eval", step, metrics)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        for sample in samples:
+            self.samples.write({"step": step, **sample})
+
+    def _scalars(self, prefix: str, step: int, metrics: dict[str, float]) -> None:
+        if self._tb is None:
+            return
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self._tb.add_scalar(f"{prefix}/{key}", value, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        for writer in (self.metrics, self.evals, self.samples):
+            writer.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,1 @@
+"""Training: configuration, the GRPO/GSPO loop, evaluation, supervised warm start, checkpoints."""

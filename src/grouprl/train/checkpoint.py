@@ -1,0 +1,144 @@
+"""Atomic, pickle-free training checkpoints.
+
+A checkpoint is a directory `checkpoints/step_000120/` holding
+  model.safetensors      the policy's parameters
+  optimizer.safetensors  the optimizer's per-parameter state tensors
+  rng.safetensors        torch's CPU random state
+  state.json             step, data position, scheduler step, optimizer hyper-parameters,
+                         Python's random state, and whatever else the trainer records.
+It is written under a temporary name, every file fsync'ed, then renamed into place, so a crash
+leaves either the old set of checkpoints or the new one, never a half-written directory. Loading
+reads only safetensors and JSON: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+PREFIX = "step_"
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary directories are ignored)."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "state.json").is_file()]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, state in sd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{key}"] = value.detach().contiguous().clone()
+            else:
+                scalars[f"{index}.{key}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optimizer_from_files(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict
+) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in [*tensors.items(), *meta["scalars"].items()]:
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = value
+    groups = [
+        {k: tuple(v) if k == "betas" else v for k, v in group.items()}
+        for group in meta["param_groups"]
+    ]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Write checkpoint `step` atomically and delete all but the newest `keep_last`."""
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:06d}"
+    tmp = root / f".tmp-{PREFIX}{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+    save_model(model, str(tmp / "model.safetensors"))
+    opt_tensors, opt_meta = _optimizer_to_files(optimizer)
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    version, internal, gauss = random.getstate()
+    meta = {
+        **state,
+        "step": step,
+        "scheduler": scheduler.state_dict(),
+        "optimizer": opt_meta,
+        "python_random": [version, list(internal), gauss],
+    }
+    (tmp / "state.json").write_text(json.dumps(meta, indent=1))
+    for file in tmp.iterdir():
+        _fsync(file)
+    _fsync(tmp)
+
+    if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a periodic save)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(root)
+
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(
+    path: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and random states in place; return state.json."""
+    meta = json.loads((path / "state.json").read_text())
+    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True)
+    assert not missing and not unexpected, (missing, unexpected)
+    _optimizer_from_files(
+        optimizer, load_file(str(path / "optimizer.safetensors")), meta["optimizer"]
+    )
+    scheduler.load_state_dict(meta["scheduler"])
+    torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
+    version, internal, gauss = meta["python_random"]
+    random.setstate((version, tuple(internal), gauss))
+    return meta

@@ -1,0 +1,317 @@
+"""The one typed configuration of `grouprl train`, its algorithm presets, and its validation.
+
+Precedence, lowest first: field defaults < `--config FILE.yaml` (or the saved config of the run
+given to `--resume`) < command-line flags < the `--algo` preset, which fills only the fields
+still left at `None`. Every field below becomes a flag (`group_size` -> `--group-size`) whose
+help is the docstring under it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from grouprl.core import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, AGGREGATIONS, RATIO_LEVELS
+from grouprl.errors import UserError
+
+Algo = Literal["grpo", "gspo", "dr_grpo", "dapo"]
+
+
+@dataclass
+class TrainConfig:
+    """Train a causal LM with GRPO, GSPO, Dr. GRPO or DAPO on a task with verifiable rewards."""
+
+    config: Path | None = None
+    """YAML file holding any of these fields; flags given on the command line override it."""
+    algo: Algo = "gspo"
+    """Algorithm preset. It fills every field below that is left at None (see the README)."""
+    model: str = "builtin:arith"
+    """Policy to start from: a local Hugging Face model directory or builtin:NAME."""
+    task: str = "arithmetic"
+    """Task: a built-in task name (prompts, reference answers and reward functions)."""
+    output_dir: Path | None = None
+    """Run directory. None: runs/<algo>-<date>-<time>. It must not already hold a run."""
+    resume: Path | None = None
+    """Run directory to continue from its latest checkpoint (its saved config is the base)."""
+    seed: int = 0
+    """Seed for data order, sampling and initial evaluation; same seed, same run."""
+    threads: int | None = None
+    """torch CPU threads. None: torch's default (all cores)."""
+
+    # ----- sampling -----
+    steps: int = 150
+    """Number of training steps (one rollout batch each)."""
+    prompts_per_step: int = 16
+    """Prompts per step (B). Each gets group_size completions: N = B*G completions a step."""
+    group_size: int = 8
+    """Completions sampled per prompt (G); the group mean is the baseline. At least 2."""
+    max_new_tokens: int | None = None
+    """Generation budget per completion. None: the task's own budget."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs for the ratio are taken at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0: off)."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+
+    # ----- optimisation -----
+    lr: float = 2e-4
+    """Peak learning rate (AdamW)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate shape after warm-up."""
+    warmup_steps: int = 5
+    """Linear warm-up steps from 0 to lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0: off)."""
+    epochs: int = 1
+    """Policy updates over each rollout batch (mu in the GRPO paper)."""
+    minibatches: int | None = None
+    """Minibatches per epoch, each one optimizer step; must divide prompts_per_step. None: preset."""
+
+    # ----- objective -----
+    ratio_level: Literal["token", "sequence", "sequence_token"] | None = None
+    """Importance ratio: per token (GRPO), per sequence (GSPO), or GSPO-token. None: preset."""
+    clip_low: float | None = None
+    """Clip range below 1: ratios under 1-clip_low are clipped. None: preset."""
+    clip_high: float | None = None
+    """Clip range above 1: ratios over 1+clip_high are clipped. None: preset."""
+    dual_clip: float | None = None
+    """Dual clip c > 1: bounds the loss of negative-advantage tokens at c*|A| (None: off)."""
+    beta: float | None = None
+    """Weight of the KL penalty to the reference (initial) policy. None: preset."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator for the penalty (k3 is the GRPO paper's)."""
+    loss_agg: (
+        Literal[
+            "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+        ]
+        | None
+    ) = None
+    """How per-token losses are averaged; sets the implicit length weighting. None: preset."""
+    norm_len: int | None = None
+    """Constant divisor for seq_mean_token_sum_norm. None: max_new_tokens."""
+    adv_estimator: Literal["grpo", "rloo"] = "grpo"
+    """Baseline: the group mean (grpo) or the mean of the other G-1 rewards (rloo)."""
+    adv_scale: Literal["group", "batch", "none"] | None = None
+    """Advantage scaling: by the group std, the batch std, or none (Dr. GRPO). None: preset."""
+    unbiased_std: bool = False
+    """Use the sample (Bessel) std, as TRL and verl do, instead of the population std."""
+    adv_eps: float = 1e-4
+    """Added to the std before dividing."""
+
+    # ----- rewards and shaping -----
+    rewards: dict[str, float] | None = None
+    """Reward functions and weights, e.g. --rewards correct 1.0 format 0.1. None: the task's."""
+    dynamic_sampling: bool | None = None
+    """Drop zero-variance groups and sample more prompts until the batch is full. None: preset."""
+    max_resample_rounds: int = 4
+    """Extra sampling rounds dynamic sampling may spend per step before training on fewer groups."""
+    mask_truncated: bool | None = None
+    """Leave completions that hit max_new_tokens out of the loss. None: preset."""
+    overlong_penalty: bool | None = None
+    """DAPO soft overlong penalty on completions close to max_new_tokens. None: preset."""
+    overlong_cache: int | None = None
+    """Length of the soft-penalty zone before max_new_tokens. None: max_new_tokens // 4."""
+
+    # ----- evaluation, logging, checkpoints -----
+    eval_every: int = 50
+    """Evaluate held-out pass@1 every this many steps (and at the start and the end; 0: only those)."""
+    eval_size: int = 200
+    """Held-out problems per evaluation."""
+    eval_samples: int = 4
+    """Samples per held-out problem (pass@1 is their mean; pass@k uses all of them)."""
+    save_every: int = 50
+    """Checkpoint every this many steps (and at the end and on Ctrl-C)."""
+    keep_last: int = 2
+    """Checkpoints to keep; older ones are deleted."""
+    log_samples: int = 2
+    """Completions per step written to samples.jsonl."""
+    progress: bool = True
+    """Show a live progress bar (off: one plain line per eval)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The algorithm-defining fields that an `--algo` preset fills."""
+
+    ratio_level: str
+    clip_low: float
+    clip_high: float
+    loss_agg: str
+    adv_scale: str
+    beta: float
+    minibatches: int
+    dynamic_sampling: bool = False
+    mask_truncated: bool = False
+    overlong_penalty: bool = False
+
+
+PRESETS: dict[str, Preset] = {
+    # DeepSeekMath (arXiv 2402.03300): token ratio, per-sequence token mean, group std, one
+    # on-policy update per batch. beta = 0 rather than the paper's 0.04: TRL, DAPO and Dr. GRPO
+    # found the KL term unnecessary with verifiable rewards, and it costs a reference forward.
+    "grpo": Preset("token", 0.2, 0.2, "seq_mean_token_mean", "group", 0.0, minibatches=1),
+    # GSPO (arXiv 2507.18071): sequence ratio, the paper's clip range, and the rollout split into
+    # 4 minibatches so that updates after the first are off-policy and the clip matters.
+    "gspo": Preset("sequence", 3e-4, 4e-4, "seq_mean_token_mean", "group", 0.0, minibatches=4),
+    # Dr. GRPO (arXiv 2503.20783): no std scaling, a constant length normaliser.
+    "dr_grpo": Preset("token", 0.2, 0.2, "seq_mean_token_sum_norm", "none", 0.0, minibatches=1),
+    # DAPO (arXiv 2503.14476): clip-higher, token-level loss, dynamic sampling, overlong penalty.
+    "dapo": Preset(
+        "token",
+        0.2,
+        0.28,
+        "token_mean",
+        "group",
+        0.0,
+        minibatches=1,
+        dynamic_sampling=True,
+        overlong_penalty=True,
+    ),
+}
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def from_mapping(values: dict[str, Any], *, source: str) -> TrainConfig:
+    """A config from a YAML-like mapping; unknown keys are errors with a suggestion."""
+    known = field_names()
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key.replace("-", "_"), known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(known)}"
+            raise UserError(f"unknown config key '{key}' in {source}{hint}")
+    values = dict(values)
+    for key in ("config", "output_dir", "resume"):
+        if values.get(key) is not None:
+            values[key] = Path(values[key])
+    if isinstance(values.get("adam_betas"), list):
+        values["adam_betas"] = tuple(values["adam_betas"])
+    return TrainConfig(**values)
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    """Read a config file written by hand or saved by an earlier run."""
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist; check the path given to --config")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        line = getattr(getattr(err, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise UserError(f"config file {path} is not valid YAML{where}; fix its syntax") from None
+    if not isinstance(values, dict):
+        raise UserError(f"config file {path} must hold a mapping of field: value")
+    return values
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    values = dataclasses.asdict(cfg)
+    for key, value in values.items():
+        if isinstance(value, Path):
+            values[key] = str(value)
+        elif isinstance(value, tuple):
+            values[key] = list(value)
+    return yaml.safe_dump(values, sort_keys=False)
+
+
+def resolve(cfg: TrainConfig, *, task_max_new_tokens: int) -> TrainConfig:
+    """Fill every field left at None from the preset and the task, then validate."""
+    preset = dataclasses.asdict(PRESETS[cfg.algo])
+    filled = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
+    cfg = dataclasses.replace(cfg, **filled)
+    if cfg.max_new_tokens is None:
+        cfg = dataclasses.replace(cfg, max_new_tokens=task_max_new_tokens)
+    if cfg.norm_len is None:
+        cfg = dataclasses.replace(cfg, norm_len=cfg.max_new_tokens)
+    if cfg.overlong_cache is None:
+        cfg = dataclasses.replace(cfg, overlong_cache=max(1, cfg.max_new_tokens // 4))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Reject impossible settings with one line each; warn on dubious ones."""
+    checks = [
+        (cfg.group_size >= 2, "group_size must be at least 2: a group of one has no baseline"),
+        (cfg.prompts_per_step >= 1, "prompts_per_step must be at least 1"),
+        (cfg.steps >= 1, "steps must be at least 1"),
+        (cfg.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
+        (cfg.temperature >= 0, "temperature must be >= 0 (0 means greedy)"),
+        (0 < cfg.top_p <= 1, "top_p must lie in (0, 1]"),
+        (cfg.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
+        (cfg.lr > 0 and math.isfinite(cfg.lr), "lr must be a positive number"),
+        (cfg.warmup_steps >= 0, "warmup_steps must be >= 0"),
+        (cfg.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 turns clipping off)"),
+        (cfg.epochs >= 1, "epochs must be at least 1"),
+        (cfg.minibatches >= 1, "minibatches must be at least 1"),
+        (
+            cfg.prompts_per_step % cfg.minibatches == 0,
+            f"minibatches ({cfg.minibatches}) must divide prompts_per_step "
+            f"({cfg.prompts_per_step}): each minibatch holds whole groups",
+        ),
+        (0 <= cfg.clip_low < 1, "clip_low must lie in [0, 1): the ratio's lower bound 1-clip_low"),
+        (cfg.clip_high >= 0, "clip_high must be >= 0"),
+        (cfg.dual_clip is None or cfg.dual_clip > 1, "dual_clip must be > 1 (or unset)"),
+        (cfg.beta >= 0, "beta must be >= 0"),
+        (cfg.adv_eps >= 0, "adv_eps must be >= 0"),
+        (cfg.norm_len >= 1, "norm_len must be at least 1"),
+        (
+            0 < cfg.overlong_cache <= cfg.max_new_tokens,
+            "overlong_cache must lie in [1, max_new_tokens]",
+        ),
+        (cfg.max_resample_rounds >= 0, "max_resample_rounds must be >= 0"),
+        (cfg.eval_every >= 0, "eval_every must be >= 0"),
+        (cfg.eval_size >= 1, "eval_size must be at least 1"),
+        (cfg.eval_samples >= 1, "eval_samples must be at least 1"),
+        (cfg.save_every >= 1, "save_every must be at least 1"),
+        (cfg.keep_last >= 1, "keep_last must be at least 1"),
+        (cfg.threads is None or cfg.threads >= 1, "threads must be at least 1"),
+        (cfg.rewards is None or len(cfg.rewards) > 0, "rewards must name at least one function"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(f"invalid config: {message}")
+    # The Literal types are checked by the CLI parser; a YAML file bypasses it.
+    choices = {
+        "ratio_level": RATIO_LEVELS,
+        "loss_agg": AGGREGATIONS,
+        "adv_scale": ADVANTAGE_SCALES,
+        "adv_estimator": ADVANTAGE_ESTIMATORS,
+        "algo": PRESETS,
+    }
+    for name, valid in choices.items():
+        if getattr(cfg, name) not in valid:
+            raise UserError(
+                f"invalid config: {name} '{getattr(cfg, name)}' is not one of {', '.join(valid)}"
+            )
+    if cfg.ratio_level != "token" and cfg.loss_agg == "token_mean":
+        warnings.warn(
+            "a sequence-level ratio with loss_agg=token_mean weights each completion by its "
+            "length; seq_mean_token_mean is GSPO's own aggregation",
+            stacklevel=2,
+        )
+    if (
+        cfg.epochs == 1
+        and cfg.minibatches == 1
+        and cfg.ratio_level != "token"
+        and cfg.clip_high < 0.01
+    ):
+        warnings.warn(
+            "with one on-policy update per batch every sequence ratio is 1, so GSPO's clip never "
+            "acts; use minibatches > 1 or epochs > 1 as the GSPO paper does",
+            stacklevel=2,
+        )
