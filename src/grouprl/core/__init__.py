@@ -1,0 +1,39 @@
+"""grouprl.core: the math of GRPO and GSPO, in plain functions of tensors.
+
+Imports torch and the standard library only: no models, configs, I/O or torch.distributed, so
+the trainer, the distributed code and the tests all call the same few functions. See
+advantages.py (group-relative advantages), loss.py (ratios, KL, aggregation, the clipped loss)
+and shaping.py (DAPO's overlong penalty) for the formulas and their papers.
+"""
+
+from .advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, group_advantages
+from .loss import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    MAX_LOG_RATIO,
+    RATIO_LEVELS,
+    PolicyLoss,
+    aggregate,
+    clipped_objective,
+    kl_penalty,
+    log_ratio,
+    policy_loss,
+)
+from .shaping import overlong_penalty
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "ADVANTAGE_SCALES",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "MAX_LOG_RATIO",
+    "RATIO_LEVELS",
+    "PolicyLoss",
+    "aggregate",
+    "clipped_objective",
+    "group_advantages",
+    "kl_penalty",
+    "log_ratio",
+    "overlong_penalty",
+    "policy_loss",
+]

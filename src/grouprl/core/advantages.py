@@ -1,0 +1,111 @@
+"""Group-relative advantages: a prompt's own group of completions is the baseline, so no critic.
+
+GRPO, outcome supervision (DeepSeekMath, arXiv 2402.03300, §4.1.2), with rewards (B, G):
+
+    Â_i = (R_i − mean(R_1..R_G)) / (std(R_1..R_G) + eps)
+
+and every token of completion i gets Â_i. Variants, each a small function in a registry:
+
+- estimator "grpo": R_i − mean(R) (above); "rloo" (arXiv 2402.14740): R_i minus the mean of the
+  *other* rewards, = G/(G−1) · (R_i − mean(R)).
+- scale "group": divide by the group's std + eps; "batch" (REINFORCE++, arXiv 2501.03262): by one
+  std of the group-centred rewards over the whole batch + eps; "none" (Dr. GRPO, arXiv 2503.20783):
+  no division.
+
+Deviations and choices: the std is the population std by default (the seeds' formula); TRL and
+verl use the sample std (``unbiased_std=True``). A NaN reward means "could not be scored": it gets
+advantage 0 and is left out of every mean, std and count. A group whose valid rewards are all equal
+(or that has fewer than two of them) gets exact zeros, not rounding noise.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from ._registry import choose
+
+Tensor = torch.Tensor
+
+
+def _grpo(centred: Tensor, count: Tensor) -> Tensor:
+    """R_i − mean(R): the group mean is the baseline (GRPO, arXiv 2402.03300)."""
+    return centred
+
+
+def _rloo(centred: Tensor, count: Tensor) -> Tensor:
+    """R_i − mean of the other n−1 valid rewards = n/(n−1) · (R_i − mean(R)) (arXiv 2402.14740)."""
+    return centred * count / (count - 1).clamp(min=1)
+
+
+def _std(square_sum: Tensor, count: Tensor, unbiased: bool) -> Tensor:
+    return (square_sum / (count - int(unbiased)).clamp(min=1)).sqrt()
+
+
+def _group_scale(centred: Tensor, valid: Tensor, eps: float, unbiased: bool) -> Tensor:
+    """std of each group's valid rewards + eps (GRPO)."""
+    count = valid.sum(-1, keepdim=True)  # (B, 1)
+    return _std(centred.square().sum(-1, keepdim=True), count, unbiased) + eps  # (B, 1)
+
+
+def _batch_scale(centred: Tensor, valid: Tensor, eps: float, unbiased: bool) -> Tensor:
+    """One std of the group-centred valid rewards over the whole batch + eps (REINFORCE++)."""
+    return _std(centred.square().sum(), valid.sum(), unbiased) + eps  # ()
+
+
+def _no_scale(centred: Tensor, valid: Tensor, eps: float, unbiased: bool) -> Tensor:
+    """No division: Â_i = R_i − mean(R) (Dr. GRPO, arXiv 2503.20783)."""
+    return torch.ones((), dtype=centred.dtype, device=centred.device)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "grpo": _grpo,
+    "rloo": _rloo,
+}
+ADVANTAGE_SCALES: dict[str, Callable[[Tensor, Tensor, float, bool], Tensor]] = {
+    "group": _group_scale,
+    "batch": _batch_scale,
+    "none": _no_scale,
+}
+
+
+def group_advantages(
+    rewards: Tensor,  # (B, G)
+    *,
+    scale: str = "group",
+    estimator: str = "grpo",
+    eps: float = 1e-4,
+    unbiased_std: bool = False,
+) -> Tensor:
+    """Per-completion advantages (B, G) from rewards (B, G), one row per prompt's group.
+
+        grpo: Â_i = (R_i − mean(R)) / (std(R) + eps)            (arXiv 2402.03300, §4.1.2)
+        rloo: Â_i = (R_i − 1/(G−1) Σ_{j≠i} R_j) / (std(R) + eps)  (arXiv 2402.14740)
+
+    ``scale`` picks the divisor (ADVANTAGE_SCALES: "group", "batch", "none"), ``estimator`` the
+    baseline (ADVANTAGE_ESTIMATORS: "grpo", "rloo"). The std is the population std, or the sample
+    std with ``unbiased_std=True``. NaN rewards get 0 and are excluded from the group's statistics;
+    zero-variance groups get exact zeros. No gradient flows to ``rewards``. G = 1 is a ValueError.
+    """
+    estimate = choose(ADVANTAGE_ESTIMATORS, estimator, "advantage estimator")
+    divisor = choose(ADVANTAGE_SCALES, scale, "advantage scale")
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must have shape (B, G), got {tuple(rewards.shape)}")
+    if rewards.shape[1] < 2:
+        raise ValueError("group-relative advantages need a group size G of at least 2, got G = 1")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    rewards = rewards.detach()
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    valid = ~rewards.isnan()  # (B, G)
+    count = valid.sum(-1, keepdim=True)  # (B, 1)
+    r = torch.where(valid, rewards, 0.0)  # (B, G)
+    mean = r.sum(-1, keepdim=True) / count.clamp(min=1)  # (B, 1)
+    # Rounding can leave R − mean a few ulp off zero when all rewards are equal (3 × 0.1 / 3 ≠ 0.1),
+    # so a group with no spread is zeroed explicitly: it carries no learning signal.
+    high = torch.where(valid, r, -torch.inf).amax(-1, keepdim=True)  # (B, 1)
+    low = torch.where(valid, r, torch.inf).amin(-1, keepdim=True)  # (B, 1)
+    silent = (high <= low) | ~valid  # (B, G)
+    centred = torch.where(silent, 0.0, r - mean)  # (B, G)
+    advantages = estimate(centred, count) / divisor(centred, valid, eps, unbiased_std)  # (B, G)
+    return torch.where(silent, 0.0, advantages)

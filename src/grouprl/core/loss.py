@@ -1,0 +1,327 @@
+"""The clipped policy-gradient loss of GRPO and GSPO: importance ratios, KL, aggregation.
+
+GRPO (DeepSeekMath, arXiv 2402.03300, eq. 3), a ratio per token:
+
+    J(θ) = E[ 1/G Σ_i 1/|y_i| Σ_t { min(ρ_it Â_i, clip(ρ_it, 1−ε, 1+ε) Â_i) − β D_KL[π_θ‖π_ref] } ]
+    ρ_it = π_θ(y_it | x, y_i<t) / π_old(y_it | x, y_i<t)
+
+GSPO (Qwen, arXiv 2507.18071), one length-normalised ratio per completion:
+
+    J(θ) = E[ 1/G Σ_i min(s_i Â_i, clip(s_i, 1−ε_low, 1+ε_high) Â_i) ]
+    s_i  = (π_θ(y_i|x) / π_old(y_i|x))^(1/|y_i|) = exp(1/|y_i| Σ_t log ρ_it)
+
+GSPO-token: s_it = sg[s_i] · π_θ(y_it) / sg[π_θ(y_it)] (sg = detach): the value of s_i, a gradient
+per token; with per-sequence advantages its loss and gradient equal GSPO's.
+
+``policy_loss`` minimises −J: per token l_it = −min(r_it Â_i, clip(r_it) Â_i) + β·KL_it, with r_it
+the ratio at the chosen level (RATIO_LEVELS), then one of AGGREGATIONS reduces l to a scalar; that
+choice sets an implicit length weighting (DAPO, arXiv 2503.14476; Dr. GRPO, arXiv 2503.20783).
+
+Padding: every (N, T) input is replaced by 0 at masked positions with ``torch.where`` before any
+arithmetic, so NaN, ±inf or 1e9 there reach neither values nor gradients (masking by multiplication
+would not do: NaN · 0 = NaN). A row without a valid token contributes nothing.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ._registry import choose
+
+Tensor = torch.Tensor
+
+# exp(20) ≈ 4.9e8 stays finite in float32 and far outside any clip range; an overflowed ratio
+# would turn the zero gradient of a clipped token into inf · 0 = NaN (verl clamps the same way).
+MAX_LOG_RATIO = 20.0
+
+
+# --- importance-ratio levels: (token log-ratio, logp, mask), each (N, T) -> (N, T) log-ratio ---
+
+
+def _token_level(token_log_ratio: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
+    """log ρ_it = log π_θ(y_it) − log π_old(y_it) (GRPO, arXiv 2402.03300; PPO)."""
+    return token_log_ratio
+
+
+def _sequence_level(token_log_ratio: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
+    """log s_i = 1/|y_i| Σ_t log ρ_it on every token of y_i (GSPO, arXiv 2507.18071)."""
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # (N, 1)
+    return torch.where(mask, token_log_ratio.sum(-1, keepdim=True) / lengths, 0.0)  # (N, T)
+
+
+def _sequence_token_level(token_log_ratio: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
+    """log s_it = sg[log s_i] + log π_θ(y_it) − sg[log π_θ(y_it)] (GSPO-token, arXiv 2507.18071)."""
+    # The bracket is exactly 0 in value, so the value equals "sequence" bit for bit.
+    return _sequence_level(token_log_ratio, logp, mask).detach() + (logp - logp.detach())
+
+
+RATIO_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "token": _token_level,
+    "sequence": _sequence_level,
+    "sequence_token": _sequence_token_level,
+}
+
+
+def log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, *, level: str = "token") -> Tensor:
+    """Per-token log importance weights (N, T) at the given level, 0 at masked positions.
+
+        "token":          log ρ_it = logp_it − old_logp_it                       (GRPO)
+        "sequence":       log s_i  = Σ_t m_it log ρ_it / Σ_t m_it on every token  (GSPO)
+        "sequence_token": sg[log s_i] + logp_it − sg[logp_it]                    (GSPO-token)
+
+    Sources: arXiv 2402.03300 (GRPO), arXiv 2507.18071 (GSPO and GSPO-token). ``mask`` may be
+    bool or float (nonzero = valid); padded values never reach the result or its gradient.
+    """
+    level_fn = choose(RATIO_LEVELS, level, "ratio level")
+    _check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
+    mask = mask.bool()  # (N, T)
+    logp = torch.where(mask, logp, 0.0)  # (N, T)
+    token_log_ratio = logp - torch.where(mask, old_logp, 0.0)  # (N, T)
+    return level_fn(token_log_ratio, logp, mask)
+
+
+# --- KL estimators (Schulman, "Approximating KL divergence", 2020): d = logp − ref_logp ---
+
+
+def _k1(d: Tensor) -> Tensor:
+    """k1 = d: unbiased for KL[π_θ‖π_ref], but single samples can be negative."""
+    return d
+
+
+def _k2(d: Tensor) -> Tensor:
+    """k2 = d²/2: biased, low variance, always ≥ 0."""
+    return d.square() / 2
+
+
+def _k3(d: Tensor) -> Tensor:
+    """k3 = e^(−d) + d − 1 = π_ref/π_θ − log(π_ref/π_θ) − 1: unbiased and ≥ 0 (GRPO's choice)."""
+    return torch.expm1(-d) + d  # expm1 keeps precision for small d
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, *, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL[π_θ‖π_ref] from samples of π_θ, with d = logp − ref_logp:
+
+        k1 = d,   k2 = d²/2,   k3 = e^(−d) + d − 1
+
+    (Schulman's estimators; GRPO, arXiv 2402.03300, eq. 4, uses k3). Elementwise, no mask:
+    callers mask the result (``policy_loss`` does). Swap the arguments for KL[π_old‖π_θ].
+    """
+    return choose(KL_ESTIMATORS, estimator, "KL estimator")(logp - ref_logp)
+
+
+# --- loss aggregation: (loss zeroed at padding, mask) -> scalar ---
+
+
+def _count(local: Tensor, given: int | float | Tensor | None) -> Tensor | int | float:
+    if given is None:
+        return local.clamp(min=1)
+    return given.clamp(min=1) if isinstance(given, Tensor) else max(given, 1)
+
+
+def _token_mean(loss: Tensor, mask: Tensor, norm_len, num_tokens, num_seqs) -> Tensor:
+    """Σ_it m·l / Σ_it m (DAPO, arXiv 2503.14476; TRL "dapo", verl "token-mean")."""
+    return loss.sum() / _count(mask.sum(), num_tokens)
+
+
+def _seq_mean_token_mean(loss: Tensor, mask: Tensor, norm_len, num_tokens, num_seqs) -> Tensor:
+    """1/N Σ_i (Σ_t m·l / Σ_t m) (GRPO, arXiv 2402.03300; GSPO, arXiv 2507.18071)."""
+    per_seq = loss.sum(-1) / mask.sum(-1).clamp(min=1)  # (N,)
+    return per_seq.sum() / _count(mask.any(-1).sum(), num_seqs)
+
+
+def _seq_mean_token_sum(loss: Tensor, mask: Tensor, norm_len, num_tokens, num_seqs) -> Tensor:
+    """1/N Σ_i Σ_t m·l."""
+    return loss.sum() / _count(mask.any(-1).sum(), num_seqs)
+
+
+def _seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, norm_len, num_tokens, num_seqs) -> Tensor:
+    """1/N Σ_i Σ_t m·l / L, L a constant such as max_new_tokens (Dr. GRPO, arXiv 2503.20783)."""
+    if norm_len is None or norm_len <= 0:
+        raise ValueError(
+            "aggregation 'seq_mean_token_sum_norm' needs norm_len > 0 (e.g. max_new_tokens)"
+        )
+    return _seq_mean_token_sum(loss, mask, norm_len, num_tokens, num_seqs) / norm_len
+
+
+AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
+    "token_mean": _token_mean,
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum": _seq_mean_token_sum,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate(
+    per_token: Tensor,  # (N, T)
+    mask: Tensor,  # (N, T)
+    *,
+    mode: str,
+    norm_len: int | None = None,
+    num_tokens: int | Tensor | None = None,
+    num_seqs: int | Tensor | None = None,
+) -> Tensor:
+    """Reduce a per-token loss l (N, T) to a scalar (modes in AGGREGATIONS, m = mask):
+
+        token_mean:              Σ_i Σ_t m l / Σ_i Σ_t m                  (DAPO, arXiv 2503.14476)
+        seq_mean_token_mean:     1/N Σ_i (Σ_t m l / Σ_t m)                (GRPO, GSPO)
+        seq_mean_token_sum:      1/N Σ_i Σ_t m l
+        seq_mean_token_sum_norm: 1/N Σ_i Σ_t m l / norm_len               (Dr. GRPO, arXiv 2503.20783)
+
+    N counts the rows with at least one valid token: an empty row contributes nothing, not even
+    to a denominator. Under data parallelism pass the *global* ``num_tokens`` (Σ m over all
+    ranks) or ``num_seqs``: each rank divides its local sum by the global count, so the full-batch
+    loss is the *sum* of the rank losses. DDP averages gradients over ranks: multiply each rank's
+    loss (or its gradients) by the world size to compensate.
+    """
+    reduce = choose(AGGREGATIONS, mode, "loss aggregation")
+    _check_same_shape(per_token=per_token, mask=mask)
+    mask = mask.bool()
+    loss = torch.where(mask, per_token, 0.0)  # (N, T)
+    return reduce(loss, mask, norm_len, num_tokens, num_seqs)
+
+
+# --- the clipped surrogate and the policy loss ---
+
+
+def clipped_objective(
+    ratio: Tensor,
+    advantages: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> Tensor:
+    """PPO's clipped surrogate (arXiv 1707.06347), the per-token term GRPO and GSPO maximise:
+
+        min(r·Â, clip(r, 1 − clip_low, 1 + clip_high)·Â)
+
+    Dual clip (Ye et al., arXiv 1912.09729; verl ``clip_ratio_c``): for Â < 0 the objective is kept
+    ≥ c·Â, i.e. the loss is bounded by c·|Â| (no gradient once r > c). Elementwise on the broadcast
+    of ``ratio`` and ``advantages``; the loss is the negative of this.
+    """
+    if not (0 <= clip_low < 1 and clip_high >= 0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    objective = torch.minimum(ratio * advantages, clipped * advantages)
+    if dual_clip is None:
+        return objective
+    if dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 (verl's default is 3), got {dual_clip}")
+    return torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The loss to minimise and its diagnostics.
+
+    Diagnostics are detached 0-dim tensors on the loss's device (no host sync per value; they can
+    be all-reduced across ranks); ``metrics()`` turns them into floats with one sync. Shares are
+    over valid tokens; with no valid token at all every diagnostic is 0.
+    """
+
+    loss: Tensor  # () differentiable
+    clip_frac_low: Tensor  # share of valid tokens with Â < 0 and r < 1 − clip_low
+    clip_frac_high: Tensor  # share of valid tokens with Â > 0 and r > 1 + clip_high
+    ratio_mean: Tensor  # of the ratio at the chosen level, over valid tokens
+    ratio_min: Tensor
+    ratio_max: Tensor
+    approx_kl: Tensor  # mean k3 estimate of KL[π_old‖π_θ] over valid tokens (token level)
+    kl: Tensor | None = None  # mean KL estimate against the reference, when ref_logp was given
+
+    def metrics(self) -> dict[str, float]:
+        """The loss value and every diagnostic as Python floats (one host sync), for logging."""
+        names = [n for n in self.__dataclass_fields__ if getattr(self, n) is not None]
+        values = torch.stack([getattr(self, n).detach().float() for n in names]).tolist()
+        return dict(zip(names, values))
+
+
+def policy_loss(
+    logp: Tensor,  # (N, T) current policy, differentiable
+    old_logp: Tensor,  # (N, T) sampling policy
+    advantages: Tensor,  # (N,)
+    mask: Tensor,  # (N, T)
+    *,
+    level: str = "token",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ref_logp: Tensor | None = None,  # (N, T)
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    agg: str = "seq_mean_token_mean",
+    norm_len: int | None = None,
+    num_tokens: int | Tensor | None = None,
+    num_seqs: int | Tensor | None = None,
+) -> PolicyLoss:
+    """GRPO / GSPO loss −J(θ) (arXiv 2402.03300 eq. 3; arXiv 2507.18071), per token
+
+        l_it = −min(r_it Â_i, clip(r_it, 1 − clip_low, 1 + clip_high) Â_i) + β·KL_it
+
+    with r_it = exp(log_ratio(level)) (log-ratio clamped to ±MAX_LOG_RATIO before exp, as verl
+    does), the dual clip of ``clipped_objective`` when set, KL_it = kl_penalty(logp, ref_logp)
+    added when ``beta > 0``; then ``aggregate(l, mask, mode=agg, ...)``. Defaults: GRPO's token
+    ratio and seq_mean_token_mean; GSPO is level="sequence" (or "sequence_token") with its clip
+    range, e.g. 3e-4 / 4e-4. Gradients flow to ``logp`` only: old_logp, ref_logp and advantages
+    are constants. Padded positions never influence loss, gradient or diagnostics.
+    """
+    choose(KL_ESTIMATORS, kl_estimator, "KL estimator")
+    choose(AGGREGATIONS, agg, "loss aggregation")
+    _check_same_shape(logp=logp, old_logp=old_logp, mask=mask, ref_logp=ref_logp)
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(
+            f"advantages must have shape (N,) = {tuple(logp.shape[:1])}, got {tuple(advantages.shape)}"
+        )
+    if beta < 0 or (beta > 0 and ref_logp is None):
+        raise ValueError(f"beta must be >= 0 and beta > 0 needs ref_logp; got beta={beta}")
+    mask = mask.bool()  # (N, T)
+    old_logp = torch.where(mask, old_logp.detach(), 0.0)  # (N, T)
+    adv = torch.where(mask, advantages.detach()[:, None], 0.0)  # (N, T)
+    ratio = log_ratio(logp, old_logp, mask, level=level).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    objective = clipped_objective(
+        ratio, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+    )
+    per_token = -objective  # (N, T)
+    if ref_logp is not None:
+        ref_logp = torch.where(mask, ref_logp.detach(), 0.0)  # (N, T)
+        kl_tok = kl_penalty(torch.where(mask, logp, 0.0), ref_logp, estimator=kl_estimator)
+        if beta > 0:
+            per_token = per_token + beta * kl_tok
+    loss = aggregate(
+        per_token, mask, mode=agg, norm_len=norm_len, num_tokens=num_tokens, num_seqs=num_seqs
+    )
+
+    with torch.no_grad():
+        count = mask.sum()  # ()
+        any_valid = count > 0
+
+        def mean(x: Tensor) -> Tensor:  # over valid tokens, 0 when there is none
+            return torch.where(mask, x, 0.0).sum() / count.clamp(min=1)
+
+        def extreme(x: Tensor, fill: float, reduce: Callable[[Tensor], Tensor]) -> Tensor:
+            # the extra `fill` keeps an empty (N·T = 0) batch reducible
+            filled = torch.cat([torch.where(mask, x, fill).flatten(), x.new_full((1,), fill)])
+            return torch.where(any_valid, reduce(filled), 0.0)
+
+        ratio = ratio.detach()
+        new_logp = torch.where(mask, logp.detach(), 0.0)  # (N, T)
+        return PolicyLoss(
+            loss=loss,
+            clip_frac_low=mean(((adv < 0) & (ratio < 1 - clip_low)).to(ratio.dtype)),
+            clip_frac_high=mean(((adv > 0) & (ratio > 1 + clip_high)).to(ratio.dtype)),
+            ratio_mean=mean(ratio),
+            ratio_min=extreme(ratio, torch.inf, torch.amin),
+            ratio_max=extreme(ratio, -torch.inf, torch.amax),
+            approx_kl=mean(kl_penalty(old_logp, new_logp, estimator="k3")),
+            kl=None if ref_logp is None else mean(kl_tok.detach()),
+        )
+
+
+def _check_same_shape(**tensors: Tensor | None) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
+    first = next(iter(shapes.values()))
+    if len(first) != 2 or any(s != first for s in shapes.values()):
+        raise ValueError(f"expected equal (N, T) shapes, got {shapes}")

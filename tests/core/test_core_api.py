@@ -1,0 +1,237 @@
+"""Contract details of grouprl.core: validation, NaN rewards, empty rows, dual clip, DP counts."""
+
+import math
+
+import pytest
+import torch
+
+from grouprl.core import (
+    ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_SCALES,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    RATIO_LEVELS,
+    PolicyLoss,
+    aggregate,
+    group_advantages,
+    kl_penalty,
+    log_ratio,
+    overlong_penalty,
+    policy_loss,
+)
+
+NAN = float("nan")
+
+
+def t(values) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.float64)
+
+
+def batch(n: int = 4, length: int = 5, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(n, length, generator=g, dtype=torch.float64) * 3
+    old_logp = logp + 0.2 * torch.randn(n, length, generator=g, dtype=torch.float64)
+    ref_logp = logp + 0.2 * torch.randn(n, length, generator=g, dtype=torch.float64)
+    advantages = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = torch.rand(n, length, generator=g) < 0.7
+    return logp.requires_grad_(), old_logp, ref_logp, advantages, mask
+
+
+def test_registries_hold_the_documented_names():
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo"}
+    assert set(ADVANTAGE_SCALES) == {"group", "batch", "none"}
+    assert set(RATIO_LEVELS) == {"token", "sequence", "sequence_token"}
+    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
+    assert set(AGGREGATIONS) == {
+        "token_mean",
+        "seq_mean_token_mean",
+        "seq_mean_token_sum",
+        "seq_mean_token_sum_norm",
+    }
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda: group_advantages(t([[1, 0]]), scale="std"),
+            "valid choices: 'group', 'batch', 'none'",
+        ),
+        (lambda: group_advantages(t([[1, 0]]), estimator="ppo"), "valid choices: 'grpo', 'rloo'"),
+        (lambda: group_advantages(t([[1.0], [0.0]])), "at least 2"),
+        (lambda: group_advantages(t([1.0, 0.0])), r"\(B, G\)"),
+        (
+            lambda: log_ratio(t([[0.0]]), t([[0.0]]), t([[1.0]]), level="seq"),
+            "'token', 'sequence', 'sequence_token'",
+        ),
+        (lambda: kl_penalty(t([0.0]), t([0.0]), estimator="k4"), "'k1', 'k2', 'k3'"),
+        (
+            lambda: aggregate(t([[0.0]]), t([[1.0]]), mode="mean"),
+            "'token_mean', 'seq_mean_token_mean'",
+        ),
+        (lambda: aggregate(t([[0.0]]), t([[1.0]]), mode="seq_mean_token_sum_norm"), "norm_len"),
+        (
+            lambda: policy_loss(*batch()[:2], t([1.0] * 4), batch()[4], dual_clip=1.0),
+            "dual_clip must be > 1",
+        ),
+        (lambda: policy_loss(*batch()[:2], t([1.0] * 4), batch()[4], beta=0.1), "needs ref_logp"),
+        (
+            lambda: policy_loss(*batch()[:2], t([1.0] * 3), batch()[4]),
+            r"advantages must have shape \(N,\)",
+        ),
+        (lambda: policy_loss(*batch()[:2], t([1.0] * 4), batch()[4], clip_low=1.0), "clip_low"),
+        (
+            lambda: policy_loss(*batch()[:2], t([1.0] * 4), batch()[4], agg="sum"),
+            "loss aggregation",
+        ),
+        (
+            lambda: policy_loss(*batch()[:2], t([1.0] * 4), batch()[4], kl_estimator="k9"),
+            "KL estimator",
+        ),
+        (lambda: log_ratio(t([[0.0, 1.0]]), t([[0.0]]), t([[1.0]])), "equal"),
+        (lambda: overlong_penalty(t([1.0]), max_len=10, cache_len=0), "cache_len"),
+    ],
+)
+def test_bad_arguments_raise_one_clear_value_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_nan_rewards_get_zero_and_are_left_out_of_the_statistics():
+    rewards = t([[1.0, NAN, 0.0, 1.0], [NAN, NAN, 2.0, 5.0]])
+    for scale in ADVANTAGE_SCALES:
+        for estimator in ADVANTAGE_ESTIMATORS:
+            adv = group_advantages(rewards, scale=scale, estimator=estimator)
+            assert not adv.isnan().any() and adv[rewards.isnan()].eq(0).all()
+    # Within a group, the NaN-free rewards give what they give on their own.
+    adv = group_advantages(rewards, estimator="rloo")
+    torch.testing.assert_close(
+        adv[0, [0, 2, 3]], group_advantages(t([[1.0, 0.0, 1.0]]), estimator="rloo")[0]
+    )
+    torch.testing.assert_close(adv[1, 2:], group_advantages(t([[2.0, 5.0]]), estimator="rloo")[0])
+    # "batch": one std over the valid group-centred rewards of the whole batch.
+    centred = t([1 / 3, -2 / 3, 1 / 3, -1.5, 1.5])
+    std = centred.square().mean().sqrt()
+    torch.testing.assert_close(
+        group_advantages(rewards, scale="batch")[~rewards.isnan()], centred / (std + 1e-4)
+    )
+    std = centred.square().sum().div(4).sqrt()
+    got = group_advantages(rewards, scale="batch", unbiased_std=True)[~rewards.isnan()]
+    torch.testing.assert_close(got, centred / (std + 1e-4))
+
+
+def test_groups_with_fewer_than_two_scored_rewards_get_zeros():
+    adv = group_advantages(t([[NAN, 1.0, NAN], [NAN, NAN, NAN]]), estimator="rloo", eps=0.0)
+    assert adv.eq(0).all()
+
+
+def test_integer_rewards_are_accepted():
+    assert group_advantages(torch.tensor([[1, 0, 1, 0]]), eps=0.0).tolist() == [
+        [1.0, -1.0, 1.0, -1.0]
+    ]
+
+
+def test_float_mask_equals_bool_mask():
+    logp, old_logp, ref_logp, adv, mask = batch()
+    a = policy_loss(logp, old_logp, adv, mask, ref_logp=ref_logp, beta=0.1)
+    b = policy_loss(logp, old_logp, adv, mask.double(), ref_logp=ref_logp, beta=0.1)
+    assert a.metrics() == b.metrics()
+
+
+@pytest.mark.parametrize("agg", list(AGGREGATIONS))
+@pytest.mark.parametrize("level", list(RATIO_LEVELS))
+def test_no_valid_token_gives_zero_loss_zero_diagnostics_and_a_usable_graph(level, agg):
+    logp = torch.full((2, 3), NAN, dtype=torch.float64, requires_grad=True)
+    out = policy_loss(
+        logp, t([[NAN] * 3] * 2), t([NAN, 1.0]), torch.zeros(2, 3), level=level, agg=agg, norm_len=3,
+        ref_logp=t([[math.inf] * 3] * 2), beta=0.1,
+    )  # fmt: skip
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and logp.grad.eq(0).all()
+    assert all(v == 0.0 for v in out.metrics().values())
+
+
+def test_an_empty_row_contributes_nothing():
+    logp, old_logp, _, adv, mask = batch()
+    mask[1] = False
+    full = policy_loss(logp, old_logp, adv, mask, agg="seq_mean_token_mean")
+    keep = [0, 2, 3]
+    part = policy_loss(logp[keep], old_logp[keep], adv[keep], mask[keep], agg="seq_mean_token_mean")
+    torch.testing.assert_close(full.loss, part.loss)
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    old_logp, mask = t([[0.0, 0.0, 0.0]]), torch.ones(1, 3)
+    logp = t([[math.log(5.0), math.log(2.0), math.log(0.5)]]).requires_grad_()
+    out = policy_loss(logp, old_logp, t([-2.0]), mask, dual_clip=3.0, agg="seq_mean_token_sum")
+    out.loss.backward()
+    # per token: min(max(r, 0.8)·|Â|, 3·|Â|) = [6 (bounded), 4, 1.6]
+    torch.testing.assert_close(out.loss, t(6.0 + 4.0 + 1.6))
+    torch.testing.assert_close(logp.grad, t([[0.0, 2.0 * 2.0, 0.0]]))
+    # Positive advantages are not affected.
+    plain = policy_loss(logp, old_logp, t([2.0]), mask, agg="seq_mean_token_sum")
+    dual = policy_loss(logp, old_logp, t([2.0]), mask, dual_clip=3.0, agg="seq_mean_token_sum")
+    torch.testing.assert_close(plain.loss, dual.loss)
+
+
+def test_huge_ratios_give_finite_loss_and_gradient():
+    old_logp, mask = t([[-100.0, -1.0]]), torch.ones(1, 2)
+    for adv in (1.0, -1.0):
+        logp = t([[-0.5, -1.0]]).float().requires_grad_()
+        out = policy_loss(logp, old_logp.float(), torch.tensor([adv]), mask)
+        out.loss.backward()
+        assert out.loss.isfinite() and logp.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("agg", list(AGGREGATIONS))
+def test_global_counts_let_data_parallel_ranks_sum_to_the_full_loss(agg):
+    logp, old_logp, ref_logp, adv, mask = batch(n=6, seed=3)
+    kwargs = {"level": "sequence", "agg": agg, "norm_len": 5, "beta": 0.05}
+    full = policy_loss(logp, old_logp, adv, mask, ref_logp=ref_logp, **kwargs)
+    counts = {"num_tokens": mask.sum(), "num_seqs": int(mask.any(-1).sum())}
+    ranks = [slice(0, 2), slice(2, 6)]
+    summed = sum(
+        policy_loss(
+            logp[r], old_logp[r], adv[r], mask[r], ref_logp=ref_logp[r], **kwargs, **counts
+        ).loss
+        for r in ranks
+    )
+    torch.testing.assert_close(summed, full.loss)
+
+
+def test_diagnostics():
+    logp, old_logp, ref_logp, adv, mask = batch(n=8, length=6, seed=1)
+    for level in RATIO_LEVELS:
+        out = policy_loss(logp, old_logp, adv, mask, level=level, ref_logp=ref_logp)
+        assert isinstance(out, PolicyLoss)
+        ratio = log_ratio(logp, old_logp, mask, level=level).exp()[mask].detach()
+        a = adv[:, None].expand_as(mask)[mask]
+        torch.testing.assert_close(out.ratio_mean, ratio.mean())
+        torch.testing.assert_close(out.ratio_min, ratio.min())
+        torch.testing.assert_close(out.ratio_max, ratio.max())
+        torch.testing.assert_close(out.clip_frac_low, ((a < 0) & (ratio < 0.8)).double().mean())
+        torch.testing.assert_close(out.clip_frac_high, ((a > 0) & (ratio > 1.2)).double().mean())
+        d = (logp - old_logp)[mask].detach()
+        torch.testing.assert_close(out.approx_kl, (d.exp() - 1 - d).mean())
+        k3 = kl_penalty(logp, ref_logp)[mask].detach()
+        torch.testing.assert_close(out.kl, k3.mean())  # reported even with beta = 0
+        for value in (out.clip_frac_low, out.ratio_mean, out.approx_kl, out.kl):
+            assert value.dim() == 0 and not value.requires_grad
+        assert out.loss.requires_grad
+        assert set(out.metrics()) == {"loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min"} | {
+            "ratio_max", "approx_kl", "kl"
+        }  # fmt: skip
+    assert policy_loss(logp, old_logp, adv, mask).kl is None
+    with pytest.raises(AttributeError):
+        out.loss = None  # frozen
+
+
+def test_kl_term_is_added_with_beta():
+    logp, old_logp, ref_logp, adv, mask = batch(seed=2)
+    for agg in AGGREGATIONS:
+        base = policy_loss(logp, old_logp, adv, mask, agg=agg, norm_len=5, ref_logp=ref_logp)
+        with_kl = policy_loss(
+            logp, old_logp, adv, mask, agg=agg, norm_len=5, ref_logp=ref_logp, beta=0.3
+        )
+        kl = aggregate(kl_penalty(logp, ref_logp), mask, mode=agg, norm_len=5)
+        torch.testing.assert_close(with_kl.loss, base.loss + 0.3 * kl)

@@ -1,0 +1,78 @@
+"""`grouprl explain`: the seeds' three worked examples, with the numbers computed by grouprl.core."""
+
+import json
+import math
+
+import pytest
+
+from grouprl.explain import run, worked_examples
+
+
+@pytest.fixture(scope="module")
+def data() -> dict:
+    return worked_examples()
+
+
+def test_advantages_example(data):
+    groups = {tuple(g["rewards"]): g for g in data["advantages"]["groups"]}
+    balanced = groups[(1.0, 0.0, 1.0, 0.0)]
+    assert balanced["advantages"] == [1.0, -1.0, 1.0, -1.0]
+    assert (balanced["mean"], balanced["std"]) == (0.5, 0.5)
+    assert groups[(1.0, 1.0, 1.0, 1.0)]["advantages"] == [0.0] * 4
+    assert groups[(0.0, 0.0, 0.0, 0.0)]["advantages"] == [0.0] * 4
+
+
+def test_sequence_ratio_example(data):
+    short, long = data["sequence_ratio"]["completions"]
+    assert (short["tokens"], long["tokens"]) == (5, 2000)
+    for c in (short, long):
+        assert c["sequence_ratio"] == pytest.approx(math.exp(0.1), abs=1e-12)
+        assert round(c["sequence_ratio"], 3) == 1.105
+    assert long["token_log_ratio_sum"] == pytest.approx(200.0, abs=1e-9)
+    assert long["token_ratio_product"] == "e^200 ≈ 7.2e86"
+    assert short["token_ratio_product"] == "1.65"
+
+
+def test_clipping_example(data):
+    clip = data["clipping"]
+    assert clip["token_ratios"] == pytest.approx([2.0, 0.5], abs=1e-12)
+    assert clip["clipped_token_ratios"] == pytest.approx([1.2, 0.8], abs=1e-12)
+    assert clip["sequence_ratio"] == pytest.approx(1.0, abs=1e-12)
+    assert clip["token_objective"]["A=+1"] == pytest.approx([1.2, 0.5])
+    assert clip["token_objective"]["A=-1"] == pytest.approx([-2.0, -0.8])
+    assert clip["token_clip_binds"] == {"A=+1": [True, False], "A=-1": [False, True]}
+    assert clip["sequence_clip_binds"] == {"A=+1": [False], "A=-1": [False]}
+    assert clip["sequence_objective"] == {
+        "A=+1": pytest.approx([1.0]),
+        "A=-1": pytest.approx([-1.0]),
+    }
+    assert clip["token_clip_frac"] == {
+        "A=+1": {"low": 0.0, "high": 0.5},
+        "A=-1": {"low": 0.5, "high": 0.0},
+    }
+    assert (
+        clip["sequence_clip_frac"]["A=+1"]
+        == clip["sequence_clip_frac"]["A=-1"]
+        == {"low": 0.0, "high": 0.0}
+    )
+
+
+def test_run_prints_three_tables(capsys):
+    assert run() == 0
+    out = capsys.readouterr().out
+    for text in (
+        "1. Group-relative",
+        "2. GSPO",
+        "3. Where the clip binds",
+        "e^200 ≈ 7.2e86",
+        "1.105",
+    ):
+        assert text in out
+    assert "[1.000, -1.000, 1.000, -1.000]" in out and "[0.000, 0.000, 0.000, 0.000]" in out
+    assert "\x1b[" not in out  # no colour codes when piped
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= 80
+
+
+def test_run_json_prints_one_object_with_all_numbers(capsys, data):
+    assert run(as_json=True) == 0
+    assert json.loads(capsys.readouterr().out) == data
