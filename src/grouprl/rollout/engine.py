@@ -1,0 +1,49 @@
+"""The Hugging Face rollout engine: `RolloutEngine` over `sample_groups`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from grouprl.rollout.sampling import Prompt, sample_groups
+from grouprl.rollout.types import Rollout
+
+
+class HFRolloutEngine:
+    """Samples with the training model itself (no weight sync: the engine holds a reference).
+
+    `chat_template=True` renders string prompts as one user turn with the tokenizer's template.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, *, chat_template: bool = False) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    def sample(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> Rollout:
+        return sample_groups(
+            self.model,
+            self.tokenizer,
+            prompts,
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop=stop,
+            seed=seed,
+            chat_template=self.chat_template,
+        )

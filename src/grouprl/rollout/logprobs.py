@@ -1,0 +1,283 @@
+"""Teacher-forced log-probs (and entropy) of the completion tokens, for training.
+
+logp[i, t] = log softmax(z_{i,t} / temperature)[y_{i,t}], where z_{i,t} are the logits the model
+gives after prompt_i and completion tokens y_{i,<t}. Two things keep this cheap without changing
+a single number:
+
+- Prompt sharing: the B prompts go through the decoder once; their KV cache is repeated G times
+  (`repeat_interleave`, which autograd differentiates, so the G copies' gradients sum back into
+  the one prompt forward), and the N = B·G completions run on top of it. Identical values and
+  gradients to running the N full sequences, with B instead of N prompt rows of compute.
+- Chunked head: the output projection and log-softmax run only at completion positions under
+  the mask, at most `chunk_tokens` positions at a time, so no (N, T, vocab) tensor exists. With
+  autograd on, each chunk is checkpointed: its (chunk, vocab) logits are recomputed in backward
+  instead of being stored, which is what bounds training memory.
+
+The decoder is `model.get_decoder()` and the head `model.get_output_embeddings()`. Models whose
+logits are more than head(decoder(x)) (e.g. Gemma-2's final soft-capping) are detected once per
+model by a tiny probe and take the plain path: one full forward with full logits.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from grouprl.rollout import _hf
+
+# Elements of (tokens × vocab) logits materialised at once: 2^25 fp32 = 128 MiB.
+_LOGIT_CHUNK_ELEMENTS = 1 << 25
+
+_PLAIN_HEAD: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def completion_logprobs(
+    model: nn.Module,
+    batch: Any,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs (N, T) of `batch.completion_ids` under softmax(logits / temperature).
+
+    batch: a `Rollout`, or anything with prompt_ids (B, P) left-padded, prompt_mask (B, P),
+        completion_ids (N, T), mask (N, T) and group_size (N = B·G, group-contiguous).
+    temperature: divide logits by this (> 0); use the rollout's temperature so the result
+        matches `old_logp`.
+    with_entropy: also return the entropy (N, T) of softmax(logits / temperature) per position.
+    chunk_tokens: positions per head chunk (default: 2^25 / vocab logits at a time).
+
+    Returns logp (N, T), or (logp, entropy); both float32 and 0 where `mask` is False.
+    Differentiable w.r.t. the model's parameters; wrap in `torch.no_grad()` for old/reference
+    log-probs. Positions and masks are built exactly as in `sample_groups`, so on the sampled
+    tokens this equals `Rollout.old_logp` to float rounding.
+
+    Prompt sharing needs the KV cache, which transformers drops under gradient checkpointing in
+    training mode; then the N full sequences are run instead (same numbers, more compute).
+
+    Note for wrapped models: the decoder and head are called directly, not through
+    `model.forward`, so a DistributedDataParallel wrapper's forward hooks do not run; pass the
+    wrapped module and synchronise gradients yourself (or use FSDP2's per-module hooks).
+    """
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    device = _hf.model_device(model)
+    group_size = int(batch.group_size)
+    mask = batch.mask.to(device)  # (N, T)
+    n, width = mask.shape
+    logp = torch.zeros((n, width), dtype=torch.float32, device=device)
+    entropy = torch.zeros_like(logp)
+    used = int(mask.sum(-1).max()) if n else 0  # T' ≤ T: trailing all-pad columns skipped
+    if used == 0:
+        return (logp, entropy) if with_entropy else logp
+
+    prompt_mask = batch.prompt_mask.to(device).bool()  # (B, P)
+    first = int((~prompt_mask.any(0)).long().cumprod(0).sum())  # leading all-pad columns
+    prompt_mask = prompt_mask[:, first:]
+    prompt_ids = batch.prompt_ids.to(device)[:, first:]  # (B, P')
+    completion_ids = batch.completion_ids.to(device)[:, :used]  # (N, T')
+    sel = mask[:, :used]  # (N, T')
+
+    if _plain_head(model):
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+        hidden = _completion_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
+        h = hidden[sel]  # (M, H) only masked positions
+        targets = completion_ids[sel]  # (M,)
+        step = chunk_tokens or max(1, _LOGIT_CHUNK_ELEMENTS // _vocab_size(model, head))
+        parts = [
+            _chunk_logp(head, h[i : i + step], targets[i : i + step], temperature, with_entropy)
+            for i in range(0, h.shape[0], step)
+        ]
+        lp = torch.cat([p[0] for p in parts])  # (M,)
+        ent = torch.cat([p[1] for p in parts]) if with_entropy else None
+    else:
+        logits = _full_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)
+        lp, ent = _token_logp(logits[sel], completion_ids[sel], temperature, with_entropy)
+
+    full_sel = torch.zeros_like(mask)
+    full_sel[:, :used] = sel
+    logp = logp.masked_scatter(full_sel, lp)
+    if not with_entropy:
+        return logp
+    return logp, entropy.masked_scatter(full_sel, ent)
+
+
+def _token_logp(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits (M, V), targets (M,) → log-prob (M,) float32 and entropy (M,) or None."""
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    logp_all = F.log_softmax(scores, dim=-1)  # (M, V)
+    lp = logp_all.gather(-1, targets[:, None]).squeeze(1)  # (M,)
+    if not with_entropy:
+        return lp, None
+    ent = -(logp_all.exp() * logp_all).sum(-1)  # (M,)
+    return lp, ent
+
+
+def _chunk_logp(
+    head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Head + log-softmax on one chunk of hidden states h (m, H); checkpointed under autograd."""
+
+    def run(h_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, ent = _token_logp(head(h_), targets, temperature, with_entropy)
+        return lp, (ent if ent is not None else lp.new_zeros(()))
+
+    if torch.is_grad_enabled() and (
+        h.requires_grad or any(p.requires_grad for p in head.parameters())
+    ):
+        lp, ent = checkpoint(run, h, use_reentrant=False)
+    else:
+        lp, ent = run(h)
+    return lp, (ent if with_entropy else None)
+
+
+def _completion_hidden(
+    decoder: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """Final hidden states (N, T, H) that predict completion_ids (N, T).
+
+    Position t's state comes from prompt + completion[:t]: t = 0 is the prompt's last position,
+    t ≥ 1 the completion token t − 1. Runs the B prompts once and shares their cache across
+    each group, unless the cache would be dropped (gradient checkpointing while training).
+    """
+    width = completion_ids.shape[1]
+    prompt_pos = _hf.left_pad_positions(prompt_mask)  # (B, P)
+    prompt_len = prompt_mask.sum(-1)  # (B,)
+    if _checkpointing(decoder):
+        return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
+
+    cache = _hf.new_cache(decoder)
+    out = decoder(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=prompt_pos,
+        **_hf.cache_kwargs(decoder, cache),
+    )
+    first = out.last_hidden_state[:, -1].repeat_interleave(group_size, dim=0)  # (N, H)
+    if width == 1:
+        return first[:, None]
+    _hf.expand_cache(cache, group_size)
+    attn = torch.cat(
+        [
+            prompt_mask.repeat_interleave(group_size, dim=0),
+            prompt_mask.new_ones(completion_ids.shape[0], width - 1),
+        ],
+        dim=1,
+    )  # (N, P + T − 1)
+    pos = prompt_len.repeat_interleave(group_size)[:, None] + torch.arange(
+        width - 1, device=prompt_ids.device
+    )  # (N, T − 1)
+    rest = decoder(
+        input_ids=completion_ids[:, :-1],
+        attention_mask=attn,
+        position_ids=pos,
+        **_hf.cache_kwargs(decoder, cache),
+    ).last_hidden_state  # (N, T − 1, H)
+    if cache.get_seq_length() != prompt_ids.shape[1] + width - 1:  # the cache was not used
+        return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
+    return torch.cat([first[:, None], rest], dim=1)
+
+
+def _full_sequences(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenated prompt + completion inputs (N, P + T − 1), their mask and positions."""
+    ids = torch.cat(
+        [prompt_ids.repeat_interleave(group_size, dim=0), completion_ids[:, :-1]], dim=1
+    )  # (N, P + T − 1)
+    attn = torch.cat(
+        [
+            prompt_mask.repeat_interleave(group_size, dim=0),
+            prompt_mask.new_ones(completion_ids.shape[0], completion_ids.shape[1] - 1),
+        ],
+        dim=1,
+    )  # (N, P + T − 1)
+    return ids, attn, _hf.left_pad_positions(attn)
+
+
+def _unshared_hidden(
+    decoder: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """Hidden states (N, T, H) from one forward of the N full sequences (no cache)."""
+    ids, attn, pos = _full_sequences(prompt_ids, prompt_mask, completion_ids, group_size)
+    hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+    return hidden[:, prompt_ids.shape[1] - 1 :]  # (N, T, H)
+
+
+def _full_logits(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """Logits (N, T, V) from the model's own forward: the path for heads we cannot split off."""
+    ids, attn, pos = _full_sequences(prompt_ids, prompt_mask, completion_ids, group_size)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    return logits[:, prompt_ids.shape[1] - 1 :]  # (N, T, V)
+
+
+def _checkpointing(decoder: nn.Module) -> bool:
+    """True when transformers would drop the KV cache (gradient checkpointing, training, grad)."""
+    if not (decoder.training and torch.is_grad_enabled()):
+        return False
+    return any(getattr(m, "gradient_checkpointing", False) for m in decoder.modules())
+
+
+def _vocab_size(model: nn.Module, head: nn.Module) -> int:
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
+def _plain_head(model: nn.Module) -> bool:
+    """Whether model(x).logits == output_embeddings(decoder(x)), checked once per model.
+
+    A two-token probe in eval mode without gradients; models with extra logit processing
+    (soft-capping, logit scaling) or without the accessors answer False.
+    """
+    known = _PLAIN_HEAD.get(model)
+    if known is not None:
+        return known
+    try:
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+        plain = decoder is not None and head is not None and decoder is not model
+        if plain:
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.no_grad():
+                    ids = torch.ones((1, 2), dtype=torch.long, device=_hf.model_device(model))
+                    logits = model(input_ids=ids).logits.float()
+                    mine = head(decoder(input_ids=ids).last_hidden_state).float()
+                plain = mine.shape == logits.shape and torch.allclose(
+                    mine, logits, rtol=1e-4, atol=1e-4
+                )
+            finally:
+                model.train(was_training)
+    except (AttributeError, NotImplementedError, TypeError):
+        plain = False
+    _PLAIN_HEAD[model] = plain
+    return plain

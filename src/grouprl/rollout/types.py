@@ -1,0 +1,181 @@
+"""The rollout batch and the engine interface every sampler implements."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Rollout:
+    """B prompts and G sampled completions for each: N = B·G rows, group-contiguous.
+
+    Rows g·G … g·G+G−1 are prompt g's group. Completion tensors are right-padded with the pad id.
+
+    Fields:
+        prompt_ids: (B, P) long, left-padded with the pad id.
+        prompt_mask: (B, P) bool, True on real prompt tokens.
+        completion_ids: (N, T) long, right-padded with the pad id (T = longest completion).
+        mask: (N, T) bool, True on completion tokens up to and including the first EOS (or the
+            token that completed a stop string), False on padding and everything after.
+        old_logp: (N, T) float32, log-prob of each sampled token under softmax(logits /
+            temperature), i.e. the tempered distribution *before* top-k / top-p truncation; 0 at
+            masked positions. This is what `completion_logprobs(model, rollout,
+            temperature=rollout.temperature)` recomputes, so the importance ratio is exactly 1 at
+            the first update. (Truncation is treated as part of the sampler, not the policy, as
+            TRL and verl do; the ratio therefore ignores it.)
+        truncated: (N,) bool, True where the completion hit max_new_tokens without an EOS token
+            or a stop string.
+        texts: N decoded completions: special tokens (EOS included) skipped; a stop string that
+            ended the completion is kept and the text is cut right after it.
+        prompts: B prompt texts as given (decoded, special tokens skipped, if ids were given).
+        group_size: G.
+        temperature: the temperature of `old_logp`'s distribution (1.0 for greedy sampling,
+            which has no finite temperature of its own).
+        pad_id: the id used for padding prompts and completions (masked out everywhere).
+    """
+
+    prompt_ids: torch.Tensor  # (B, P)
+    prompt_mask: torch.Tensor  # (B, P)
+    completion_ids: torch.Tensor  # (N, T)
+    mask: torch.Tensor  # (N, T)
+    old_logp: torch.Tensor  # (N, T)
+    truncated: torch.Tensor  # (N,)
+    texts: list[str]
+    prompts: list[str]
+    group_size: int
+    temperature: float
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        b, g = self.prompt_ids.shape[0], self.group_size
+        n = self.completion_ids.shape[0]
+        if g < 1 or n != b * g:
+            raise ValueError(f"{n} completion rows do not make {b} groups of {g}")
+        if self.mask.shape != self.completion_ids.shape or self.old_logp.shape != self.mask.shape:
+            raise ValueError("completion_ids, mask and old_logp must all be (N, T)")
+        if len(self.texts) != n or len(self.prompts) != b:
+            raise ValueError(
+                f"need {n} texts and {b} prompts, got {len(self.texts)}, {len(self.prompts)}"
+            )
+
+    @property
+    def num_prompts(self) -> int:
+        """B."""
+        return self.prompt_ids.shape[0]
+
+    @property
+    def group_index(self) -> torch.Tensor:
+        """(N,) long: the prompt (group) each completion row belongs to, arange(N) // G."""
+        n = self.completion_ids.shape[0]
+        return torch.arange(n, device=self.completion_ids.device) // self.group_size
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(N,) long: completion tokens under the mask (EOS included)."""
+        return self.mask.sum(-1)
+
+    def select_groups(self, idx: Sequence[int]) -> Rollout:
+        """The rollout restricted to prompts `idx` (in that order) and their whole groups."""
+        g = self.group_size
+        prompt_idx = torch.as_tensor(list(idx), dtype=torch.long)  # (b,)
+        if prompt_idx.numel() and (prompt_idx.min() < 0 or prompt_idx.max() >= self.num_prompts):
+            raise IndexError(
+                f"group index out of range for {self.num_prompts} prompts: {list(idx)}"
+            )
+        rows = (prompt_idx[:, None] * g + torch.arange(g)).reshape(-1)  # (b·G,)
+        pi = prompt_idx.to(self.prompt_ids.device)
+        ri = rows.to(self.completion_ids.device)
+        return Rollout(
+            prompt_ids=self.prompt_ids[pi],
+            prompt_mask=self.prompt_mask[pi],
+            completion_ids=self.completion_ids[ri],
+            mask=self.mask[ri],
+            old_logp=self.old_logp[ri],
+            truncated=self.truncated[ri],
+            texts=[self.texts[i] for i in rows.tolist()],
+            prompts=[self.prompts[i] for i in prompt_idx.tolist()],
+            group_size=g,
+            temperature=self.temperature,
+            pad_id=self.pad_id,
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[Rollout]) -> Rollout:
+        """One rollout holding `parts`' groups in order (e.g. several rounds of sampling).
+
+        Prompts are re-left-padded and completions re-right-padded to the widest part with
+        `pad_id`; group size and temperature must agree.
+        """
+        if not parts:
+            raise ValueError("nothing to concatenate")
+        first = parts[0]
+        if any(
+            p.group_size != first.group_size or p.temperature != first.temperature for p in parts
+        ):
+            raise ValueError(
+                "cannot concatenate rollouts with different group sizes or temperatures"
+            )
+        if len(parts) == 1:
+            return first
+        p_width = max(p.prompt_ids.shape[1] for p in parts)
+        t_width = max(p.completion_ids.shape[1] for p in parts)
+
+        def left(x: torch.Tensor, value: float) -> torch.Tensor:  # (R, W) -> (R, p_width)
+            return F.pad(x, (p_width - x.shape[1], 0), value=value)
+
+        def right(x: torch.Tensor, value: float) -> torch.Tensor:  # (R, W) -> (R, t_width)
+            return F.pad(x, (0, t_width - x.shape[1]), value=value)
+
+        return Rollout(
+            prompt_ids=torch.cat([left(p.prompt_ids, first.pad_id) for p in parts]),
+            prompt_mask=torch.cat([left(p.prompt_mask, False) for p in parts]),
+            completion_ids=torch.cat([right(p.completion_ids, first.pad_id) for p in parts]),
+            mask=torch.cat([right(p.mask, False) for p in parts]),
+            old_logp=torch.cat([right(p.old_logp, 0.0) for p in parts]),
+            truncated=torch.cat([p.truncated for p in parts]),
+            texts=[t for p in parts for t in p.texts],
+            prompts=[t for p in parts for t in p.prompts],
+            group_size=first.group_size,
+            temperature=first.temperature,
+            pad_id=first.pad_id,
+        )
+
+    def split(self, num_minibatches: int) -> list[Rollout]:
+        """Split into `num_minibatches` rollouts of whole groups, in order.
+
+        Raises ValueError unless B is divisible by `num_minibatches`: a group is never cut,
+        because its advantages are normalised over all G of its completions.
+        """
+        b = self.num_prompts
+        if num_minibatches < 1 or b % num_minibatches:
+            raise ValueError(f"cannot split {b} prompts into {num_minibatches} equal minibatches")
+        size = b // num_minibatches
+        return [self.select_groups(range(i, i + size)) for i in range(0, b, size)]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Anything that samples groups of completions: the HF engine today, vLLM later.
+
+    The trainer only calls `sample`; an engine owns its model copy, its batching and its cache.
+    `old_logp` must be the log-prob under softmax(logits / temperature) before top-k / top-p,
+    as documented on `Rollout`, whatever the backend.
+    """
+
+    def sample(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> Rollout: ...

@@ -1,0 +1,127 @@
+"""completion_logprobs: equal to sampling's old_logp, and to a plain unshared computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grouprl.rollout import completion_logprobs, sample_groups
+from grouprl.rollout.logprobs import _PLAIN_HEAD
+
+PROMPTS = ["1+2=", "a longer prompt, 37*45=", "x", "q: 12-7=? a:"]
+
+
+def _reference(model, rollout, temperature):
+    """logp and entropy (N, T) from one forward of the N full sequences with full logits."""
+    g = rollout.group_size
+    ids = torch.cat([rollout.prompt_ids.repeat_interleave(g, 0), rollout.completion_ids], 1)
+    attn = torch.cat(
+        [rollout.prompt_mask.repeat_interleave(g, 0), torch.ones_like(rollout.mask)], 1
+    )
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    p = rollout.prompt_ids.shape[1]
+    logp_all = torch.log_softmax(logits[:, p - 1 : -1].float() / temperature, -1)  # (N, T, V)
+    logp = logp_all.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    zero = torch.zeros_like(logp)
+    return torch.where(rollout.mask, logp, zero), torch.where(rollout.mask, entropy, zero)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 10, 0.9)])
+def test_old_logp_equals_completion_logprobs(model, tokenizer, temperature, top_k, top_p):
+    rollout = sample_groups(
+        model,
+        tokenizer,
+        PROMPTS,
+        group_size=4,
+        max_new_tokens=20,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=0,
+    )
+    assert rollout.prompt_mask.sum(-1).unique().numel() == len(PROMPTS)  # different lengths
+    with torch.no_grad():
+        logp = completion_logprobs(model, rollout, temperature=rollout.temperature)
+    torch.testing.assert_close(logp, rollout.old_logp, atol=1e-5, rtol=0)
+    assert (logp[~rollout.mask] == 0).all()
+
+
+def test_shared_prompt_equals_unshared_values_and_gradients(model, tokenizer):
+    rollout = sample_groups(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=16, seed=1)
+    weights = torch.randn(rollout.mask.shape, generator=torch.Generator().manual_seed(0))
+    temperature = 0.8
+
+    model.zero_grad()
+    logp, entropy = completion_logprobs(
+        model, rollout, temperature=temperature, with_entropy=True, chunk_tokens=7
+    )
+    ((logp * weights).sum() + entropy.sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    model.zero_grad()
+    ref_logp, ref_entropy = _reference(model, rollout, temperature)
+    ((ref_logp * weights).sum() + ref_entropy.sum()).backward()
+
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=0)
+    for name, p in model.named_parameters():
+        assert torch.isfinite(grads[name]).all(), name
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    model.zero_grad()
+
+
+def test_sliding_window_layers_share_the_prompt_correctly(make_model, tokenizer):
+    model = make_model("qwen2", sliding_window=5)
+    assert "sliding_attention" in model.config.layer_types
+    rollout = sample_groups(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=12, seed=0)
+    with torch.no_grad():
+        logp = completion_logprobs(model, rollout)
+        ref, _ = _reference(model, rollout, 1.0)
+    torch.testing.assert_close(logp, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(rollout.old_logp, ref, atol=1e-5, rtol=0)
+
+
+def test_chunking_and_no_grad_give_the_same_values(llama, tokenizer):
+    rollout = sample_groups(llama, tokenizer, PROMPTS, group_size=2, max_new_tokens=10, seed=2)
+    with torch.no_grad():
+        whole = completion_logprobs(llama, rollout)
+        chunked = completion_logprobs(llama, rollout, chunk_tokens=3)
+    torch.testing.assert_close(whole, chunked, atol=1e-6, rtol=0)
+    assert whole.dtype == torch.float32 and whole.shape == rollout.mask.shape
+
+
+def test_gradient_checkpointing_falls_back_to_unshared(make_model, tokenizer):
+    model = make_model("llama")
+    rollout = sample_groups(model, tokenizer, PROMPTS, group_size=2, max_new_tokens=8, seed=4)
+    model.gradient_checkpointing_enable()
+    model.train()
+    logp = completion_logprobs(model, rollout)
+    # old_logp from sampling is an ordinary tensor: it can sit in a differentiable loss.
+    ((logp - rollout.old_logp).exp() * rollout.mask).sum().backward()
+    torch.testing.assert_close(logp.detach(), rollout.old_logp, atol=1e-5, rtol=0)
+
+
+def test_models_with_processed_logits_take_the_full_logits_path(make_model, tokenizer):
+    model = make_model("llama")
+    original = model.forward
+
+    def halved(*args, **kwargs):  # e.g. soft-capping: logits are not head(decoder(x))
+        out = original(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+    model.forward = halved
+    rollout = sample_groups(model, tokenizer, PROMPTS, group_size=2, max_new_tokens=8, seed=5)
+    with torch.no_grad():
+        logp = completion_logprobs(model, rollout)
+    assert _PLAIN_HEAD[model] is False
+    torch.testing.assert_close(logp, rollout.old_logp, atol=1e-5, rtol=0)
+
+
+def test_empty_completions_give_zeros(llama, tokenizer):
+    rollout = sample_groups(llama, tokenizer, PROMPTS[:1], group_size=2, max_new_tokens=3, seed=0)
+    rollout.mask = torch.zeros_like(rollout.mask)
+    logp, entropy = completion_logprobs(llama, rollout, with_entropy=True)
+    assert (logp == 0).all() and (entropy == 0).all()

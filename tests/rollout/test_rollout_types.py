@@ -1,0 +1,79 @@
+"""Rollout: group bookkeeping, split and select_groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grouprl.rollout import Rollout
+
+
+def _rollout(b=4, g=3, t=5) -> Rollout:
+    n = b * g
+    lengths = torch.arange(n) % t + 1  # (N,)
+    mask = torch.arange(t)[None] < lengths[:, None]
+    return Rollout(
+        prompt_ids=torch.arange(b * 2).view(b, 2),
+        prompt_mask=torch.ones(b, 2, dtype=torch.bool),
+        completion_ids=torch.arange(n * t).view(n, t),
+        mask=mask,
+        old_logp=-torch.rand(n, t) * mask,
+        truncated=lengths == t,
+        texts=[f"c{i}" for i in range(n)],
+        prompts=[f"p{i}" for i in range(b)],
+        group_size=g,
+        temperature=0.9,
+    )
+
+
+def test_properties():
+    r = _rollout()
+    assert r.num_prompts == 4
+    assert r.group_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert r.lengths.tolist() == (torch.arange(12) % 5 + 1).tolist()
+
+
+def test_select_groups_keeps_whole_groups_in_the_given_order():
+    r = _rollout()
+    s = r.select_groups([2, 0])
+    assert s.prompts == ["p2", "p0"]
+    assert s.texts == ["c6", "c7", "c8", "c0", "c1", "c2"]
+    assert torch.equal(s.completion_ids, r.completion_ids[[6, 7, 8, 0, 1, 2]])
+    assert torch.equal(s.prompt_ids, r.prompt_ids[[2, 0]])
+    assert torch.equal(s.old_logp, r.old_logp[[6, 7, 8, 0, 1, 2]])
+    assert s.group_size == 3 and s.temperature == 0.9
+    with pytest.raises(IndexError):
+        r.select_groups([4])
+
+
+def test_split_partitions_by_groups():
+    r = _rollout()
+    parts = r.split(2)
+    assert [p.prompts for p in parts] == [["p0", "p1"], ["p2", "p3"]]
+    assert torch.equal(torch.cat([p.completion_ids for p in parts]), r.completion_ids)
+    assert torch.equal(torch.cat([p.mask for p in parts]), r.mask)
+    assert len(r.split(1)) == 1 and len(r.split(4)) == 4
+    with pytest.raises(ValueError):
+        r.split(3)
+
+
+def test_concat_repads_to_the_widest_part():
+    a, b = _rollout(b=2, g=3, t=5), _rollout(b=1, g=3, t=3)
+    b.prompt_ids, b.prompt_mask = b.prompt_ids[:, 1:], b.prompt_mask[:, 1:]
+    c = Rollout.concat([a, b])
+    assert c.num_prompts == 3 and c.completion_ids.shape == (9, 5)
+    assert c.prompts == ["p0", "p1", "p0"] and c.texts[6:] == ["c0", "c1", "c2"]
+    assert torch.equal(c.prompt_ids[2], torch.tensor([0, 1])) and not c.prompt_mask[2, 0]
+    assert torch.equal(c.mask[6:, :3], b.mask) and not c.mask[6:, 3:].any()
+    assert torch.equal(c.old_logp[6:, :3], b.old_logp) and (c.old_logp[6:, 3:] == 0).all()
+    assert torch.equal(c.completion_ids[6:, :3], b.completion_ids)
+    assert (c.completion_ids[6:, 3:] == c.pad_id).all()
+    assert torch.equal(c.select_groups([2]).completion_ids[:, :3], b.completion_ids)
+    with pytest.raises(ValueError):
+        Rollout.concat([a, _rollout(b=1, g=2)])
+
+
+def test_inconsistent_shapes_are_rejected():
+    r = _rollout()
+    with pytest.raises(ValueError):
+        Rollout(**{**r.__dict__, "group_size": 5})
