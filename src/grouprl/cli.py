@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress output is enough
     if name not in COMMANDS:
         print(f"grouprl: error: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
         return 2

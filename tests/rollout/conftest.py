@@ -101,13 +101,3 @@ def llama(tokenizer):
 def sharp_llama(tokenizer):
     """Random logits have a std of ~0.1 (near-uniform); ×30 gives a peaked distribution."""
     return build_model("llama", len(tokenizer), seed=1, logit_scale=30.0)
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a second
-    thread spin-waits behind other processes (10× slower here); restored after each test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

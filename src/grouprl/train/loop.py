@@ -44,6 +44,7 @@ from grouprl.report import MetricSinks, plot_run
 from grouprl.report.sinks import truncate_jsonl
 from grouprl.rollout import Rollout, completion_logprobs, sample_groups
 from grouprl.tasks import Task, get_task
+from grouprl.tasks.base import call_reward
 from grouprl.train import checkpoint as ckpt
 from grouprl.train.config import TrainConfig, resolve, to_yaml
 from grouprl.train.evaluate import EvalResult, evaluate
@@ -116,42 +117,15 @@ class Batch:
 def score(
     rollout: Rollout, rows: list[dict], task: Task, weights: dict[str, float]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted reward per completion: (N,), NaN where every function returned None."""
-    G, N = rollout.group_size, len(rollout.texts)
-    columns = {
-        key: [row[key] for row in rows for _ in range(G)] for key in rows[0] if key != "prompt"
-    }
-    prompts = [row["prompt"] for row in rows for _ in range(G)]
-    total = torch.zeros(N, dtype=torch.float64)
-    scored = torch.zeros(N, dtype=torch.bool)
-    by_function = {}
-    for name, weight in weights.items():
-        fn = task.reward_funcs[name]
-        try:
-            values = fn(completions=rollout.texts, prompts=prompts, **columns)
-        except Exception as err:  # a user's reward function: report it, don't crash opaquely
-            raise UserError(
-                f"reward function '{name}' raised {type(err).__name__}: {err}; "
-                "fix the function (it must return one float or None per completion)"
-            ) from None
-        if not isinstance(values, (list, tuple)) or len(values) != N:
-            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-            raise UserError(
-                f"reward function '{name}' returned {got} values for {N} completions; "
-                "it must return a list with one float or None per completion"
-            )
-        try:
-            r = torch.tensor(
-                [math.nan if v is None else float(v) for v in values], dtype=torch.float64
-            )
-        except (TypeError, ValueError):
-            raise UserError(
-                f"reward function '{name}' returned a value that is not a number or None"
-            ) from None
-        by_function[name] = r.float()
-        valid = ~torch.isnan(r)
-        total = torch.where(valid, total + weight * r, total)
-        scored |= valid
+    """Weighted reward per completion (N,), NaN where every function returned None, and each
+    function's own scores by name."""
+    G = rollout.group_size
+    by_function = {
+        name: torch.tensor(call_reward(name, task.reward_funcs[name], rollout.texts, rows, G))
+        for name in weights
+    }  # name -> (N,)
+    total = sum(weights[name] * r.nan_to_num(0.0) for name, r in by_function.items())
+    scored = torch.stack([~r.isnan() for r in by_function.values()]).any(dim=0)  # (N,)
     return torch.where(scored, total, math.nan).float(), by_function
 
 
@@ -265,7 +239,7 @@ def update(
             diagnostics = {
                 **out.metrics(),
                 "grad_norm": float(grad_norm),
-                "entropy": float(entropy[m].mean()) if m.any() else 0.0,
+                "entropy": float(entropy.detach()[m].mean()) if m.any() else 0.0,
             }
             for key, value in diagnostics.items():
                 totals[key] = totals.get(key, 0.0) + value
@@ -340,7 +314,7 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
                 f"{run_dir} holds no checkpoint to resume from; start a new run instead"
             )
         return run_dir
-    run_dir = cfg.output_dir or Path("runs") / f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.output_dir or Path("runs") / f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
     if (run_dir / "config.yaml").exists():
         raise UserError(
             f"{run_dir} already holds a run; pass --resume {run_dir} to continue it "
@@ -391,9 +365,8 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         for name in ("metrics.jsonl", "eval.jsonl", "samples.jsonl"):
             truncate_jsonl(run_dir / name, keep_through_step=start)
         console.print(f"resuming {run_dir} from step {start}")
-    else:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
     stream = PromptStream(task.train, cfg.seed, state["data_position"])
     sinks = MetricSinks(run_dir)
     interactive = cfg.progress and console.is_terminal

@@ -1,0 +1,36 @@
+"""Tasks: prompts with reference answers, and the reward functions that score completions.
+
+`get_task(name, **knobs)` builds a task from the `TASKS` registry (name -> factory). The
+built-in task is `arithmetic` (see `grouprl.tasks.arithmetic` for its format and splits).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from grouprl.errors import UserError
+from grouprl.tasks.arithmetic import arithmetic_task
+from grouprl.tasks.base import SPLITS, RewardFn, Task
+from grouprl.tasks.rewards import REWARDS
+
+#: Task factories by name; each takes keyword knobs and returns a Task.
+TASKS: dict[str, Callable[..., Task]] = {"arithmetic": arithmetic_task}
+
+
+def get_task(name: str, **knobs) -> Task:
+    """Build the task `name` with its knobs; an unknown name or knob raises UserError."""
+    factory = TASKS.get(name)
+    if factory is None:
+        raise UserError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
+    params = inspect.signature(factory).parameters
+    unknown = sorted(set(knobs) - set(params))
+    if unknown:
+        raise UserError(
+            f"task {name!r} has no knob {', '.join(map(repr, unknown))}; "
+            f"valid knobs: {', '.join(params)}"
+        )
+    return factory(**knobs)
+
+
+__all__ = ["REWARDS", "SPLITS", "TASKS", "RewardFn", "Task", "get_task"]

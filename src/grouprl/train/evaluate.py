@@ -1,0 +1,255 @@
+"""`grouprl eval`: pass@1 (sampled and greedy) and pass@k of a model on a task split.
+
+For each problem, k completions are sampled at `temperature` with `grouprl.rollout.sample_groups`
+(the trainer's own sampler) and scored with the task's `correct` reward; a completion counts as
+solved when its reward is at least 1 (full marks; None counts as unsolved). With c of n = k
+samples solved:
+
+    pass@1 = c / n                                   (mean over samples, unbiased)
+    pass@k = 1 − C(n − c, k) / C(n, k)               (Chen et al. 2021, "Evaluating Large
+                                                      Language Models Trained on Code", eq. 1)
+
+averaged over problems; with k = n the estimator is simply "any of the n samples solved it".
+Greedy pass@1 decodes one completion per problem at temperature 0.
+
+Deterministic for a given seed: batch i of prompts samples with seed `seed + i`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from grouprl.errors import UserError
+from grouprl.models import load_model, load_tokenizer
+from grouprl.rollout import sample_groups
+from grouprl.tasks import RewardFn, get_task
+from grouprl.tasks.base import call_reward
+
+
+@dataclass
+class EvalConfig:
+    """Measure pass@1 (sampled and greedy) and pass@k of a model on a task split."""
+
+    model: str = "builtin:arith"
+    """Model to evaluate: a local Hugging Face model directory or builtin:NAME."""
+    task: str = "arithmetic"
+    """Task: a built-in task name."""
+    split: Literal["heldout", "train"] = "heldout"
+    """Which split's problems to evaluate on."""
+    samples: int = 8
+    """Completions sampled per problem (k of pass@k)."""
+    limit: int = 200
+    """Number of problems (the first LIMIT rows of the split)."""
+    temperature: float = 1.0
+    """Sampling temperature of the k samples (greedy pass@1 always uses temperature 0)."""
+    greedy: bool = True
+    """Also decode one greedy completion per problem for greedy pass@1."""
+    max_new_tokens: int | None = None
+    """Generation budget per completion. None: the task's own budget."""
+    batch_prompts: int = 64
+    """Problems sampled together (each with SAMPLES completions)."""
+    seed: int = 0
+    """Sampling seed; the same seed gives the same numbers on the same machine."""
+    threads: int | None = None
+    """torch CPU threads. None: torch's default."""
+    json: bool = False
+    """Print one JSON object on stdout instead of a table."""
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """pass@1 and pass@k over `n` problems with `samples` completions each."""
+
+    n: int
+    pass_at_1: float
+    """Mean correctness over all n·samples sampled completions."""
+    pass_at_k: float
+    """Unbiased pass@k with k = samples."""
+    greedy_pass_at_1: float | None
+    """Share of problems the greedy completion solves; None when not measured."""
+    samples: int
+    mean_length: float = 0.0
+    """Mean sampled completion length in tokens (EOS included)."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 − C(n−c, k)/C(n, k) (Chen et al. 2021).
+
+    Computed as 1 − Π_{i=n−c+1}^{n} (1 − k/i) to avoid huge binomials.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def _score(reward_fn: RewardFn, rows: Sequence[dict], texts: list[str], repeats: int) -> list[bool]:
+    """Solved flags for `texts`, `repeats` consecutive completions per row (reward >= 1)."""
+    name = getattr(reward_fn, "__name__", "reward")
+    return [v >= 1.0 for v in call_reward(name, reward_fn, texts, rows, repeats)]  # NaN: False
+
+
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    rows: Sequence[dict],
+    *,
+    reward_fn: RewardFn,
+    samples: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int,
+    stop: list[str] | None = None,
+    batch_prompts: int = 64,
+    seed: int = 0,
+    greedy: bool = True,
+    progress: bool = True,
+    console: Console | None = None,
+) -> EvalResult:
+    """pass@1, pass@k (k = samples) and greedy pass@1 of `model` on `rows`.
+
+    The model is put in eval mode for the measurement and returned to its previous mode.
+    """
+    if not rows:
+        raise UserError("nothing to evaluate: the split is empty (check --limit and the task)")
+    if samples < 1:
+        raise UserError(f"samples must be >= 1, got {samples}")
+    if temperature <= 0:
+        raise UserError(f"temperature must be > 0 for sampled pass@k, got {temperature}")
+    if batch_prompts < 1:
+        raise UserError(f"batch_prompts must be >= 1, got {batch_prompts}")
+    was_training = model.training
+    model.eval()
+    solved: list[int] = []  # (n,) solved samples per problem
+    greedy_solved: list[bool] = []  # (n,)
+    total_length = 0
+    batches = [rows[i : i + batch_prompts] for i in range(0, len(rows), batch_prompts)]
+    bar = Progress(
+        TextColumn("eval"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("problems"),
+        TimeElapsedColumn(),
+        console=console or Console(stderr=True),
+        disable=not progress,
+        transient=True,
+    )
+    try:
+        with bar:
+            task_id = bar.add_task("eval", total=len(rows))
+            for i, batch in enumerate(batches):
+                prompts = [r["prompt"] for r in batch]
+                common = {"max_new_tokens": max_new_tokens, "stop": stop}
+                rollout = sample_groups(
+                    model,
+                    tokenizer,
+                    prompts,
+                    group_size=samples,
+                    temperature=temperature,
+                    seed=seed + i,
+                    **common,
+                )
+                flags = _score(reward_fn, batch, rollout.texts, samples)
+                solved += [sum(flags[j * samples : (j + 1) * samples]) for j in range(len(batch))]
+                total_length += int(rollout.lengths.sum())
+                if greedy:
+                    greedy_rollout = sample_groups(
+                        model, tokenizer, prompts, group_size=1, temperature=0.0, **common
+                    )
+                    greedy_solved += _score(reward_fn, batch, greedy_rollout.texts, 1)
+                bar.advance(task_id, len(batch))
+    finally:
+        model.train(was_training)
+    n = len(rows)
+    return EvalResult(
+        n=n,
+        pass_at_1=sum(solved) / (n * samples),
+        pass_at_k=sum(pass_at_k(samples, c, samples) for c in solved) / n,
+        greedy_pass_at_1=sum(greedy_solved) / n if greedy else None,
+        samples=samples,
+        mean_length=total_length / (n * samples),
+    )
+
+
+def run(cfg: EvalConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Load, evaluate, and return the result as a flat dict (what --json prints)."""
+    if cfg.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {cfg.limit}")
+    threads_before = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, progress=progress)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
+    task = get_task(cfg.task)
+    if "correct" not in task.reward_funcs:
+        raise UserError(f"task {cfg.task!r} has no 'correct' reward to evaluate with")
+    rows = task.split(cfg.split)
+    rows = list(rows[: min(cfg.limit, len(rows))])
+    model, tokenizer = load_model(cfg.model), load_tokenizer(cfg.model)
+    start = time.perf_counter()
+    result = evaluate(
+        model,
+        tokenizer,
+        rows,
+        reward_fn=task.reward_funcs["correct"],
+        samples=cfg.samples,
+        temperature=cfg.temperature,
+        max_new_tokens=cfg.max_new_tokens or task.max_new_tokens,
+        stop=task.stop,
+        batch_prompts=cfg.batch_prompts,
+        seed=cfg.seed,
+        greedy=cfg.greedy,
+        progress=progress,
+    )
+    return {
+        "model": cfg.model,
+        "task": cfg.task,
+        "split": cfg.split,
+        "temperature": cfg.temperature,
+        "seed": cfg.seed,
+        "k": cfg.samples,
+        **asdict(result),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def _table(out: dict[str, Any]) -> Table:
+    k = out["k"]
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row(f"pass@1 (T={out['temperature']:g}, {k} samples)", f"{out['pass_at_1']:.1%}")
+    table.add_row(f"pass@{k}", f"{out['pass_at_k']:.1%}")
+    if out["greedy_pass_at_1"] is not None:
+        table.add_row("pass@1 (greedy)", f"{out['greedy_pass_at_1']:.1%}")
+    table.add_row("mean completion tokens", f"{out['mean_length']:.1f}")
+    table.add_row("seconds", f"{out['seconds']:.1f}")
+    return table
+
+
+def main(cfg: EvalConfig) -> int:
+    """CLI entry point of `grouprl eval`."""
+    out = run(cfg, progress=True)
+    if cfg.json:
+        sys.stdout.write(json.dumps(out) + "\n")
+    else:
+        console = Console()
+        console.print(f"{out['model']} on {out['task']} ({out['split']}, {out['n']} problems)")
+        console.print(_table(out))
+    return 0

@@ -1,0 +1,81 @@
+"""Model and tokenizer loading: local directories, builtin:NAME, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from grouprl.errors import UserError
+from grouprl.models import (
+    build_char_tokenizer,
+    builtin_models,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
+from grouprl.models.loading import BUILTIN_DIR
+from grouprl.models.tiny import TinySize, build_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_char_tokenizer("0123456789+=|,")
+    torch.manual_seed(0)
+    build_tiny_llama(tokenizer, TinySize(32, 1, 2, 64, 64)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_builtin_spec_resolves_to_the_package_directory() -> None:
+    assert "arith" in builtin_models()
+    path = resolve_model_path("builtin:arith")
+    assert path == BUILTIN_DIR / "arith" and (path / "config.json").is_file()
+
+
+def test_local_directory_loads(tiny_dir) -> None:
+    model = load_model(str(tiny_dir))
+    assert not model.training and model.dtype == torch.float32
+    assert load_model(tiny_dir, dtype=torch.bfloat16).dtype == torch.bfloat16
+    tokenizer = load_tokenizer(tiny_dir)
+    assert tokenizer.pad_token_id == 0 and tokenizer.eos_token_id == 2
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("builtin:nope", r"no bundled model 'builtin:nope'; bundled models: builtin:arith"),
+        ("/no/such/dir", "not a local directory"),
+        ("Qwen/Qwen2.5-0.5B", "grouprl downloads nothing"),
+    ],
+)
+def test_missing_models_raise_user_error(spec: str, match: str) -> None:
+    with pytest.raises(UserError, match=match):
+        load_model(spec)
+    with pytest.raises(UserError, match=match):
+        load_tokenizer(spec)
+
+
+def test_directory_without_config_raises_user_error(tmp_path) -> None:
+    (tmp_path / "file.txt").write_text("x")
+    for spec in (tmp_path, tmp_path / "file.txt"):
+        with pytest.raises(UserError, match=r"no config\.json"):
+            load_model(str(spec))
+
+
+def test_broken_weights_raise_user_error(tiny_dir, tmp_path) -> None:
+    (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="cannot load"):
+        load_model(tmp_path)
+
+
+def test_tokenizer_without_pad_gets_eos_as_pad(tiny_dir, tmp_path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.pad_token == "<eos>" and loaded.pad_token_id == loaded.eos_token_id

@@ -1,0 +1,159 @@
+"""The training loop end to end on the bundled model: presets, options, resume, Ctrl-C."""
+
+import dataclasses
+import json
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grouprl.errors import UserError
+from grouprl.tasks import get_task
+from grouprl.train import loop
+from grouprl.train.config import TrainConfig
+
+SMALL = dict(
+    steps=2,
+    prompts_per_step=4,
+    group_size=4,
+    eval_size=4,
+    eval_samples=2,
+    eval_every=0,
+    save_every=1,
+    progress=False,
+    threads=1,
+)
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run(tmp_path, name="run", **overrides):
+    cfg = TrainConfig(**{**SMALL, "output_dir": tmp_path / name, **overrides})
+    return loop.train(cfg)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo", "dr_grpo", "dapo"])
+def test_every_preset_runs_and_leaves_a_complete_run_directory(tmp_path, algo):
+    summary = _run(tmp_path, algo=algo, steps=1)
+    run = summary.run_dir
+    assert summary.steps_done == 1 and not summary.interrupted
+    for name in ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl"):
+        assert (run / name).is_file(), name
+    assert list((run / "tensorboard").iterdir())
+    assert (run / "final" / "model.safetensors").is_file()
+    assert (run / "plots" / "reward.png").is_file()
+    (record,) = _metrics(run)
+    for key in (
+        "reward_mean", "reward_std", "accuracy", "frac_zero_std", "loss", "clip_frac_low",
+        "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "approx_kl", "entropy",
+        "completion_len_mean", "completion_len_max", "truncated_frac", "tokens_per_s",
+        "step_seconds", "lr", "grad_norm",
+    ):  # fmt: skip
+        assert key in record, key
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 1]
+
+
+def test_options_are_exercised(tmp_path):
+    """KL to the reference, dual clip, GSPO-token, RLOO, batch scaling, epochs, cosine schedule,
+    truncation masking, overlong penalty, reward weights, top-k/top-p."""
+    summary = _run(
+        tmp_path,
+        algo="grpo",
+        beta=0.05,
+        dual_clip=3.0,
+        ratio_level="sequence_token",
+        adv_estimator="rloo",
+        adv_scale="batch",
+        unbiased_std=True,
+        epochs=2,
+        minibatches=2,
+        lr_schedule="cosine",
+        warmup_steps=0,
+        max_new_tokens=6,
+        mask_truncated=True,
+        overlong_penalty=True,
+        overlong_cache=2,
+        rewards={"correct": 1.0, "format": 0.5},
+        top_k=5,
+        top_p=0.9,
+    )
+    first, second = _metrics(summary.run_dir)
+    assert first["kl"] >= 0 and "reward_format" in first
+    assert first["truncated_frac"] > 0.5  # 6 tokens is too short for a worked answer
+    assert first["completion_len_max"] <= 6
+    assert first["lr"] > second["lr"]  # cosine decay over 2 steps
+
+
+def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path, monkeypatch):
+    seen = []
+    original = loop.update
+
+    def spy(cfg, policy, optimizer, batch, advantages, ref_logp):
+        seen.append(loop.zero_std_groups(batch.rewards, cfg.group_size))
+        return original(cfg, policy, optimizer, batch, advantages, ref_logp)
+
+    monkeypatch.setattr(loop, "update", spy)
+    summary = _run(tmp_path, algo="dapo", steps=2, max_resample_rounds=2)
+    records = _metrics(summary.run_dir)
+    assert all(0 <= r["frac_zero_std"] <= 1 and r["sample_rounds"] >= 1 for r in records)
+    assert seen and not any(zero.any() for zero in seen)
+
+
+def test_resume_equals_uninterrupted_and_ctrl_c_saves(tmp_path, monkeypatch):
+    straight = _run(tmp_path, "straight", steps=4)
+
+    # Interrupt the second run with SIGINT during step 3; it must save step 2 and exit cleanly.
+    original = loop.collect_batch
+
+    def interrupt_at_step_2(cfg, step, *args):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(cfg, step, *args)
+
+    monkeypatch.setattr(loop, "collect_batch", interrupt_at_step_2)
+    broken = _run(tmp_path, "broken", steps=4)
+    assert broken.interrupted and broken.steps_done == 3
+    assert (broken.run_dir / "checkpoints" / "step_000003" / "state.json").is_file()
+    assert not (broken.run_dir / "final").exists()
+    monkeypatch.setattr(loop, "collect_batch", original)
+
+    resumed = loop.train(dataclasses.replace(TrainConfig(**SMALL), resume=broken.run_dir, steps=4))
+    assert resumed.steps_done == 4 and not resumed.interrupted
+
+    def comparable(run_dir):
+        drop = {"step_seconds", "rollout_seconds", "tokens_per_s"}
+        return [{k: v for k, v in r.items() if k not in drop} for r in _metrics(run_dir)]
+
+    assert comparable(resumed.run_dir) == comparable(straight.run_dir)
+    a = load_file(str(straight.run_dir / "final" / "model.safetensors"))
+    b = load_file(str(resumed.run_dir / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_reward_function_errors_are_user_errors(tmp_path, monkeypatch):
+    task = get_task("arithmetic")
+
+    def broken(completions, **kwargs):
+        raise ZeroDivisionError("oops")
+
+    def short(completions, **kwargs):
+        return [1.0]
+
+    for fn, message in [(broken, "raised ZeroDivisionError: oops"), (short, "returned 1 values")]:
+        bad = dataclasses.replace(task, reward_funcs={"correct": fn}, reward_weights={"correct": 1})
+        monkeypatch.setattr(loop, "get_task", lambda name, bad=bad: bad)
+        with pytest.raises(UserError, match=message):
+            _run(tmp_path, f"bad-{fn.__name__}", steps=1, eval_size=1)
+
+
+def test_unknown_reward_name_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="unknown reward 'corect'"):
+        _run(tmp_path, rewards={"corect": 1.0})
+    assert not (tmp_path / "run").exists()
