@@ -71,7 +71,9 @@ def plot_run(run_dir: Path) -> list[Path]:
         for key, label in train_keys:
             xs, ys = _series(metrics, key)
             if xs:
-                ax.plot(xs, ys, label=label, linewidth=1.2)
+                # A second train curve is dashed: reward and accuracy coincide on 0/1 rewards.
+                style = "-" if not drawn else "--"
+                ax.plot(xs, ys, style, label=label, linewidth=1.2)
                 drawn = True
         for key, label in eval_keys:
             xs, ys = _series(evals, key)

@@ -46,7 +46,7 @@ class TrainConfig:
     """torch CPU threads. None: torch's default (all cores)."""
 
     # ----- sampling -----
-    steps: int = 150
+    steps: int = 200
     """Number of training steps (one rollout batch each)."""
     prompts_per_step: int = 16
     """Prompts per step (B). Each gets group_size completions: N = B*G completions a step."""
@@ -62,7 +62,7 @@ class TrainConfig:
     """Top-k sampling (0: off)."""
 
     # ----- optimisation -----
-    lr: float = 2e-4
+    lr: float = 5e-5
     """Peak learning rate (AdamW)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """Learning-rate shape after warm-up."""
@@ -125,7 +125,7 @@ class TrainConfig:
     """Length of the soft-penalty zone before max_new_tokens. None: max_new_tokens // 4."""
 
     # ----- evaluation, logging, checkpoints -----
-    eval_every: int = 50
+    eval_every: int = 25
     """Evaluate held-out pass@1 every this many steps (and at the start and the end; 0: only those)."""
     eval_size: int = 200
     """Held-out problems per evaluation."""
