@@ -56,6 +56,7 @@ import torch
 import tyro
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from _gemm import matmul_rates  # benchmarks/ is on sys.path when a script here runs
 from grouprl.models import build_char_tokenizer
 from grouprl.rollout import _hf, sample_groups, sampling
 
@@ -138,18 +139,7 @@ def matmul_params(model) -> int:
 
 def gemm_rate(hidden: int, intermediate: int, rows: int, reps: int = 20) -> float:
     """Best of the median fp32 GEMM rates (FLOP/s) of a square and a model-shaped GEMM."""
-    rates = []
-    for m, k, n in [(1024, 1024, 1024), (rows, hidden, intermediate)]:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        for _ in range(3):
-            a @ b
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t0)
-        rates.append(2 * m * k * n / statistics.median(times))
-    return max(rates)
+    return max(matmul_rates([(1024, 1024, 1024), (rows, hidden, intermediate)], reps).values())
 
 
 def run_setting(args: Args, model_name: str, prompt_kind: str, tokenizer) -> dict:

@@ -681,19 +681,10 @@ def matmul_rate(threads: int, shapes: Sequence[tuple[int, int, int]], reps: int 
     """Median fp32 GEMM rate (FLOP/s) for each (m, k, n) shape, on `threads` threads."""
     import torch
 
+    from _gemm import matmul_rates  # benchmarks/ is on sys.path when a script here runs
+
     torch.set_num_threads(threads)
-    rates = {}
-    for m, k, n in shapes:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        for _ in range(3):
-            a @ b
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t0)
-        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times)
-    return rates
+    return matmul_rates(shapes, reps)
 
 
 def prompt_tokens_per_step(args: BenchArgs, model: ModelSpec, steps: int) -> list[int]:
