@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 import random
+import signal
+import threading
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from grouprl.errors import UserError
@@ -47,20 +50,61 @@ class Task:
 SPLITS = ("train", "heldout")
 
 
+#: Seconds a reward function may take for one batch before the run stops with an error.
+REWARD_TIMEOUT = 60.0
+
+
+class _RewardTimeout(BaseException):
+    """Raised inside a reward function that overran its time; a BaseException so that the
+    function's own ``except Exception`` cannot swallow it."""
+
+
+@contextmanager
+def _deadline(seconds: float | None):
+    """Raise _RewardTimeout after `seconds` of wall time (main thread on Unix; elsewhere no-op)."""
+    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not seconds or not usable:
+        yield
+        return
+
+    def overran(signum, frame):
+        raise _RewardTimeout
+
+    previous = signal.signal(signal.SIGALRM, overran)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def call_reward(
-    name: str, fn: RewardFn, completions: list[str], rows: Sequence[dict], repeats: int
+    name: str,
+    fn: RewardFn,
+    completions: list[str],
+    rows: Sequence[dict],
+    repeats: int,
+    *,
+    timeout: float | None = REWARD_TIMEOUT,
 ) -> list[float]:
     """Score `completions` (`repeats` consecutive ones per row) with one reward function.
 
     The function gets ``completions``, ``prompts`` and every other column of the rows, one value
     per completion (TRL's calling convention). Returns one float per completion, NaN where the
-    function returned None. A function that raises or returns the wrong number of values is the
-    user's to fix: UserError, naming the function.
+    function returned None. A function that raises, hangs past `timeout` seconds, or returns the
+    wrong number of values is the user's to fix: UserError, naming the function.
     """
     columns = {key: [row[key] for row in rows for _ in range(repeats)] for key in rows[0]}
     prompts = columns.pop("prompt")
     try:
-        values = fn(completions=completions, prompts=prompts, **columns)
+        with _deadline(timeout):
+            values = fn(completions=completions, prompts=prompts, **columns)
+    except _RewardTimeout:
+        raise UserError(
+            f"reward function '{name}' did not return within {timeout:g} s for "
+            f"{len(completions)} completions; make it faster or raise --reward-timeout"
+        ) from None
     except Exception as err:  # a user's reward function: report it, don't crash opaquely
         raise UserError(
             f"reward function '{name}' raised {type(err).__name__}: {err}; fix the function "

@@ -113,6 +113,8 @@ class TrainConfig:
     # ----- rewards and shaping -----
     rewards: dict[str, float] | None = None
     """Reward functions and weights, e.g. --rewards correct 1.0 format 0.1. None: the task's."""
+    reward_timeout: float = 60.0
+    """Seconds a reward function may take for one step's completions before the run stops."""
     dynamic_sampling: bool | None = None
     """Drop zero-variance groups and sample more prompts until the batch is full. None: preset."""
     max_resample_rounds: int = 4
@@ -274,6 +276,7 @@ def validate(cfg: TrainConfig) -> None:
             "overlong_cache must lie in [1, max_new_tokens]",
         ),
         (cfg.max_resample_rounds >= 0, "max_resample_rounds must be >= 0"),
+        (cfg.reward_timeout > 0, "reward_timeout must be > 0 seconds"),
         (cfg.eval_every >= 0, "eval_every must be >= 0"),
         (cfg.eval_size >= 1, "eval_size must be at least 1"),
         (cfg.eval_samples >= 1, "eval_samples must be at least 1"),

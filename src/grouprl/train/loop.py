@@ -115,13 +115,19 @@ class Batch:
 
 
 def score(
-    rollout: Rollout, rows: list[dict], task: Task, weights: dict[str, float]
+    rollout: Rollout,
+    rows: list[dict],
+    task: Task,
+    weights: dict[str, float],
+    timeout: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted reward per completion (N,), NaN where every function returned None, and each
     function's own scores by name."""
     G = rollout.group_size
     by_function = {
-        name: torch.tensor(call_reward(name, task.reward_funcs[name], rollout.texts, rows, G))
+        name: torch.tensor(
+            call_reward(name, task.reward_funcs[name], rollout.texts, rows, G, timeout=timeout)
+        )
         for name in weights
     }  # name -> (N,)
     total = sum(weights[name] * r.nan_to_num(0.0) for name, r in by_function.items())
@@ -163,7 +169,7 @@ def collect_batch(
             stop=task.stop,
             seed=cfg.seed * 1_000_003 + step * 97 + round_,
         )
-        rewards, by_function = score(rollout, rows, task, weights)
+        rewards, by_function = score(rollout, rows, task, weights, cfg.reward_timeout)
         if cfg.overlong_penalty:
             penalty = overlong_penalty(
                 rollout.lengths, max_len=cfg.max_new_tokens, cache_len=cfg.overlong_cache
