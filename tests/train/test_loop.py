@@ -206,3 +206,13 @@ def test_score_weights_rewards_and_leaves_unscored_completions_nan():
     assert math.isnan(total[1])
     assert seen == {"prompts": ["p", "p", "q", "q"], "answer": ["1", "1", "2", "2"]}
     assert torch.isnan(by_function["first"]).tolist() == [False, True, False, True]
+
+
+def test_bf16_recomputes_old_logp_so_an_unmoved_policy_has_ratio_one(tmp_path):
+    """Under bf16 the sampler's log-probs differ from the trainer's by more than GSPO's clip
+    range (4e-4); recomputed by the trainer, a policy that does not move (lr 1e-12) sees ratios
+    of 1 and clips nothing."""
+    summary = _run(tmp_path, algo="gspo", precision="bf16", steps=1, lr=1e-12, warmup_steps=0)
+    (record,) = _metrics(summary.run_dir)
+    assert record["clip_frac_low"] == 0 and record["clip_frac_high"] == 0
+    assert abs(record["ratio_min"] - 1) < 1e-5 and abs(record["ratio_max"] - 1) < 1e-5

@@ -44,6 +44,10 @@ class TrainConfig:
     """Seed for data order, sampling and initial evaluation; same seed, same run."""
     threads: int | None = None
     """torch CPU threads. None: torch's default (all cores)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Forward passes in fp32, or under bf16 autocast (weights, gradients and optimizer stay
+    fp32). bf16 pays off where matmuls dominate (CPUs with AMX, larger models); old_logp is then
+    recomputed by the trainer, one no-grad forward per step."""
 
     # ----- sampling -----
     steps: int = 200
