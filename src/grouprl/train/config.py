@@ -256,7 +256,7 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.prompts_per_step >= 1, "prompts_per_step must be at least 1"),
         (cfg.steps >= 1, "steps must be at least 1"),
         (cfg.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
-        (cfg.temperature >= 0, "temperature must be >= 0 (0 means greedy)"),
+        (cfg.temperature > 0, "temperature must be > 0: training needs sampled log-probs"),
         (0 < cfg.top_p <= 1, "top_p must lie in (0, 1]"),
         (cfg.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
         (cfg.lr > 0 and math.isfinite(cfg.lr), "lr must be a positive number"),

@@ -362,8 +362,6 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         cfg = resolve(cfg, task_max_new_tokens=task.max_new_tokens)
     for warning in caught:
         console.print(f"[yellow]warning:[/] {warning.message}")
-    if cfg.temperature <= 0:
-        raise UserError("invalid config: training needs temperature > 0 (0 is greedy decoding)")
     weights = dict(cfg.rewards or task.reward_weights)
     for name in weights:
         if name not in task.reward_funcs:
