@@ -18,6 +18,7 @@ from grouprl.core import (
     log_ratio,
     overlong_penalty,
     policy_loss,
+    zero_variance_groups,
 )
 
 NAN = float("nan")
@@ -235,3 +236,18 @@ def test_kl_term_is_added_with_beta():
         )
         kl = aggregate(kl_penalty(logp, ref_logp), mask, mode=agg, norm_len=5)
         torch.testing.assert_close(with_kl.loss, base.loss + 0.3 * kl)
+
+
+def test_zero_variance_groups_by_hand():
+    nan = float("nan")
+    rewards = torch.tensor(
+        [
+            [1.0, 0.0, 1.0, 0.0],  # spread: teaches
+            [1.0, 1.0, 1.0, 1.0],  # all equal: silent
+            [0.3, nan, 0.3, nan],  # the scored ones agree: silent
+            [nan, 0.5, nan, nan],  # one scored: silent
+            [nan, nan, nan, nan],  # none scored: silent
+            [0.1, 0.1, nan, 0.2],  # spread among the scored: teaches
+        ]
+    )
+    assert zero_variance_groups(rewards).tolist() == [False, True, True, True, True, False]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from grouprl.core import zero_variance_groups
 from grouprl.errors import UserError
 from grouprl.rollout import Rollout
 from grouprl.tasks import get_task
@@ -96,7 +97,7 @@ def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path, monkeypatc
     original = loop.update
 
     def spy(cfg, policy, optimizer, batch, advantages, ref_logp):
-        seen.append(loop.zero_std_groups(batch.rewards, cfg.group_size))
+        seen.append(zero_variance_groups(batch.rewards.view(-1, cfg.group_size)))
         return original(cfg, policy, optimizer, batch, advantages, ref_logp)
 
     monkeypatch.setattr(loop, "update", spy)

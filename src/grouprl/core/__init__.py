@@ -6,7 +6,12 @@ advantages.py (group-relative advantages), loss.py (ratios, KL, aggregation, the
 and shaping.py (DAPO's overlong penalty) for the formulas and their papers.
 """
 
-from .advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, group_advantages
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_SCALES,
+    group_advantages,
+    zero_variance_groups,
+)
 from .loss import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -36,4 +41,5 @@ __all__ = [
     "log_ratio",
     "overlong_penalty",
     "policy_loss",
+    "zero_variance_groups",
 ]

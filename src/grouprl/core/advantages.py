@@ -68,6 +68,19 @@ ADVANTAGE_SCALES: dict[str, Callable[[Tensor, Tensor, float, bool], Tensor]] = {
 }
 
 
+def zero_variance_groups(rewards: Tensor) -> Tensor:
+    """(B,) True where a group's scored rewards (B, G) all agree, or fewer than two were scored.
+
+    Such a group's advantages are all 0 and it adds no gradient: "both go silent on
+    zero-variance groups" (the seeds). Its share of a batch is the `frac_zero_std` diagnostic,
+    and DAPO's dynamic sampling (arXiv 2503.14476) drops these groups. NaN = not scored.
+    """
+    valid = ~rewards.isnan()  # (B, G)
+    high = torch.where(valid, rewards, -torch.inf).amax(-1)  # (B,)
+    low = torch.where(valid, rewards, torch.inf).amin(-1)  # (B,)
+    return high <= low  # one valid reward: high == low; none: -inf <= inf
+
+
 def group_advantages(
     rewards: Tensor,  # (B, G)
     *,
@@ -103,9 +116,7 @@ def group_advantages(
     mean = r.sum(-1, keepdim=True) / count.clamp(min=1)  # (B, 1)
     # Rounding can leave R − mean a few ulp off zero when all rewards are equal (3 × 0.1 / 3 ≠ 0.1),
     # so a group with no spread is zeroed explicitly: it carries no learning signal.
-    high = torch.where(valid, r, -torch.inf).amax(-1, keepdim=True)  # (B, 1)
-    low = torch.where(valid, r, torch.inf).amin(-1, keepdim=True)  # (B, 1)
-    silent = (high <= low) | ~valid  # (B, G)
+    silent = zero_variance_groups(rewards)[:, None] | ~valid  # (B, G)
     centred = torch.where(silent, 0.0, r - mean)  # (B, G)
     advantages = estimate(centred, count) / divisor(centred, valid, eps, unbiased_std)  # (B, G)
     return torch.where(silent, 0.0, advantages)

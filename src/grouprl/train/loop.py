@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from grouprl.core import group_advantages, overlong_penalty, policy_loss
+from grouprl.core import group_advantages, overlong_penalty, policy_loss, zero_variance_groups
 from grouprl.errors import UserError
 from grouprl.models import load_model, load_tokenizer
 from grouprl.report import MetricSinks, plot_run
@@ -136,15 +136,6 @@ def score(
     return torch.where(scored, total, math.nan).float(), by_function
 
 
-def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) True where a group's scored rewards all agree (or fewer than two were scored)."""
-    r = rewards.view(-1, group_size)  # (B, G)
-    valid = ~torch.isnan(r)
-    high = torch.where(valid, r, -math.inf).amax(dim=1)
-    low = torch.where(valid, r, math.inf).amin(dim=1)
-    return (high - low <= 0) | (valid.sum(dim=1) < 2)
-
-
 def autocast(cfg: TrainConfig) -> torch.autocast:
     """bf16 autocast for forward passes when `precision` asks for it (a no-op context in fp32)."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
@@ -197,7 +188,7 @@ def collect_batch(
                 rollout.lengths, max_len=cfg.max_new_tokens, cache_len=cfg.overlong_cache
             )
             rewards = rewards + penalty.to(rewards.dtype)
-        zero = zero_std_groups(rewards, G)  # (B_round,)
+        zero = zero_variance_groups(rewards.view(-1, G))  # (B_round,)
         n_sampled, n_zero = n_sampled + len(rows), n_zero + int(zero.sum())
         keep = [g for g in range(len(rows)) if not (cfg.dynamic_sampling and zero[g])]
         if keep:
@@ -544,7 +535,7 @@ def _samples(batch: Batch, advantages: torch.Tensor, k: int) -> list[dict[str, A
                 "completion": batch.rollout.texts[row],
                 "reward": float(batch.rewards[row]),
                 "advantage": float(advantages[row]),
-                **{k: v for k, v in batch.rows[g].items() if k in ("answer",)},
+                "answer": batch.rows[g].get("answer"),
             }
         )
     return out
