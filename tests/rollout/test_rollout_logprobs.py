@@ -48,14 +48,15 @@ def test_old_logp_equals_completion_logprobs(model, tokenizer, temperature, top_
     assert (logp[~rollout.mask] == 0).all()
 
 
-def test_shared_prompt_equals_unshared_values_and_gradients(model, tokenizer):
+@pytest.mark.parametrize("chunk_tokens", [7, None])  # several recomputed chunks; one stored
+def test_shared_prompt_equals_unshared_values_and_gradients(model, tokenizer, chunk_tokens):
     rollout = sample_groups(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=16, seed=1)
     weights = torch.randn(rollout.mask.shape, generator=torch.Generator().manual_seed(0))
     temperature = 0.8
 
     model.zero_grad()
     logp, entropy = completion_logprobs(
-        model, rollout, temperature=temperature, with_entropy=True, chunk_tokens=7
+        model, rollout, temperature=temperature, with_entropy=True, chunk_tokens=chunk_tokens
     )
     ((logp * weights).sum() + entropy.sum()).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}

@@ -90,8 +90,13 @@ def completion_logprobs(
         h = hidden[sel]  # (M, H) only masked positions
         targets = completion_ids[sel]  # (M,)
         step = chunk_tokens or max(1, _LOGIT_CHUNK_ELEMENTS // _vocab_size(model, head))
+        # One chunk's logits fit the memory budget as they are; only several chunks need the
+        # recompute-in-backward that bounds memory (and costs a second head matmul).
+        recompute = h.shape[0] > step
         parts = [
-            _chunk_logp(head, h[i : i + step], targets[i : i + step], temperature, with_entropy)
+            _chunk_logp(
+                head, h[i : i + step], targets[i : i + step], temperature, with_entropy, recompute
+            )
             for i in range(0, h.shape[0], step)
         ]
         lp = torch.cat([p[0] for p in parts])  # (M,)
@@ -124,16 +129,24 @@ def _token_logp(
 
 
 def _chunk_logp(
-    head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+    head: nn.Module,
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    recompute: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Head + log-softmax on one chunk of hidden states h (m, H); checkpointed under autograd."""
+    """Head + log-softmax on one chunk of hidden states h (m, H); with `recompute`, checkpointed
+    under autograd so that its (m, vocab) logits are not kept for backward."""
 
     def run(h_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lp, ent = _token_logp(head(h_), targets, temperature, with_entropy)
         return lp, (ent if ent is not None else lp.new_zeros(()))
 
-    if torch.is_grad_enabled() and (
-        h.requires_grad or any(p.requires_grad for p in head.parameters())
+    if (
+        recompute
+        and torch.is_grad_enabled()
+        and (h.requires_grad or any(p.requires_grad for p in head.parameters()))
     ):
         lp, ent = checkpoint(run, h, use_reentrant=False)
     else:
@@ -192,13 +205,18 @@ def _completion_hidden(
     return torch.cat([first[:, None], rest], dim=1)
 
 
-def _full_sequences(
+def _full_forward(
+    module: nn.Module,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     group_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenated prompt + completion inputs (N, P + T − 1), their mask and positions."""
+) -> Any:
+    """One forward of `module` over the N concatenated prompt + completion[:-1] sequences.
+
+    The caller keeps positions P − 1 … of the output: the states (or logits) that predict the T
+    completion tokens.
+    """
     ids = torch.cat(
         [prompt_ids.repeat_interleave(group_size, dim=0), completion_ids[:, :-1]], dim=1
     )  # (N, P + T − 1)
@@ -209,7 +227,7 @@ def _full_sequences(
         ],
         dim=1,
     )  # (N, P + T − 1)
-    return ids, attn, _hf.left_pad_positions(attn)
+    return module(input_ids=ids, attention_mask=attn, position_ids=_hf.left_pad_positions(attn))
 
 
 def _unshared_hidden(
@@ -220,9 +238,8 @@ def _unshared_hidden(
     group_size: int,
 ) -> torch.Tensor:
     """Hidden states (N, T, H) from one forward of the N full sequences (no cache)."""
-    ids, attn, pos = _full_sequences(prompt_ids, prompt_mask, completion_ids, group_size)
-    hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-    return hidden[:, prompt_ids.shape[1] - 1 :]  # (N, T, H)
+    out = _full_forward(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
+    return out.last_hidden_state[:, prompt_ids.shape[1] - 1 :]  # (N, T, H)
 
 
 def _full_logits(
@@ -233,9 +250,8 @@ def _full_logits(
     group_size: int,
 ) -> torch.Tensor:
     """Logits (N, T, V) from the model's own forward: the path for heads we cannot split off."""
-    ids, attn, pos = _full_sequences(prompt_ids, prompt_mask, completion_ids, group_size)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-    return logits[:, prompt_ids.shape[1] - 1 :]  # (N, T, V)
+    out = _full_forward(model, prompt_ids, prompt_mask, completion_ids, group_size)
+    return out.logits[:, prompt_ids.shape[1] - 1 :]  # (N, T, V)
 
 
 def _checkpointing(decoder: nn.Module) -> bool:
