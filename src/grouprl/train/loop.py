@@ -225,10 +225,11 @@ def update(
         mask = mask & ~rollout.truncated[:, None]
     params = [p for p in policy.parameters() if p.requires_grad]
     rows_per_mb = len(rollout.texts) // cfg.minibatches
+    minibatches = rollout.split(cfg.minibatches)  # the same whole groups in every epoch
     totals: dict[str, float] = {}
     n_updates = 0
     for _ in range(cfg.epochs):
-        for i, minibatch in enumerate(rollout.split(cfg.minibatches)):
+        for i, minibatch in enumerate(minibatches):
             rows = slice(i * rows_per_mb, (i + 1) * rows_per_mb)
             with autocast(cfg):
                 logp, entropy = completion_logprobs(
