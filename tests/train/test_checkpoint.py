@@ -116,3 +116,20 @@ def test_wrong_model_is_rejected(tmp_path):
             optimizer=opt,
             scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
         )
+
+
+def test_saving_a_step_again_keeps_the_existing_checkpoint(tmp_path):
+    model, optimizer, scheduler = _setup(0)
+    first = ckpt.save_checkpoint(
+        tmp_path, 5, model=model, optimizer=optimizer, scheduler=scheduler,
+        state={"data_position": 1}, keep_last=1,
+    )  # fmt: skip
+    before = (first / "model.safetensors").stat().st_mtime_ns, (first / "state.json").read_text()
+    _train_steps(model, optimizer, scheduler, 1)
+    again = ckpt.save_checkpoint(
+        tmp_path, 5, model=model, optimizer=optimizer, scheduler=scheduler,
+        state={"data_position": 2}, keep_last=1,
+    )  # fmt: skip
+    assert again == first
+    after = (first / "model.safetensors").stat().st_mtime_ns, (first / "state.json").read_text()
+    assert after == before

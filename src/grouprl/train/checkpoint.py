@@ -88,10 +88,17 @@ def save_checkpoint(
     state: dict[str, Any],
     keep_last: int,
 ) -> Path:
-    """Write checkpoint `step` atomically and delete all but the newest `keep_last`."""
+    """Write checkpoint `step` atomically and delete all but the newest `keep_last`.
+
+    A step's checkpoint is written once: saving a step that already has a complete checkpoint
+    (Ctrl-C right after a periodic save, resuming a finished run) returns the existing one, so no
+    moment exists in which that step's only checkpoint is being replaced.
+    """
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
+    if (final / "state.json").is_file():
+        return final
     tmp = root / f".tmp-{PREFIX}{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -113,7 +120,7 @@ def save_checkpoint(
         _fsync(file)
     _fsync(tmp)
 
-    if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a periodic save)
+    if final.exists():  # an incomplete directory left by a crash: not a checkpoint
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync(root)
