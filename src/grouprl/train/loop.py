@@ -2,7 +2,8 @@
 
 Each step:
   1. take B prompts from the task's train split (a seeded permutation; the position is saved);
-  2. sample G completions for each with the current policy; their log-probs under the sampling
+  2. sample G completions for each with the current policy through a `RolloutEngine` (the HF
+     engine today; another backend plugs in here); their log-probs under the sampling
      distribution come back with them as `old_logp` (no extra forward pass);
   3. score every completion: the weighted sum of the reward functions (NaN where none scored);
      DAPO's soft overlong penalty is added when enabled;
@@ -43,7 +44,7 @@ from grouprl.errors import UserError
 from grouprl.models import load_model, load_tokenizer
 from grouprl.report import MetricSinks, plot_run
 from grouprl.report.sinks import truncate_jsonl
-from grouprl.rollout import Rollout, completion_logprobs, sample_groups
+from grouprl.rollout import HFRolloutEngine, Rollout, RolloutEngine, completion_logprobs
 from grouprl.tasks import Task, get_task
 from grouprl.tasks.base import call_reward
 from grouprl.train import checkpoint as ckpt
@@ -157,7 +158,12 @@ def trainer_old_logp(cfg: TrainConfig, policy, rollout: Rollout) -> Rollout:
 
 
 def collect_batch(
-    cfg: TrainConfig, step: int, policy, tokenizer, task: Task, stream: PromptStream, weights
+    cfg: TrainConfig,
+    step: int,
+    engine: RolloutEngine,
+    task: Task,
+    stream: PromptStream,
+    weights: dict[str, float],
 ) -> tuple[Batch | None, dict[str, float]]:
     """Sample and score B groups; with dynamic sampling keep only groups that teach something.
 
@@ -170,9 +176,7 @@ def collect_batch(
     for round_ in range(rounds):
         rows = stream.take(B - n_kept)
         with autocast(cfg):
-            rollout = sample_groups(
-                policy,
-                tokenizer,
+            rollout = engine.sample(
                 [row["prompt"] for row in rows],
                 group_size=G,
                 max_new_tokens=cfg.max_new_tokens,
@@ -368,6 +372,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
 
     policy = load_model(cfg.model).eval()
     tokenizer = load_tokenizer(cfg.model)
+    engine = HFRolloutEngine(policy, tokenizer)  # samples with the policy itself: no weight sync
     reference = load_model(cfg.model).eval().requires_grad_(False) if cfg.beta > 0 else None
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay
@@ -419,7 +424,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         task_id = bar.add_task("train", total=cfg.steps, completed=start, info="")
         while step < cfg.steps and not stop.requested:
             t0 = time.perf_counter()
-            batch, stats = collect_batch(cfg, step, policy, tokenizer, task, stream, weights)
+            batch, stats = collect_batch(cfg, step, engine, task, stream, weights)
             t_rollout = time.perf_counter() - t0
             metrics: dict[str, float] = {**stats}
             if batch is not None:
