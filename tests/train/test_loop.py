@@ -1,5 +1,6 @@
 """The training loop end to end on the bundled model: presets, options, resume, Ctrl-C."""
 
+import copy
 import dataclasses
 import json
 import math
@@ -217,3 +218,73 @@ def test_bf16_recomputes_old_logp_so_an_unmoved_policy_has_ratio_one(tmp_path):
     (record,) = _metrics(summary.run_dir)
     assert record["clip_frac_low"] == 0 and record["clip_frac_high"] == 0
     assert abs(record["ratio_min"] - 1) < 1e-5 and abs(record["ratio_max"] - 1) < 1e-5
+
+
+def _update_from(policy, cfg, batch, advantages):
+    """Parameters after `loop.update` on a copy of `policy` with a fresh AdamW. Its eps is large
+    so that rounding noise in near-zero gradients is not blown up to a whole lr-sized step."""
+    model = copy.deepcopy(policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, eps=1e-4)
+    diagnostics = loop.update(cfg, model, optimizer, batch, advantages, None)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, diagnostics
+
+
+@pytest.mark.parametrize(
+    ("algo", "minibatches", "epochs", "loss_agg", "group_rewards"),
+    [
+        # group 0 all right, group 2 all wrong: half the rows carry no signal
+        ("grpo", 1, 1, None, [[1, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0], [0, 1, 0, 0]]),
+        ("grpo", 1, 2, "token_mean", [[1, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0], [0, 1, 0, 0]]),
+        ("dr_grpo", 2, 1, None, [[1, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0], [0, 1, 0, 0]]),
+        # the whole first minibatch has no signal: its optimizer step still counts for AdamW
+        ("gspo", 2, 2, None, [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 1], [0, 1, 0, 0]]),
+    ],
+)
+def test_skipping_zero_advantage_groups_changes_no_update(
+    algo, minibatches, epochs, loss_agg, group_rewards, monkeypatch
+):
+    """With beta = 0 a group whose advantages are all 0 has exactly zero gradient, so leaving it
+    out of the forward/backward gives the same parameters, provided the loss keeps the full
+    minibatch's token and sequence counts and an all-skipped minibatch still steps AdamW."""
+    from grouprl.models import load_model, load_tokenizer
+    from grouprl.rollout import sample_groups
+    from grouprl.train.config import resolve
+
+    policy = load_model("builtin:arith").eval()
+    tokenizer = load_tokenizer("builtin:arith")
+    rows = get_task("arithmetic").train[:4]
+    rollout = sample_groups(
+        policy, tokenizer, [r["prompt"] for r in rows], group_size=4, max_new_tokens=24, seed=3
+    )
+    rewards = torch.tensor(group_rewards, dtype=torch.float32).reshape(-1)  # (N,)
+    batch = loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
+    cfg = resolve(
+        TrainConfig(
+            algo=algo, prompts_per_step=4, group_size=4, minibatches=minibatches, epochs=epochs,
+            loss_agg=loss_agg, lr=1e-3, max_new_tokens=24,
+        ),
+        task_max_new_tokens=24,
+    )  # fmt: skip
+    advantages = loop.group_advantages(rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
+    seen_rows = []
+    original = loop.completion_logprobs
+
+    def spy(model, minibatch, **kwargs):
+        seen_rows.append(minibatch.completion_ids.shape[0])
+        return original(model, minibatch, **kwargs)
+
+    monkeypatch.setattr(loop, "completion_logprobs", spy)
+    full, full_diag = _update_from(
+        policy, dataclasses.replace(cfg, skip_zero_advantage=False), batch, advantages
+    )
+    assert sum(seen_rows) == 16 * epochs
+    seen_rows.clear()
+    skipped, diag = _update_from(policy, cfg, batch, advantages)
+    assert sum(seen_rows) == 8 * epochs  # only the two groups with a learning signal ran
+    assert diag["trained_frac"] == 0.5 and full_diag["trained_frac"] == 1.0
+    assert diag["loss"] == pytest.approx(full_diag["loss"], abs=1e-6)
+    before = {n: p.detach() for n, p in policy.named_parameters()}
+    moved = max(float((full[n] - before[n]).abs().max()) for n in full)
+    assert moved > 1e-4  # the update did something
+    for name in full:
+        torch.testing.assert_close(skipped[name], full[name], rtol=1e-5, atol=moved * 1e-3)

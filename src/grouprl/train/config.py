@@ -82,6 +82,8 @@ class TrainConfig:
     """Policy updates over each rollout batch (mu in the GRPO paper)."""
     minibatches: int | None = None
     """Minibatches per epoch, each one optimizer step; must divide prompts_per_step. None: preset."""
+    skip_zero_advantage: bool = True
+    """Leave groups whose advantages are all 0 out of the forward/backward (exact when beta = 0)."""
 
     # ----- objective -----
     ratio_level: Literal["token", "sequence", "sequence_token"] | None = None

@@ -39,7 +39,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from grouprl.core import group_advantages, overlong_penalty, policy_loss, zero_variance_groups
+from grouprl.core import (
+    PolicyLoss,
+    group_advantages,
+    overlong_penalty,
+    policy_loss,
+    zero_variance_groups,
+)
 from grouprl.errors import UserError
 from grouprl.models import load_model, load_tokenizer
 from grouprl.report import MetricSinks, plot_run
@@ -50,6 +56,10 @@ from grouprl.tasks.base import call_reward
 from grouprl.train import checkpoint as ckpt
 from grouprl.train.config import TrainConfig, resolve, to_yaml
 from grouprl.train.evaluate import EvalResult, evaluate
+
+# Diagnostics of an update that trained completions (see `update`); kl only exists with beta > 0.
+_LOSS_DIAGNOSTICS = [f.name for f in dataclasses.fields(PolicyLoss) if f.name not in ("loss", "kl")]
+_LOSS_DIAGNOSTICS.append("entropy")
 
 
 @dataclass(frozen=True)
@@ -222,54 +232,88 @@ def update(
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
 
     advantages: (N,); ref_logp: (N, T) or None. Returns the diagnostics averaged over updates.
+
+    Groups without a learning signal are skipped (`skip_zero_advantage`, beta = 0 only): when
+    every completion of a group scored the same, its advantages are all 0, so its loss terms
+    -min(r·0, clip(r)·0) and their gradients are exactly 0. Such groups never enter the forward
+    and backward; the loss still divides by the whole minibatch's token and sequence counts, and
+    a minibatch left empty still takes its optimizer step (zero gradients move AdamW's moments
+    and step count), so the parameters equal the full computation's up to float rounding. The
+    saving grows as the policy improves and more groups are all correct. `loss` and `grad_norm`
+    average over all updates, the other diagnostics over the completions that were trained
+    (NaN when there were none); `trained_frac` is the fraction of completions trained.
     """
     rollout = batch.rollout
+    G = rollout.group_size
     mask = rollout.mask  # (N, T)
     if cfg.mask_truncated:
         mask = mask & ~rollout.truncated[:, None]
     params = [p for p in policy.parameters() if p.requires_grad]
-    rows_per_mb = len(rollout.texts) // cfg.minibatches
-    minibatches = rollout.split(cfg.minibatches)  # the same whole groups in every epoch
+    skip = cfg.skip_zero_advantage and cfg.beta == 0
+    per_mb = rollout.num_prompts // cfg.minibatches  # groups per minibatch
+    plans = []  # per minibatch: (its trained groups as a Rollout or None, their rows, counts)
+    for first in range(0, rollout.num_prompts, per_mb):
+        groups = list(range(first, first + per_mb))
+        rows = slice(first * G, (first + per_mb) * G)
+        counts = {"num_tokens": mask[rows].sum(), "num_seqs": mask[rows].any(-1).sum()}
+        if skip:
+            live = (advantages[rows].view(-1, G) != 0).any(-1).tolist()  # (b,)
+            groups = [g for g, keep in zip(groups, live) if keep]
+        idx = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
+        plans.append((rollout.select_groups(groups) if groups else None, idx, counts))
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
     totals: dict[str, float] = {}
-    n_updates = 0
+    n_updates = n_trained = 0
     for _ in range(cfg.epochs):
-        for i, minibatch in enumerate(minibatches):
-            rows = slice(i * rows_per_mb, (i + 1) * rows_per_mb)
-            with autocast(cfg):
-                logp, entropy = completion_logprobs(
-                    policy, minibatch, temperature=cfg.temperature, with_entropy=True
-                )  # (n, T), (n, T), float32
-            out = policy_loss(
-                logp,
-                minibatch.old_logp,
-                advantages[rows],
-                mask[rows],
-                level=cfg.ratio_level,
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                dual_clip=cfg.dual_clip,
-                ref_logp=None if ref_logp is None else ref_logp[rows],
-                beta=cfg.beta,
-                kl_estimator=cfg.kl_estimator,
-                agg=cfg.loss_agg,
-                norm_len=cfg.norm_len,
-            )
+        for minibatch, idx, counts in plans:
             optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
-            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+            diagnostics = {"loss": 0.0}
+            if minibatch is None:
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+            else:
+                with autocast(cfg):
+                    logp, entropy = completion_logprobs(
+                        policy, minibatch, temperature=cfg.temperature, with_entropy=True
+                    )  # (n, T), (n, T), float32
+                m = mask[idx]  # (n, T)
+                out = policy_loss(
+                    logp,
+                    minibatch.old_logp,
+                    advantages[idx],
+                    m,
+                    level=cfg.ratio_level,
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    dual_clip=cfg.dual_clip,
+                    ref_logp=None if ref_logp is None else ref_logp[idx],
+                    beta=cfg.beta,
+                    kl_estimator=cfg.kl_estimator,
+                    agg=cfg.loss_agg,
+                    norm_len=cfg.norm_len,
+                    **counts,
+                )
+                out.loss.backward()
+                diagnostics = {
+                    **out.metrics(),
+                    "entropy": float(entropy.detach()[m].mean()) if m.any() else 0.0,
+                }
+                n_trained += 1
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             optimizer.step()
-
-            m = mask[rows]
-            diagnostics = {
-                **out.metrics(),
-                "grad_norm": float(grad_norm),
-                "entropy": float(entropy.detach()[m].mean()) if m.any() else 0.0,
-            }
+            diagnostics["grad_norm"] = float(grad_norm)
             for key, value in diagnostics.items():
                 totals[key] = totals.get(key, 0.0) + value
             n_updates += 1
-    return {key: value / n_updates for key, value in totals.items()}
+    result = {
+        key: value / (n_updates if key in ("loss", "grad_norm") else n_trained)
+        for key, value in totals.items()
+    }
+    for key in _LOSS_DIAGNOSTICS:
+        result.setdefault(key, math.nan)
+    trained = sum(len(idx) for _, idx, _ in plans)
+    result["trained_frac"] = trained / len(rollout.texts)
+    return result
 
 
 def run_eval(
