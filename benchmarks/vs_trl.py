@@ -289,6 +289,9 @@ def grouprl_speed_cmd(args: BenchArgs, model: ModelSpec, level: str, run_dir: Pa
     cmd += ["--threads", str(args.threads), "--seed", str(args.seed)]
     if level == "sequence":
         cmd += ["--minibatches", str(args.sequence_minibatches)]
+    # Equal work: TRL runs every completion through the update, so grouprl does too (on the
+    # random 20M model every group scores 0, and skipping would leave nothing to train).
+    cmd += ["--no-skip-zero-advantage"]
     # evaluation (start and end only) and checkpoints are outside step_seconds; keep them small
     cmd += ["--eval-every", "0", "--eval-size", "1", "--eval-samples", "1"]
     cmd += ["--save-every", str(steps), "--output-dir", str(run_dir)]
@@ -606,6 +609,7 @@ def speed_config(args: BenchArgs, level: str) -> Any:
         threads=args.threads,
         seed=args.seed,
         minibatches=args.sequence_minibatches if level == "sequence" else 1,
+        skip_zero_advantage=False,
     )
 
 
@@ -831,7 +835,8 @@ def describe(cfg: Any) -> str:
         f"{cfg.loss_agg}, {cfg.minibatches} minibatch(es) of whole groups, epochs {cfg.epochs}, "
         f"beta {cfg.beta}, advantages: group mean, {cfg.adv_scale} {std} std + {cfg.adv_eps}; "
         f"AdamW lr {cfg.lr}, betas {tuple(cfg.adam_betas)}, wd {cfg.weight_decay}, grad-norm "
-        f"clip {cfg.max_grad_norm}, {cfg.lr_schedule} lr after {cfg.warmup_steps} warm-up steps"
+        f"clip {cfg.max_grad_norm}, {cfg.lr_schedule} lr after {cfg.warmup_steps} warm-up steps; "
+        + ("zero-advantage groups skipped" if cfg.skip_zero_advantage else "every group trained")
     )
 
 

@@ -29,7 +29,9 @@ def _reference(model, rollout, temperature):
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 10, 0.9)])
-def test_old_logp_equals_completion_logprobs(model, tokenizer, temperature, top_k, top_p):
+def test_old_logp_and_entropy_equal_completion_logprobs(
+    model, tokenizer, temperature, top_k, top_p
+):
     rollout = sample_groups(
         model,
         tokenizer,
@@ -43,9 +45,14 @@ def test_old_logp_equals_completion_logprobs(model, tokenizer, temperature, top_
     )
     assert rollout.prompt_mask.sum(-1).unique().numel() == len(PROMPTS)  # different lengths
     with torch.no_grad():
-        logp = completion_logprobs(model, rollout, temperature=rollout.temperature)
+        logp, entropy = completion_logprobs(
+            model, rollout, temperature=rollout.temperature, with_entropy=True
+        )
     torch.testing.assert_close(logp, rollout.old_logp, atol=1e-5, rtol=0)
     assert (logp[~rollout.mask] == 0).all()
+    # the sampler's entropy is the trainer's, before truncation like old_logp
+    torch.testing.assert_close(rollout.entropy, entropy, atol=1e-5, rtol=0)
+    assert (rollout.entropy > 0).any() and (rollout.entropy[~rollout.mask] == 0).all()
 
 
 @pytest.mark.parametrize("chunk_tokens", [7, None])  # several recomputed chunks; one stored

@@ -23,6 +23,7 @@ def _rollout(b=4, g=3, t=5) -> Rollout:
         prompts=[f"p{i}" for i in range(b)],
         group_size=g,
         temperature=0.9,
+        entropy=torch.rand(n, t) * mask,
     )
 
 
@@ -41,6 +42,7 @@ def test_select_groups_keeps_whole_groups_in_the_given_order():
     assert torch.equal(s.completion_ids, r.completion_ids[[6, 7, 8, 0, 1, 2]])
     assert torch.equal(s.prompt_ids, r.prompt_ids[[2, 0]])
     assert torch.equal(s.old_logp, r.old_logp[[6, 7, 8, 0, 1, 2]])
+    assert torch.equal(s.entropy, r.entropy[[6, 7, 8, 0, 1, 2]])
     assert s.group_size == 3 and s.temperature == 0.9
     with pytest.raises(IndexError):
         r.select_groups([4])
@@ -66,6 +68,9 @@ def test_concat_repads_to_the_widest_part():
     assert torch.equal(c.prompt_ids[2], torch.tensor([0, 1])) and not c.prompt_mask[2, 0]
     assert torch.equal(c.mask[6:, :3], b.mask) and not c.mask[6:, 3:].any()
     assert torch.equal(c.old_logp[6:, :3], b.old_logp) and (c.old_logp[6:, 3:] == 0).all()
+    assert torch.equal(c.entropy[6:, :3], b.entropy) and (c.entropy[6:, 3:] == 0).all()
+    b.entropy = None  # an engine without entropy: the concatenation has none either
+    assert Rollout.concat([a, b]).entropy is None
     assert torch.equal(c.completion_ids[6:, :3], b.completion_ids)
     assert (c.completion_ids[6:, 3:] == c.pad_id).all()
     assert torch.equal(c.select_groups([2]).completion_ids[:, :3], b.completion_ids)
@@ -77,3 +82,5 @@ def test_inconsistent_shapes_are_rejected():
     r = _rollout()
     with pytest.raises(ValueError):
         Rollout(**{**r.__dict__, "group_size": 5})
+    with pytest.raises(ValueError):
+        Rollout(**{**r.__dict__, "entropy": r.entropy[:, :2]})

@@ -341,7 +341,7 @@ def sample_groups(
         generator.manual_seed(int(seed))
 
     with torch.inference_mode():
-        tokens, logp, lengths, ended = _decode(
+        tokens, logp, entropy, lengths, ended = _decode(
             model,
             prompt_ids,
             prompt_mask,
@@ -357,7 +357,7 @@ def sample_groups(
             generator=generator,
         )
     width = int(lengths.max())  # T
-    tokens, logp = tokens[:, :width], logp[:, :width]  # (N, T)
+    tokens, logp, entropy = tokens[:, :width], logp[:, :width], entropy[:, :width]  # (N, T)
     mask = torch.arange(width, device=device)[None, :] < lengths[:, None]  # (N, T)
     texts = _decode_texts(tokenizer, tokens, lengths, ended, eos_ids, stop)
     # clone() outside inference mode: inference tensors cannot be saved for backward, and the
@@ -374,6 +374,7 @@ def sample_groups(
         group_size=group_size,
         temperature=1.0 if greedy else float(temperature),
         pad_id=pad_id,
+        entropy=entropy.clone(),
     )
 
 
@@ -392,14 +393,15 @@ def _decode(
     pad_id: int,
     stopper: _StopStrings | None,
     generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decode loop. Returns tokens (N, max_new), old_logp (N, max_new), lengths (N,), ended (N,)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode loop. Returns tokens, old_logp and entropy (N, max_new), lengths and ended (N,)."""
     device = prompt_ids.device
     num_prompts, prompt_width = prompt_ids.shape
     n = num_prompts * group_size
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)  # (E,)
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     old_logp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
+    entropy = torch.zeros_like(old_logp)
     stop_at = torch.full((n,), max_new_tokens + 1, dtype=torch.long, device=device)  # (N,)
     # Host-side checks (all finished? compact?) need a device sync; on CPU that is free, on an
     # accelerator it stalls the launch queue, so there they run every few steps. Stop strings
@@ -425,18 +427,22 @@ def _decode(
         # 4. Pick a token per row.
         scores = logits if temperature == 1.0 else logits / temperature  # (n, V)
         logp_all = torch.log_softmax(scores, dim=-1)  # (n, V)
+        p_all = logp_all.exp()  # (n, V)
         if greedy:
             tok = scores.argmax(-1)  # (n,)
         else:
             truncated = top_p_filter(top_k_filter(scores, top_k), top_p)
-            probs = logp_all.exp() if truncated is scores else truncated.softmax(-1)
+            probs = p_all if truncated is scores else truncated.softmax(-1)
             tok = sample_categorical(probs, generator)  # (n,)
         lp = logp_all.gather(-1, tok[:, None]).squeeze(1)  # (n,)
+        # p·log p with log p clamped to a finite value: a token with p = 0 adds 0, not NaN
+        ent = -(p_all * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(-1)  # (n,)
         tok = tok.masked_fill(done, pad_id)
         lp = lp.masked_fill(done, 0.0)
         out_rows = slice(None) if rows is None else rows
         tokens[out_rows, t] = tok
         old_logp[out_rows, t] = lp
+        entropy[out_rows, t] = ent.masked_fill(done, 0.0)
 
         # 5. Finish rows at EOS / stop strings.
         hit = torch.isin(tok, eos) & ~done  # (n,)
@@ -466,7 +472,7 @@ def _decode(
 
     lengths = stop_at.clamp(max=max_new_tokens)  # (N,)
     ended = stop_at <= max_new_tokens  # (N,)
-    return tokens, old_logp, lengths, ended
+    return tokens, old_logp, entropy, lengths, ended
 
 
 def _decode_texts(

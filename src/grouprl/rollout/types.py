@@ -37,6 +37,9 @@ class Rollout:
         temperature: the temperature of `old_logp`'s distribution (1.0 for greedy sampling,
             which has no finite temperature of its own).
         pad_id: the id used for padding prompts and completions (masked out everywhere).
+        entropy: (N, T) float32 or None, entropy of the sampling distribution softmax(logits /
+            temperature) (before top-k / top-p, like `old_logp`) at each completion position; 0
+            at masked positions. None when the engine does not provide it.
     """
 
     prompt_ids: torch.Tensor  # (B, P)
@@ -50,6 +53,7 @@ class Rollout:
     group_size: int
     temperature: float
     pad_id: int = 0
+    entropy: torch.Tensor | None = None  # (N, T)
 
     def __post_init__(self) -> None:
         b, g = self.prompt_ids.shape[0], self.group_size
@@ -58,6 +62,8 @@ class Rollout:
             raise ValueError(f"{n} completion rows do not make {b} groups of {g}")
         if self.mask.shape != self.completion_ids.shape or self.old_logp.shape != self.mask.shape:
             raise ValueError("completion_ids, mask and old_logp must all be (N, T)")
+        if self.entropy is not None and self.entropy.shape != self.mask.shape:
+            raise ValueError("entropy must be (N, T) like mask")
         if len(self.texts) != n or len(self.prompts) != b:
             raise ValueError(
                 f"need {n} texts and {b} prompts, got {len(self.texts)}, {len(self.prompts)}"
@@ -102,6 +108,7 @@ class Rollout:
             group_size=g,
             temperature=self.temperature,
             pad_id=self.pad_id,
+            entropy=None if self.entropy is None else self.entropy[ri],
         )
 
     @staticmethod
@@ -143,6 +150,11 @@ class Rollout:
             group_size=first.group_size,
             temperature=first.temperature,
             pad_id=first.pad_id,
+            entropy=(
+                torch.cat([right(p.entropy, 0.0) for p in parts])
+                if all(p.entropy is not None for p in parts)
+                else None
+            ),
         )
 
     def split(self, num_minibatches: int) -> list[Rollout]:

@@ -57,9 +57,12 @@ from grouprl.train import checkpoint as ckpt
 from grouprl.train.config import TrainConfig, resolve, to_yaml
 from grouprl.train.evaluate import EvalResult, evaluate
 
-# Diagnostics of an update that trained completions (see `update`); kl only exists with beta > 0.
-_LOSS_DIAGNOSTICS = [f.name for f in dataclasses.fields(PolicyLoss) if f.name not in ("loss", "kl")]
-_LOSS_DIAGNOSTICS.append("entropy")
+# Diagnostics of an update (see `update`): those that are exact even when groups are skipped
+# (averaged over every update), and those that describe the trained completions only.
+_EXACT_DIAGNOSTICS = ("loss", "grad_norm", "clip_frac_low", "clip_frac_high")
+_TRAINED_DIAGNOSTICS = [
+    f.name for f in dataclasses.fields(PolicyLoss) if f.name not in (*_EXACT_DIAGNOSTICS, "kl")
+]
 
 
 @dataclass(frozen=True)
@@ -239,9 +242,9 @@ def update(
     and backward; the loss still divides by the whole minibatch's token and sequence counts, and
     a minibatch left empty still takes its optimizer step (zero gradients move AdamW's moments
     and step count), so the parameters equal the full computation's up to float rounding. The
-    saving grows as the policy improves and more groups are all correct. `loss` and `grad_norm`
-    average over all updates, the other diagnostics over the completions that were trained
-    (NaN when there were none); `trained_frac` is the fraction of completions trained.
+    saving grows as the policy improves and more groups are all correct. Loss, gradient norm and
+    clip fractions are those of the full computation; ratio statistics and approx_kl describe
+    the trained completions (NaN when none was); `trained_frac` is the fraction trained.
     """
     rollout = batch.rollout
     G = rollout.group_size
@@ -267,15 +270,15 @@ def update(
     for _ in range(cfg.epochs):
         for minibatch, idx, counts in plans:
             optimizer.zero_grad(set_to_none=True)
-            diagnostics = {"loss": 0.0}
+            diagnostics = dict.fromkeys(_EXACT_DIAGNOSTICS, 0.0)
             if minibatch is None:
                 for p in params:
                     p.grad = torch.zeros_like(p)
             else:
                 with autocast(cfg):
-                    logp, entropy = completion_logprobs(
-                        policy, minibatch, temperature=cfg.temperature, with_entropy=True
-                    )  # (n, T), (n, T), float32
+                    logp = completion_logprobs(
+                        policy, minibatch, temperature=cfg.temperature
+                    )  # (n, T) float32
                 m = mask[idx]  # (n, T)
                 out = policy_loss(
                     logp,
@@ -294,10 +297,12 @@ def update(
                     **counts,
                 )
                 out.loss.backward()
-                diagnostics = {
-                    **out.metrics(),
-                    "entropy": float(entropy.detach()[m].mean()) if m.any() else 0.0,
-                }
+                diagnostics = out.metrics()
+                # Skipped tokens have advantage 0 and are never clipped: over the minibatch's
+                # tokens the clip fractions are exactly those of the full computation.
+                share = float(m.sum()) / max(float(counts["num_tokens"]), 1.0)
+                diagnostics["clip_frac_low"] *= share
+                diagnostics["clip_frac_high"] *= share
                 n_trained += 1
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             optimizer.step()
@@ -306,10 +311,10 @@ def update(
                 totals[key] = totals.get(key, 0.0) + value
             n_updates += 1
     result = {
-        key: value / (n_updates if key in ("loss", "grad_norm") else n_trained)
+        key: value / (n_updates if key in _EXACT_DIAGNOSTICS else n_trained)
         for key, value in totals.items()
     }
-    for key in _LOSS_DIAGNOSTICS:
+    for key in _TRAINED_DIAGNOSTICS:
         result.setdefault(key, math.nan)
     trained = sum(len(idx) for _, idx, _ in plans)
     result["trained_frac"] = trained / len(rollout.texts)
@@ -561,6 +566,9 @@ def _batch_metrics(batch: Batch) -> dict[str, float]:
         "completion_len_max": float(lengths.max()),
         "truncated_frac": float(batch.rollout.truncated.float().mean()),
     }
+    if batch.rollout.entropy is not None:  # of the sampling policy, over every sampled token
+        mask = batch.rollout.mask
+        metrics["entropy"] = float(batch.rollout.entropy[mask].mean()) if mask.any() else 0.0
     for name, values in batch.by_function.items():
         metrics[f"reward_{name}"] = float(values.nanmean())
     if "correct" in batch.by_function:
