@@ -291,3 +291,13 @@ def test_skipping_zero_advantage_groups_changes_no_update(
     assert moved > 1e-4  # the update did something
     for name in full:
         torch.testing.assert_close(skipped[name], full[name], rtol=1e-5, atol=moved * 1e-3)
+
+
+def test_optimizer_is_fused_adamw_over_trainable_parameters():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    optimizer = loop.make_optimizer(TrainConfig(lr=1e-3, weight_decay=0.1), model)
+    (group,) = optimizer.param_groups
+    assert isinstance(optimizer, torch.optim.AdamW) and group["fused"] is True
+    assert group["lr"] == 1e-3 and group["weight_decay"] == 0.1
+    assert [p.shape for p in group["params"]] == [(2, 4), (2,)]
