@@ -133,3 +133,23 @@ def test_saving_a_step_again_keeps_the_existing_checkpoint(tmp_path):
     assert again == first
     after = (first / "model.safetensors").stat().st_mtime_ns, (first / "state.json").read_text()
     assert after == before
+
+
+def test_resume_keeps_the_current_optimizer_kernel_and_the_saved_hyperparameters(tmp_path):
+    """A checkpoint written by a multi-tensor AdamW resumes into a fused one (and back): the
+    kernel is a property of the machine, the learning rate and moments are the checkpoint's."""
+    model, optimizer, scheduler = _setup(0)  # default kernel, lr 1e-2
+    _train_steps(model, optimizer, scheduler, 2)
+    path = ckpt.save_checkpoint(
+        tmp_path, 2, model=model, optimizer=optimizer, scheduler=scheduler, state={}, keep_last=1
+    )
+    model2, _, _ = _setup(1)
+    fused = torch.optim.AdamW(model2.parameters(), lr=5.0, fused=True)
+    scheduler2 = torch.optim.lr_scheduler.LambdaLR(fused, lambda s: 1.0 / (s + 1))
+    ckpt.load_checkpoint(path, model=model2, optimizer=fused, scheduler=scheduler2)
+    (group,) = fused.param_groups
+    assert group["fused"] is True and not group["foreach"]
+    assert group["betas"] == (0.9, 0.95) and group["lr"] == pytest.approx(1e-2 / 3)
+    first = next(iter(fused.state.values()))
+    assert int(first["step"]) == 2 and first["exp_avg"].abs().sum() > 0
+    _train_steps(model2, fused, scheduler2, 1)  # and it steps

@@ -213,9 +213,14 @@ def test_score_weights_rewards_and_leaves_unscored_completions_nan():
 def test_bf16_recomputes_old_logp_so_an_unmoved_policy_has_ratio_one(tmp_path):
     """Under bf16 the sampler's log-probs differ from the trainer's by more than GSPO's clip
     range (4e-4); recomputed by the trainer, a policy that does not move (lr 1e-12) sees ratios
-    of 1 and clips nothing."""
-    summary = _run(tmp_path, algo="gspo", precision="bf16", steps=1, lr=1e-12, warmup_steps=0)
+    of 1 and clips nothing; also when some groups of a minibatch are skipped (the recompute runs
+    on the same rows as the update)."""
+    summary = _run(
+        tmp_path, algo="gspo", precision="bf16", steps=1, lr=1e-12, warmup_steps=0,
+        prompts_per_step=8, group_size=2, minibatches=2,
+    )  # fmt: skip
     (record,) = _metrics(summary.run_dir)
+    assert 0 < record["trained_frac"] < 1
     assert record["clip_frac_low"] == 0 and record["clip_frac_high"] == 0
     assert abs(record["ratio_min"] - 1) < 1e-5 and abs(record["ratio_max"] - 1) < 1e-5
 
@@ -229,23 +234,33 @@ def _update_from(policy, cfg, batch, advantages):
     return {name: p.detach().clone() for name, p in model.named_parameters()}, diagnostics
 
 
+NAN = math.nan
+# group 0 all right, group 2 all wrong: half the rows carry no signal
+HALF = [[1, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0], [0, 1, 0, 0]]
+# the whole first minibatch (of 2) has no signal: its optimizer step still counts for AdamW
+FIRST_EMPTY = [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 1], [0, 1, 0, 0]]
+# unscored completions get advantage 0: an unscored group is skipped, a partly scored one is not
+UNSCORED = [[NAN, NAN, NAN, NAN], [1, NAN, 0, 1], [0, 0, 0, 0], [0, 1, NAN, 0]]
+
+
 @pytest.mark.parametrize(
-    ("algo", "minibatches", "epochs", "loss_agg", "group_rewards"),
+    ("group_rewards", "overrides"),
     [
-        # group 0 all right, group 2 all wrong: half the rows carry no signal
-        ("grpo", 1, 1, None, [[1, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0], [0, 1, 0, 0]]),
-        ("grpo", 1, 2, "token_mean", [[1, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0], [0, 1, 0, 0]]),
-        ("dr_grpo", 2, 1, None, [[1, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0], [0, 1, 0, 0]]),
-        # the whole first minibatch has no signal: its optimizer step still counts for AdamW
-        ("gspo", 2, 2, None, [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 1], [0, 1, 0, 0]]),
+        (HALF, {"algo": "grpo"}),
+        (HALF, {"algo": "grpo", "epochs": 2, "loss_agg": "token_mean", "dual_clip": 1.5}),
+        (HALF, {"algo": "dr_grpo", "minibatches": 2, "mask_truncated": True}),
+        (FIRST_EMPTY, {"algo": "gspo", "minibatches": 2, "epochs": 2}),
+        (
+            UNSCORED,
+            {"algo": "gspo", "ratio_level": "sequence_token", "loss_agg": "seq_mean_token_sum"},
+        ),
     ],
 )
-def test_skipping_zero_advantage_groups_changes_no_update(
-    algo, minibatches, epochs, loss_agg, group_rewards, monkeypatch
-):
+def test_skipping_zero_advantage_groups_changes_no_update(group_rewards, overrides, monkeypatch):
     """With beta = 0 a group whose advantages are all 0 has exactly zero gradient, so leaving it
-    out of the forward/backward gives the same parameters, provided the loss keeps the full
-    minibatch's token and sequence counts and an all-skipped minibatch still steps AdamW."""
+    out of the forward/backward gives the same gradients and parameters, provided the loss keeps
+    the full minibatch's token and sequence counts and an all-skipped minibatch still steps
+    AdamW."""
     from grouprl.models import load_model, load_tokenizer
     from grouprl.rollout import sample_groups
     from grouprl.train.config import resolve
@@ -254,17 +269,14 @@ def test_skipping_zero_advantage_groups_changes_no_update(
     tokenizer = load_tokenizer("builtin:arith")
     rows = get_task("arithmetic").train[:4]
     rollout = sample_groups(
-        policy, tokenizer, [r["prompt"] for r in rows], group_size=4, max_new_tokens=24, seed=3
+        policy, tokenizer, [r["prompt"] for r in rows], group_size=4, max_new_tokens=20, seed=3
     )
     rewards = torch.tensor(group_rewards, dtype=torch.float32).reshape(-1)  # (N,)
     batch = loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
-    cfg = resolve(
-        TrainConfig(
-            algo=algo, prompts_per_step=4, group_size=4, minibatches=minibatches, epochs=epochs,
-            loss_agg=loss_agg, lr=1e-3, max_new_tokens=24,
-        ),
-        task_max_new_tokens=24,
-    )  # fmt: skip
+    settings = {"prompts_per_step": 4, "group_size": 4, "lr": 1e-3, "max_grad_norm": 0.0}
+    cfg = resolve(TrainConfig(**settings, max_new_tokens=20, **overrides), task_max_new_tokens=20)
+    if cfg.mask_truncated:
+        assert 0 < rollout.truncated.sum() < 16  # 20 tokens cut some completions short
     advantages = loop.group_advantages(rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
     seen_rows = []
     original = loop.completion_logprobs
@@ -274,16 +286,17 @@ def test_skipping_zero_advantage_groups_changes_no_update(
         return original(model, minibatch, **kwargs)
 
     monkeypatch.setattr(loop, "completion_logprobs", spy)
-    full, full_diag = _update_from(
-        policy, dataclasses.replace(cfg, skip_zero_advantage=False), batch, advantages
-    )
-    assert sum(seen_rows) == 16 * epochs
+    full_cfg = dataclasses.replace(cfg, skip_zero_advantage=False)
+    full, full_diag = _update_from(policy, full_cfg, batch, advantages)
+    assert sum(seen_rows) == 16 * cfg.epochs
     seen_rows.clear()
     skipped, diag = _update_from(policy, cfg, batch, advantages)
-    assert sum(seen_rows) == 8 * epochs  # only the two groups with a learning signal ran
+    assert sum(seen_rows) == 8 * cfg.epochs  # only the two groups with a learning signal ran
     assert diag["trained_frac"] == 0.5 and full_diag["trained_frac"] == 1.0
-    if epochs > 1:  # the second pass is off-policy: something is clipped, so this compares
+    if cfg.epochs > 1:  # the second pass is off-policy: something is clipped, so this compares
         assert full_diag["clip_frac_low"] + full_diag["clip_frac_high"] > 0
+    assert full_diag["grad_norm"] > 0
+    assert diag["grad_norm"] == pytest.approx(full_diag["grad_norm"], rel=1e-5)
     for key in ("loss", "clip_frac_low", "clip_frac_high"):  # exact despite the skipping
         assert diag[key] == pytest.approx(full_diag[key], abs=1e-6), key
     before = {n: p.detach() for n, p in policy.named_parameters()}
@@ -296,8 +309,10 @@ def test_skipping_zero_advantage_groups_changes_no_update(
 def test_optimizer_is_fused_adamw_over_trainable_parameters():
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     model[0].requires_grad_(False)
-    optimizer = loop.make_optimizer(TrainConfig(lr=1e-3, weight_decay=0.1), model)
+    optimizer = loop.make_optimizer(
+        TrainConfig(lr=1e-3, weight_decay=0.1, adam_betas=(0.9, 0.99)), model
+    )
     (group,) = optimizer.param_groups
     assert isinstance(optimizer, torch.optim.AdamW) and group["fused"] is True
-    assert group["lr"] == 1e-3 and group["weight_decay"] == 0.1
+    assert group["lr"] == 1e-3 and group["weight_decay"] == 0.1 and group["betas"] == (0.9, 0.99)
     assert [p.shape for p in group["params"]] == [(2, 4), (2,)]

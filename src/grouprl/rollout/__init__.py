@@ -1,7 +1,7 @@
 """Group sampling on Hugging Face causal LMs and exact completion log-probs.
 
 - `sample_groups`: B prompts × G completions, each prompt prefilled once, KV-cached decoding of
-  all B·G rows together; returns a `Rollout` with `old_logp`.
+  all B·G rows together; returns a `Rollout` with `old_logp` and the sampling entropy.
 - `completion_logprobs`: teacher-forced log-probs (and entropy) of the completion tokens, with
   the prompt shared across its group and the vocab projection chunked; differentiable.
 - `RolloutEngine`: the interface the trainer samples through; `HFRolloutEngine` implements it.

@@ -305,7 +305,8 @@ def sample_groups(
          buffer with room for `max_new_tokens` more positions.
       4. Decode all B·G rows together, one token per step: s = logits / temperature;
          old_logp = log_softmax(s)[token], taken *before* top-k / top-p; the token is drawn from
-         softmax(top_p(top_k(s))) with a `torch.Generator` seeded from `seed`.
+         softmax(top_p(top_k(s))) with a `torch.Generator` seeded from `seed`; the entropy of
+         softmax(s), also before top-k / top-p, is kept per position (`Rollout.entropy`).
          temperature = 0 is greedy (argmax); its old_logp is under softmax(logits) (temperature
          1), and `Rollout.temperature` is then 1.0.
       5. A row finishes at an EOS token (the tokenizer's, or any in the model's
@@ -435,8 +436,9 @@ def _decode(
             probs = p_all if truncated is scores else truncated.softmax(-1)
             tok = sample_categorical(probs, generator)  # (n,)
         lp = logp_all.gather(-1, tok[:, None]).squeeze(1)  # (n,)
-        # p·log p with log p clamped to a finite value: a token with p = 0 adds 0, not NaN
-        ent = -(p_all * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(-1)  # (n,)
+        # p·log p with log p clamped (in place, it is not used again) to a finite value: a token
+        # with p = 0 (a -inf logit) adds 0 instead of NaN
+        ent = -(p_all * logp_all.clamp_(min=torch.finfo(logp_all.dtype).min)).sum(-1)  # (n,)
         tok = tok.masked_fill(done, pad_id)
         lp = lp.masked_fill(done, 0.0)
         out_rows = slice(None) if rows is None else rows

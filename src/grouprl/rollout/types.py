@@ -85,15 +85,20 @@ class Rollout:
         """(N,) long: completion tokens under the mask (EOS included)."""
         return self.mask.sum(-1)
 
-    def select_groups(self, idx: Sequence[int]) -> Rollout:
-        """The rollout restricted to prompts `idx` (in that order) and their whole groups."""
-        g = self.group_size
+    def group_rows(self, idx: Sequence[int]) -> torch.Tensor:
+        """(b·G,) long: the completion rows of prompts `idx`, group by group in that order."""
         prompt_idx = torch.as_tensor(list(idx), dtype=torch.long)  # (b,)
         if prompt_idx.numel() and (prompt_idx.min() < 0 or prompt_idx.max() >= self.num_prompts):
             raise IndexError(
                 f"group index out of range for {self.num_prompts} prompts: {list(idx)}"
             )
-        rows = (prompt_idx[:, None] * g + torch.arange(g)).reshape(-1)  # (b·G,)
+        g = self.group_size
+        return (prompt_idx[:, None] * g + torch.arange(g)).reshape(-1)
+
+    def select_groups(self, idx: Sequence[int]) -> Rollout:
+        """The rollout restricted to prompts `idx` (in that order) and their whole groups."""
+        rows = self.group_rows(idx)  # (b·G,)
+        prompt_idx = torch.as_tensor(list(idx), dtype=torch.long)  # (b,)
         pi = prompt_idx.to(self.prompt_ids.device)
         ri = rows.to(self.completion_ids.device)
         return Rollout(
@@ -105,7 +110,7 @@ class Rollout:
             truncated=self.truncated[ri],
             texts=[self.texts[i] for i in rows.tolist()],
             prompts=[self.prompts[i] for i in prompt_idx.tolist()],
-            group_size=g,
+            group_size=self.group_size,
             temperature=self.temperature,
             pad_id=self.pad_id,
             entropy=None if self.entropy is None else self.entropy[ri],

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 PREFIX = "step_"
+_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -71,9 +72,14 @@ def _optimizer_from_files(
     for name, value in [*tensors.items(), *meta["scalars"].items()]:
         index, key = name.split(".", 1)
         state.setdefault(int(index), {})[key] = value
+    # Hyper-parameters come from the checkpoint; the kernel choice (fused, foreach, ...) stays
+    # the current optimizer's, made for this machine (load_state_dict would take the saved one).
     groups = [
-        {k: tuple(v) if k == "betas" else v for k, v in group.items()}
-        for group in meta["param_groups"]
+        {
+            **{k: tuple(v) if k == "betas" else v for k, v in saved.items()},
+            **{k: current[k] for k in _KERNEL_KEYS if k in current},
+        }
+        for saved, current in zip(meta["param_groups"], optimizer.param_groups, strict=True)
     ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 

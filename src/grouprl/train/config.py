@@ -83,7 +83,8 @@ class TrainConfig:
     minibatches: int | None = None
     """Minibatches per epoch, each one optimizer step; must divide prompts_per_step. None: preset."""
     skip_zero_advantage: bool = True
-    """Leave groups whose advantages are all 0 out of the forward/backward (exact when beta = 0)."""
+    """Leave groups whose advantages are all 0 out of the forward/backward: the same update to
+    float rounding. Ignored when beta > 0 (the KL term has a gradient): every group is trained."""
 
     # ----- objective -----
     ratio_level: Literal["token", "sequence", "sequence_token"] | None = None

@@ -11,7 +11,8 @@ Each step:
      prompts, up to `max_resample_rounds` extra rounds;
   5. advantages = group_advantages(rewards): the group mean is the baseline, so no critic;
   6. reference log-probs when beta > 0 (the initial policy, frozen);
-  7. `epochs` passes over `minibatches` minibatches of whole groups: current log-probs,
+  7. `epochs` passes over `minibatches` minibatches of whole groups (groups whose advantages are
+     all 0 left out of the compute when beta = 0: their gradient is exactly 0): current log-probs,
      `policy_loss` (token ratio for GRPO, sequence ratio for GSPO), backward, gradient clipping,
      an optimizer step. With one epoch and one minibatch the update is exactly on-policy and the
      ratio is 1; only its gradient matters (GRPO paper, mu = 1);
@@ -38,6 +39,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from torch import nn
 
 from grouprl.core import (
     PolicyLoss,
@@ -60,9 +62,9 @@ from grouprl.train.evaluate import EvalResult, evaluate
 # Diagnostics of an update (see `update`): those that are exact even when groups are skipped
 # (averaged over every update), and those that describe the trained completions only.
 _EXACT_DIAGNOSTICS = ("loss", "grad_norm", "clip_frac_low", "clip_frac_high")
-_TRAINED_DIAGNOSTICS = [
+_TRAINED_DIAGNOSTICS = tuple(
     f.name for f in dataclasses.fields(PolicyLoss) if f.name not in (*_EXACT_DIAGNOSTICS, "kl")
-]
+)
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,7 @@ class Batch:
     by_function: dict[str, torch.Tensor]  # name -> (N,) raw scores, NaN = None
 
     def select_groups(self, groups: list[int]) -> Batch:
-        G = self.rollout.group_size
-        idx = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
+        idx = self.rollout.group_rows(groups)  # (b·G,)
         return Batch(
             self.rollout.select_groups(groups),
             [self.rows[g] for g in groups],
@@ -155,19 +156,67 @@ def autocast(cfg: TrainConfig) -> torch.autocast:
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
 
-def trainer_old_logp(cfg: TrainConfig, policy, rollout: Rollout) -> Rollout:
-    """The rollout with `old_logp` recomputed by the trainer's own code path.
+@dataclass(frozen=True)
+class Minibatch:
+    """One optimizer step's share of a rollout: the groups it trains, and the counts its loss
+    divides by (those of all its groups, skipped ones included)."""
+
+    rollout: Rollout | None  # the trained groups; None when every group was skipped
+    rows: torch.Tensor  # (n,) long, their rows in the step's rollout
+    num_tokens: torch.Tensor  # () loss tokens in the whole minibatch
+    num_seqs: torch.Tensor  # () sequences with at least one loss token, likewise
+
+
+def plan_minibatches(
+    cfg: TrainConfig, rollout: Rollout, advantages: torch.Tensor, mask: torch.Tensor
+) -> list[Minibatch]:
+    """`cfg.minibatches` minibatches of whole groups, in order, without the groups that have
+    nothing to learn (all advantages 0) when `skip_zero_advantage` applies (beta = 0).
+
+    advantages: (N,); mask: (N, T) the loss mask.
+    """
+    b, G = rollout.num_prompts, rollout.group_size
+    if b % cfg.minibatches:
+        raise ValueError(f"cannot split {b} prompts into {cfg.minibatches} equal minibatches")
+    per = b // cfg.minibatches  # groups per minibatch
+    skip = cfg.skip_zero_advantage and cfg.beta == 0
+    plans = []
+    for first in range(0, b, per):
+        groups = list(range(first, first + per))
+        span = slice(first * G, (first + per) * G)  # the minibatch's rows
+        if skip:
+            live = (advantages[span].view(per, G) != 0).any(-1).tolist()  # (per,)
+            groups = [g for g, keep in zip(groups, live) if keep]
+        m = mask[span]  # (per·G, T)
+        plans.append(
+            Minibatch(
+                rollout=rollout.select_groups(groups) if groups else None,
+                rows=rollout.group_rows(groups),
+                num_tokens=m.sum(),
+                num_seqs=m.any(-1).sum(),
+            )
+        )
+    return plans
+
+
+def trainer_old_logp(cfg: TrainConfig, policy, plans: list[Minibatch]) -> list[Minibatch]:
+    """The minibatches with `old_logp` recomputed by the trainer's own forward.
 
     Under bf16 the sampler's KV-cached decode and the trainer's full-sequence forward round
     differently (measured: up to 0.06 per token, 4e-3 per sequence), more than GSPO's clip range.
-    Recomputing with the minibatch shapes the update uses makes the first update's ratio 1 again.
+    Recomputing on exactly the rows (and so the shapes) that the update then runs makes the first
+    update's ratio 1 again. Runs before any optimizer step.
     """
-    with torch.no_grad(), autocast(cfg):
-        parts = [
-            completion_logprobs(policy, minibatch, temperature=cfg.temperature)
-            for minibatch in rollout.split(cfg.minibatches)
-        ]  # each (n, T)
-    return dataclasses.replace(rollout, old_logp=torch.cat(parts))
+    out = []
+    for plan in plans:
+        if plan.rollout is not None:
+            with torch.no_grad(), autocast(cfg):
+                old_logp = completion_logprobs(policy, plan.rollout, temperature=cfg.temperature)
+            plan = dataclasses.replace(
+                plan, rollout=dataclasses.replace(plan.rollout, old_logp=old_logp)
+            )
+        out.append(plan)
+    return out
 
 
 def collect_batch(
@@ -241,69 +290,62 @@ def update(
     -min(r·0, clip(r)·0) and their gradients are exactly 0. Such groups never enter the forward
     and backward; the loss still divides by the whole minibatch's token and sequence counts, and
     a minibatch left empty still takes its optimizer step (zero gradients move AdamW's moments
-    and step count), so the parameters equal the full computation's up to float rounding. The
+    and step count), so the parameters equal the full computation's up to float rounding (there
+    every trainable parameter gets a zero gradient; in the full computation a parameter that the
+    forward never touches would keep none and be left alone: no supported model has one). The
     saving grows as the policy improves and more groups are all correct. Loss, gradient norm and
     clip fractions are those of the full computation; ratio statistics and approx_kl describe
     the trained completions (NaN when none was); `trained_frac` is the fraction trained.
     """
     rollout = batch.rollout
-    G = rollout.group_size
     mask = rollout.mask  # (N, T)
     if cfg.mask_truncated:
         mask = mask & ~rollout.truncated[:, None]
-    params = [p for p in policy.parameters() if p.requires_grad]
-    skip = cfg.skip_zero_advantage and cfg.beta == 0
-    per_mb = rollout.num_prompts // cfg.minibatches  # groups per minibatch
-    plans = []  # per minibatch: (its trained groups as a Rollout or None, their rows, counts)
-    for first in range(0, rollout.num_prompts, per_mb):
-        groups = list(range(first, first + per_mb))
-        rows = slice(first * G, (first + per_mb) * G)
-        counts = {"num_tokens": mask[rows].sum(), "num_seqs": mask[rows].any(-1).sum()}
-        if skip:
-            live = (advantages[rows].view(-1, G) != 0).any(-1).tolist()  # (b,)
-            groups = [g for g, keep in zip(groups, live) if keep]
-        idx = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
-        plans.append((rollout.select_groups(groups) if groups else None, idx, counts))
+    params = trainable_parameters(policy)
+    plans = plan_minibatches(cfg, rollout, advantages, mask)
+    if cfg.precision == "bf16":
+        plans = trainer_old_logp(cfg, policy, plans)
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
     totals: dict[str, float] = {}
-    n_updates = n_trained = 0
+    n_updates = n_trained_updates = 0
     for _ in range(cfg.epochs):
-        for minibatch, idx, counts in plans:
+        for plan in plans:
             optimizer.zero_grad(set_to_none=True)
             diagnostics = dict.fromkeys(_EXACT_DIAGNOSTICS, 0.0)
-            if minibatch is None:
+            if plan.rollout is None:
                 for p in params:
                     p.grad = torch.zeros_like(p)
             else:
                 with autocast(cfg):
                     logp = completion_logprobs(
-                        policy, minibatch, temperature=cfg.temperature
+                        policy, plan.rollout, temperature=cfg.temperature
                     )  # (n, T) float32
-                m = mask[idx]  # (n, T)
+                m = mask[plan.rows]  # (n, T)
                 out = policy_loss(
                     logp,
-                    minibatch.old_logp,
-                    advantages[idx],
+                    plan.rollout.old_logp,
+                    advantages[plan.rows],
                     m,
                     level=cfg.ratio_level,
                     clip_low=cfg.clip_low,
                     clip_high=cfg.clip_high,
                     dual_clip=cfg.dual_clip,
-                    ref_logp=None if ref_logp is None else ref_logp[idx],
+                    ref_logp=None if ref_logp is None else ref_logp[plan.rows],
                     beta=cfg.beta,
                     kl_estimator=cfg.kl_estimator,
                     agg=cfg.loss_agg,
                     norm_len=cfg.norm_len,
-                    **counts,
+                    num_tokens=plan.num_tokens,
+                    num_seqs=plan.num_seqs,
                 )
                 out.loss.backward()
                 diagnostics = out.metrics()
                 # Skipped tokens have advantage 0 and are never clipped: over the minibatch's
                 # tokens the clip fractions are exactly those of the full computation.
-                share = float(m.sum()) / max(float(counts["num_tokens"]), 1.0)
+                share = float(m.sum()) / max(float(plan.num_tokens), 1.0)
                 diagnostics["clip_frac_low"] *= share
                 diagnostics["clip_frac_high"] *= share
-                n_trained += 1
+                n_trained_updates += 1
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             optimizer.step()
             diagnostics["grad_norm"] = float(grad_norm)
@@ -311,13 +353,12 @@ def update(
                 totals[key] = totals.get(key, 0.0) + value
             n_updates += 1
     result = {
-        key: value / (n_updates if key in _EXACT_DIAGNOSTICS else n_trained)
+        key: value / (n_updates if key in _EXACT_DIAGNOSTICS else n_trained_updates)
         for key, value in totals.items()
     }
     for key in _TRAINED_DIAGNOSTICS:
         result.setdefault(key, math.nan)
-    trained = sum(len(idx) for _, idx, _ in plans)
-    result["trained_frac"] = trained / len(rollout.texts)
+    result["trained_frac"] = sum(len(plan.rows) for plan in plans) / len(rollout.texts)
     return result
 
 
@@ -370,19 +411,23 @@ class _StopFlag:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def make_optimizer(cfg: TrainConfig, policy) -> torch.optim.AdamW:
+def make_optimizer(cfg: TrainConfig, policy: nn.Module) -> torch.optim.AdamW:
     """AdamW over the trainable parameters, with the fused kernel where the device has one.
 
     On this project's 2-core CPU one fused step of a 20M-parameter model took 18 ms against
     96 ms for the default multi-tensor kernel (1.06M parameters: 0.9 ms against 3.2 ms); GSPO
     takes 4 steps per rollout. Same update rule, equal to float rounding.
     """
-    params = [p for p in policy.parameters() if p.requires_grad]
-    kwargs = {"lr": cfg.lr, "betas": cfg.adam_betas, "weight_decay": cfg.weight_decay}
-    try:
-        return torch.optim.AdamW(params, fused=True, **kwargs)
-    except RuntimeError:  # no fused kernel for these parameters' device or dtype
-        return torch.optim.AdamW(params, **kwargs)
+    params = trainable_parameters(policy)
+    # torch checks only at the first step() whether the fused kernel fits; decide up front
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, fused=fused
+    )
+
+
+def trainable_parameters(policy: nn.Module) -> list[nn.Parameter]:
+    return [p for p in policy.parameters() if p.requires_grad]
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -498,8 +543,6 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                     eps=cfg.adv_eps,
                     unbiased_std=cfg.unbiased_std,
                 ).reshape(-1)  # (N,)
-                if cfg.precision == "bf16":
-                    batch.rollout = trainer_old_logp(cfg, policy, batch.rollout)
                 ref_logp = None
                 if reference is not None:
                     with torch.no_grad(), autocast(cfg):
