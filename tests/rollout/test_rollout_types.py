@@ -1,4 +1,4 @@
-"""Rollout: group bookkeeping, split and select_groups."""
+"""Rollout: group bookkeeping, select_groups and concat."""
 
 from __future__ import annotations
 
@@ -44,19 +44,9 @@ def test_select_groups_keeps_whole_groups_in_the_given_order():
     assert torch.equal(s.old_logp, r.old_logp[[6, 7, 8, 0, 1, 2]])
     assert torch.equal(s.entropy, r.entropy[[6, 7, 8, 0, 1, 2]])
     assert s.group_size == 3 and s.temperature == 0.9
+    assert r.group_rows([2, 0]).tolist() == [6, 7, 8, 0, 1, 2]
     with pytest.raises(IndexError):
         r.select_groups([4])
-
-
-def test_split_partitions_by_groups():
-    r = _rollout()
-    parts = r.split(2)
-    assert [p.prompts for p in parts] == [["p0", "p1"], ["p2", "p3"]]
-    assert torch.equal(torch.cat([p.completion_ids for p in parts]), r.completion_ids)
-    assert torch.equal(torch.cat([p.mask for p in parts]), r.mask)
-    assert len(r.split(1)) == 1 and len(r.split(4)) == 4
-    with pytest.raises(ValueError):
-        r.split(3)
 
 
 def test_concat_repads_to_the_widest_part():

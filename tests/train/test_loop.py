@@ -316,3 +316,38 @@ def test_optimizer_is_fused_adamw_over_trainable_parameters():
     assert isinstance(optimizer, torch.optim.AdamW) and group["fused"] is True
     assert group["lr"] == 1e-3 and group["weight_decay"] == 0.1 and group["betas"] == (0.9, 0.99)
     assert [p.shape for p in group["params"]] == [(2, 4), (2,)]
+
+
+def test_plan_minibatches_keeps_whole_groups_and_the_full_counts():
+    b, g, t = 4, 2, 3
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]] * 2, dtype=torch.bool)
+    rollout = Rollout(
+        prompt_ids=torch.ones(b, 2, dtype=torch.long),
+        prompt_mask=torch.ones(b, 2, dtype=torch.bool),
+        completion_ids=torch.arange(b * g * t).view(b * g, t),
+        mask=mask,
+        old_logp=torch.zeros(b * g, t),
+        truncated=torch.zeros(b * g, dtype=torch.bool),
+        texts=[f"c{i}" for i in range(b * g)],
+        prompts=[f"p{i}" for i in range(b)],
+        group_size=g,
+        temperature=1.0,
+    )
+    advantages = torch.tensor([1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.5, -0.5])  # groups 1, 2: no signal
+    cfg = TrainConfig(minibatches=2, beta=0.0)
+    first, second = loop.plan_minibatches(cfg, rollout, advantages, mask)
+    assert first.rollout.prompts == ["p0"] and first.rows.tolist() == [0, 1]
+    assert second.rollout.prompts == ["p3"] and second.rows.tolist() == [6, 7]
+    # counts over all of a minibatch's rows: rows 0-3 hold 3 + 3 tokens, 3 non-empty rows
+    assert (int(first.num_tokens), int(first.num_seqs)) == (6, 3)
+    assert (int(second.num_tokens), int(second.num_seqs)) == (6, 3)
+    for cfg in (TrainConfig(minibatches=2, beta=0.0, skip_zero_advantage=False),
+                TrainConfig(minibatches=2, beta=0.1)):  # fmt: skip
+        plans = loop.plan_minibatches(cfg, rollout, advantages, mask)
+        assert [p.rows.tolist() for p in plans] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    all_zero = loop.plan_minibatches(
+        TrainConfig(minibatches=4, beta=0.0), rollout, advantages, mask
+    )
+    assert [p.rollout is None for p in all_zero] == [False, True, True, False]
+    with pytest.raises(ValueError, match="cannot split 4 prompts into 3"):
+        loop.plan_minibatches(TrainConfig(minibatches=3), rollout, advantages, mask)

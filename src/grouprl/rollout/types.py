@@ -162,18 +162,6 @@ class Rollout:
             ),
         )
 
-    def split(self, num_minibatches: int) -> list[Rollout]:
-        """Split into `num_minibatches` rollouts of whole groups, in order.
-
-        Raises ValueError unless B is divisible by `num_minibatches`: a group is never cut,
-        because its advantages are normalised over all G of its completions.
-        """
-        b = self.num_prompts
-        if num_minibatches < 1 or b % num_minibatches:
-            raise ValueError(f"cannot split {b} prompts into {num_minibatches} equal minibatches")
-        size = b // num_minibatches
-        return [self.select_groups(range(i, i + size)) for i in range(0, b, size)]
-
 
 @runtime_checkable
 class RolloutEngine(Protocol):

@@ -173,7 +173,9 @@ def plan_minibatches(
     """`cfg.minibatches` minibatches of whole groups, in order, without the groups that have
     nothing to learn (all advantages 0) when `skip_zero_advantage` applies (beta = 0).
 
-    advantages: (N,); mask: (N, T) the loss mask.
+    A group is never cut: its advantages are normalised over all G of its completions. Raises
+    ValueError unless B is divisible by `cfg.minibatches`. advantages: (N,); mask: (N, T), the
+    loss mask.
     """
     b, G = rollout.num_prompts, rollout.group_size
     if b % cfg.minibatches:
