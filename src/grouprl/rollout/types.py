@@ -169,7 +169,8 @@ class RolloutEngine(Protocol):
 
     The trainer only calls `sample`; an engine owns its model copy, its batching and its cache.
     `old_logp` must be the log-prob under softmax(logits / temperature) before top-k / top-p,
-    as documented on `Rollout`, whatever the backend.
+    as documented on `Rollout`, whatever the backend. `entropy` is optional: an engine that
+    cannot provide it returns None, and the trainer then logs no entropy.
     """
 
     def sample(
