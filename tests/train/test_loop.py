@@ -351,3 +351,24 @@ def test_plan_minibatches_keeps_whole_groups_and_the_full_counts():
     assert [p.rollout is None for p in all_zero] == [False, True, True, False]
     with pytest.raises(ValueError, match="cannot split 4 prompts into 3"):
         loop.plan_minibatches(TrainConfig(minibatches=3), rollout, advantages, mask)
+
+
+def test_entropy_metric_is_the_samplers_and_absent_without_it():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    rollout = Rollout(
+        prompt_ids=torch.ones(1, 2, dtype=torch.long),
+        prompt_mask=torch.ones(1, 2, dtype=torch.bool),
+        completion_ids=torch.zeros(2, 3, dtype=torch.long),
+        mask=mask,
+        old_logp=torch.zeros(2, 3),
+        truncated=torch.zeros(2, dtype=torch.bool),
+        texts=["a", "b"],
+        prompts=["p"],
+        group_size=2,
+        temperature=1.0,
+        entropy=torch.tensor([[0.5, 0.1, 9.0], [0.3, 9.0, 9.0]]),  # 9 = never read: masked
+    )
+    batch = loop.Batch(rollout, [{}], torch.tensor([1.0, 0.0]), {})
+    assert loop._batch_metrics(batch)["entropy"] == pytest.approx(0.3)  # mean of 0.5, 0.1, 0.3
+    batch.rollout = dataclasses.replace(rollout, entropy=None)  # an engine without entropy
+    assert "entropy" not in loop._batch_metrics(batch)
