@@ -1,12 +1,28 @@
-"""Suite-wide settings: one torch thread per test.
+"""Suite-wide settings: offline Hugging Face libraries, a private datasets cache, one torch
+thread per test.
+
+Nothing may be downloaded: `HF_HUB_OFFLINE` and `HF_DATASETS_OFFLINE` make a hub id that is not
+cached fail at once instead of retrying the network (set before any HF library is imported).
 
 The models in the tests are tiny, so a second thread buys little, and two threads on a 2-core
 machine that is also running something else can slow a test down by orders of magnitude (OpenMP
 workers spin-waiting for a core). One thread also makes timings and results repeatable.
 """
 
-import pytest
-import torch
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_datasets_cache(tmp_path_factory):
+    """`datasets` writes Arrow caches of loaded files: keep them out of the home directory
+    (read when `datasets` is first imported, which grouprl does lazily, inside a test)."""
+    os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf_datasets_cache"))
 
 
 @pytest.fixture(autouse=True)

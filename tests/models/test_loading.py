@@ -47,7 +47,8 @@ def test_local_directory_loads(tiny_dir) -> None:
     [
         ("builtin:nope", r"no bundled model 'builtin:nope'; bundled models: builtin:arith"),
         ("/no/such/dir", "not a local directory"),
-        ("Qwen/Qwen2.5-0.5B", "grouprl downloads nothing"),
+        ("./relative/missing", "not a local directory"),
+        ("Qwen/Qwen2.5-0.5B", r"neither a local directory nor a hub id found .* --model DIR"),
     ],
 )
 def test_missing_models_raise_user_error(spec: str, match: str) -> None:

@@ -152,7 +152,7 @@ def test_reward_function_errors_are_user_errors(tmp_path, monkeypatch):
 
     for fn, message in [(broken, "raised ZeroDivisionError: oops"), (short, "returned 1 values")]:
         bad = dataclasses.replace(task, reward_funcs={"correct": fn}, reward_weights={"correct": 1})
-        monkeypatch.setattr(loop, "get_task", lambda name, bad=bad: bad)
+        monkeypatch.setattr(loop, "build_task", lambda opts, bad=bad: bad)
         with pytest.raises(UserError, match=message):
             _run(tmp_path, f"bad-{fn.__name__}", steps=1, eval_size=1)
 
@@ -173,41 +173,6 @@ def test_short_run_raises_the_reward(tmp_path):
     rewards = [r["reward_mean"] for r in _metrics(summary.run_dir)]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-6:]) / 6
     assert last > first + 0.2, (first, last, rewards)
-
-
-def test_score_weights_rewards_and_leaves_unscored_completions_nan():
-    """Weighted sum over the functions that scored; NaN only where none did."""
-    texts = ["a", "b", "c", "d"]
-    rollout = Rollout(
-        prompt_ids=torch.ones(2, 1, dtype=torch.long),
-        prompt_mask=torch.ones(2, 1, dtype=torch.bool),
-        completion_ids=torch.ones(4, 1, dtype=torch.long),
-        mask=torch.ones(4, 1, dtype=torch.bool),
-        old_logp=torch.zeros(4, 1),
-        truncated=torch.zeros(4, dtype=torch.bool),
-        texts=texts,
-        prompts=["p", "q"],
-        group_size=2,
-        temperature=1.0,
-    )
-    rows = [{"prompt": "p", "answer": "1"}, {"prompt": "q", "answer": "2"}]
-    seen = {}
-
-    def first(completions, prompts, answer, **kwargs):
-        seen.update(prompts=prompts, answer=answer)
-        return [1.0, None, 0.0, None]
-
-    def second(completions, **kwargs):
-        return [0.5, None, None, 1]
-
-    task = dataclasses.replace(
-        get_task("arithmetic"), reward_funcs={"first": first, "second": second}
-    )
-    total, by_function = loop.score(rollout, rows, task, {"first": 1.0, "second": 2.0})
-    assert total[0] == 2.0 and total[2] == 0.0 and total[3] == 2.0
-    assert math.isnan(total[1])
-    assert seen == {"prompts": ["p", "p", "q", "q"], "answer": ["1", "1", "2", "2"]}
-    assert torch.isnan(by_function["first"]).tolist() == [False, True, False, True]
 
 
 def test_bf16_recomputes_old_logp_so_an_unmoved_policy_has_ratio_one(tmp_path):

@@ -1,13 +1,20 @@
-"""Load Hugging Face causal LMs and tokenizers from local directories or `builtin:NAME`.
+"""Load Hugging Face causal LMs and tokenizers: local directories, `builtin:NAME`, hub ids.
 
-Nothing is downloaded: a spec is either a local model directory (anything `save_pretrained`
-wrote) or `builtin:NAME`, a directory shipped inside the package under `models/builtin/NAME`.
-Loading goes through `AutoModelForCausalLM` / `AutoTokenizer` with `local_files_only=True`, so
-the bundled model takes the same code path as a user's model.
+A model spec is
+- `builtin:NAME`: a directory shipped inside the package under `models/builtin/NAME`;
+- a local path: any directory `save_pretrained` wrote;
+- anything else that looks like a hub id (`Qwen/Qwen2.5-0.5B-Instruct`): passed to
+  `from_pretrained` as it is, so the hub's cache and download behaviour apply. Offline
+  (`HF_HUB_OFFLINE=1`, or no network) an id that is not in the cache fails with one line.
+
+All three go through `AutoModelForCausalLM` / `AutoTokenizer`, so the bundled model takes the
+same code path as a user's model. Code from a model repository runs only with
+`trust_remote_code=True`.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -23,6 +30,12 @@ from grouprl.errors import UserError
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 
+#: `--base-dtype` / `--precision` spellings.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# A hub id: "name" or "owner/name", letters, digits, "-", "_", "." (not starting with "." or "-").
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
 
 def builtin_models() -> list[str]:
     """Names of the bundled models (`builtin:NAME` specs)."""
@@ -31,8 +44,12 @@ def builtin_models() -> list[str]:
     return sorted(p.name for p in BUILTIN_DIR.iterdir() if (p / "config.json").is_file())
 
 
-def resolve_model_path(spec: str | Path) -> Path:
-    """The local directory a model spec names; UserError when there is none."""
+def resolve_model_path(spec: str | Path) -> Path | str:
+    """The local directory a model spec names, or the spec itself when it is a hub id.
+
+    UserError when it names neither: a bundled model that does not exist, a local path that is
+    missing or is not a model directory, or a string that cannot be a hub id.
+    """
     spec = str(spec)
     if spec.startswith(BUILTIN_PREFIX):
         name = spec[len(BUILTIN_PREFIX) :]
@@ -42,17 +59,19 @@ def resolve_model_path(spec: str | Path) -> Path:
             raise UserError(f"no bundled model {spec!r}; bundled models: {valid}")
         return path
     path = Path(spec).expanduser()
-    if not path.exists():
-        raise UserError(
-            f"model {spec!r} is not a local directory (grouprl downloads nothing); give a "
-            "directory written by save_pretrained, or builtin:arith"
-        )
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise UserError(
-            f"model {spec!r} is not a Hugging Face model directory (no config.json); give a "
-            "directory written by save_pretrained, or builtin:arith"
-        )
-    return path
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise UserError(
+                f"model {spec!r} is not a Hugging Face model directory (no config.json); give a "
+                "directory written by save_pretrained, a hub id, or builtin:arith"
+            )
+        return path
+    if _HUB_ID.fullmatch(spec) and not spec.endswith((".json", ".safetensors", ".bin")):
+        return spec
+    raise UserError(
+        f"model {spec!r} is not a local directory; give a directory written by "
+        "save_pretrained, a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or builtin:arith"
+    )
 
 
 def _one_line(err: Exception) -> str:
@@ -60,25 +79,103 @@ def _one_line(err: Exception) -> str:
     return f"{type(err).__name__}: {first[0] if first else ''}"
 
 
-def load_model(spec: str | Path, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A causal LM from a local directory or `builtin:NAME`, in `dtype`, in eval mode."""
-    path = resolve_model_path(spec)
+def _not_found(spec: str, what: str) -> UserError:
+    return UserError(
+        f"{what} {spec!r} is neither a local directory nor a hub id found online or in the "
+        "Hugging Face cache (offline, or a typo?); download it with `hf download "
+        f"{spec} --local-dir DIR` where there is network, then pass --model DIR"
+    )
+
+
+def _from_pretrained(loader, source: Path | str, what: str, **kwargs):
+    """`loader.from_pretrained(source)` with every failure turned into one UserError line."""
+    local = isinstance(source, Path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        return loader.from_pretrained(source, local_files_only=local, **kwargs)
+    except OSError as err:
+        if not local:  # the hub library's "not found / cannot connect" errors are OSErrors
+            raise _not_found(str(source), what) from None
+        raise UserError(f"cannot load a {what} from {source}: {_one_line(err)}") from None
+    except ValueError as err:
+        if "trust_remote_code" in str(err):
+            raise UserError(
+                f"{source} needs code from its repository to load; pass --trust-remote-code "
+                "if you trust it"
+            ) from None
+        raise UserError(f"cannot load a {what} from {source}: {_one_line(err)}") from None
     except Exception as err:  # a broken user directory fails in many library-specific ways
-        raise UserError(f"cannot load a causal LM from {path}: {_one_line(err)}") from None
-    return model.eval()
+        raise UserError(f"cannot load a {what} from {source}: {_one_line(err)}") from None
 
 
-def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved with a model; its pad token is set (to EOS when it had none)."""
-    path = resolve_model_path(spec)
+def resolve_device(spec: str = "auto") -> torch.device:
+    """`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`; UserError otherwise."""
+    spec = str(spec).strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as err:
-        raise UserError(f"cannot load a tokenizer from {path}: {_one_line(err)}") from None
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise UserError(f"unknown device {spec!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"device {spec!r} asked for, but torch sees no CUDA GPU; use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UserError(f"device {spec!r} does not exist: torch sees {count} CUDA GPU(s)")
+    elif device.type != "cpu":
+        raise UserError(f"unsupported device {spec!r}; use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def load_model(
+    spec: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """A causal LM from a local directory, `builtin:NAME` or a hub id, in `dtype` on `device`,
+    in eval mode."""
+    source = resolve_model_path(spec)
+    model = _from_pretrained(
+        AutoModelForCausalLM,
+        source,
+        "causal LM",
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+    )
+    return model.to(device).eval()
+
+
+def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a model, with a pad token.
+
+    A tokenizer without one gets its EOS token as the pad token: no new token, so the
+    vocabulary the model sees is unchanged (padded positions are masked everywhere).
+    """
+    source = resolve_model_path(spec)
+    tokenizer = _from_pretrained(
+        AutoTokenizer, source, "tokenizer", trust_remote_code=trust_remote_code
+    )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise UserError(f"the tokenizer in {path} has neither a pad nor an EOS token; add one")
+            raise UserError(f"the tokenizer of {spec} has neither a pad nor an EOS token; add one")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def context_length(model: torch.nn.Module) -> int | None:
+    """Positions the model can attend over (`max_position_embeddings` and its aliases), or None
+    when its config does not say."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

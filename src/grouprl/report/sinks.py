@@ -23,7 +23,8 @@ class JsonlWriter:
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        record = {k: _clean(v) for k, v in record.items()}
+        self._file.write(json.dumps(record, default=str) + "\n")
         self._file.flush()
 
     def close(self) -> None:

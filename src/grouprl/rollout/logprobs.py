@@ -255,10 +255,13 @@ def _full_logits(
 
 
 def _checkpointing(decoder: nn.Module) -> bool:
-    """True when transformers would drop the KV cache (gradient checkpointing, training, grad)."""
-    if not (decoder.training and torch.is_grad_enabled()):
+    """True when transformers would drop the KV cache: a layer with gradient checkpointing on
+    is in training mode and gradients are recorded."""
+    if not torch.is_grad_enabled():
         return False
-    return any(getattr(m, "gradient_checkpointing", False) for m in decoder.modules())
+    return any(
+        getattr(m, "gradient_checkpointing", False) and m.training for m in decoder.modules()
+    )
 
 
 def _vocab_size(model: nn.Module, head: nn.Module) -> int:

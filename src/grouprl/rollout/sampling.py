@@ -39,40 +39,40 @@ def encode_prompts(
     """Token ids and display texts for each prompt.
 
     A prompt is a string (tokenized with the tokenizer's own special tokens, so BOS is added
-    exactly when the tokenizer adds it), a list of token ids (used as given), or, with
-    `chat_template=True`, a list of chat messages. With `chat_template=True` a string becomes one
-    user message and the template is rendered with `add_generation_prompt=True`; the rendered
-    text already holds the template's special tokens, so none are added again.
+    exactly when the tokenizer adds it), a list of token ids (used as given), or a list of
+    `{"role", "content"}` chat messages (TRL's conversational format), rendered with the
+    tokenizer's chat template and `add_generation_prompt=True`. With `chat_template=True` a
+    string becomes one user message and is rendered the same way. The rendered text already
+    holds the template's special tokens, so none are added again.
     """
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise UserError("prompts must be a non-empty list of strings or token-id lists")
-    if chat_template and not getattr(tokenizer, "chat_template", None):
-        raise UserError(
-            "chat_template=True but the tokenizer has no chat template; set one or pass plain prompts"
-        )
     ids: list[list[int]] = []
     texts: list[str] = []
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str) or (chat_template and _is_messages(prompt)):
-            if chat_template:
-                messages = (
-                    [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if (isinstance(prompt, str) and chat_template) or _is_messages(prompt):
+            if not getattr(tokenizer, "chat_template", None):
+                raise UserError(
+                    "the prompts are chat messages but the tokenizer has no chat template; use a "
+                    "model whose tokenizer_config.json has one (an instruct model), or give "
+                    "string prompts (e.g. with --prompt-template) and no --chat-template"
                 )
-                rendered = tokenizer.apply_chat_template(
-                    list(messages), tokenize=False, add_generation_prompt=True
-                )
-                row = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-                texts.append(prompt if isinstance(prompt, str) else rendered)
-            else:
-                row = tokenizer(prompt)["input_ids"]
-                texts.append(prompt)
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            rendered = tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True
+            )
+            row = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            texts.append(prompt if isinstance(prompt, str) else rendered)
+        elif isinstance(prompt, str):
+            row = tokenizer(prompt)["input_ids"]
+            texts.append(prompt)
         elif isinstance(prompt, Sequence) and all(isinstance(x, int) for x in prompt):
             row = list(prompt)
             texts.append(tokenizer.decode(row, skip_special_tokens=True))
         else:
             raise UserError(
-                f"prompt {i} is a {type(prompt).__name__}; pass strings, token-id lists, or chat "
-                "messages with chat_template=True"
+                f"prompt {i} is a {type(prompt).__name__}; pass strings, token-id lists, or "
+                "lists of {'role', 'content'} chat messages"
             )
         if not row:
             raise UserError(f"prompt {i} is empty after tokenization; give it at least one token")

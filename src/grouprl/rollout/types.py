@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -115,6 +116,48 @@ class Rollout:
             pad_id=self.pad_id,
             entropy=None if self.entropy is None else self.entropy[ri],
         )
+
+    def completion_id_lists(self) -> list[list[int]]:
+        """Each completion's token ids under the mask (EOS included), as TRL passes
+        ``completion_ids`` to reward functions."""
+        lengths = self.lengths.tolist()
+        return [ids[:n] for ids, n in zip(self.completion_ids.tolist(), lengths)]
+
+    def regroup(self, group_size: int) -> Rollout:
+        """The same rows as groups of `group_size`, a divisor of G: each prompt repeated
+        G / group_size times, so that a piece smaller than a group still shares its prompt."""
+        if group_size < 1 or self.group_size % group_size:
+            raise ValueError(f"{group_size} does not divide the group size {self.group_size}")
+        repeats = self.group_size // group_size
+        if repeats == 1:
+            return self
+        return dataclasses.replace(
+            self,
+            prompt_ids=self.prompt_ids.repeat_interleave(repeats, dim=0),
+            prompt_mask=self.prompt_mask.repeat_interleave(repeats, dim=0),
+            prompts=[p for p in self.prompts for _ in range(repeats)],
+            group_size=group_size,
+        )
+
+    def chunks(self, max_rows: int | None) -> list[tuple[Rollout, slice]]:
+        """Consecutive pieces of at most `max_rows` completions, with the row slice each covers.
+
+        Pieces hold whole groups when `max_rows` >= G (each prompt then runs once per piece);
+        otherwise sub-groups of the largest divisor of G that fits. None: one piece.
+        """
+        n = self.completion_ids.shape[0]
+        if max_rows is None or max_rows >= n:
+            return [(self, slice(0, n))]
+        g = self.group_size
+        if max_rows < g:
+            size = max(d for d in range(1, max_rows + 1) if g % d == 0)
+            return self.regroup(size).chunks(max_rows)
+        per = max_rows // g  # groups per piece
+        return [
+            (self.select_groups(range(first, min(first + per, self.num_prompts))),
+             slice(first * g, min(first + per, self.num_prompts) * g))
+            for first in range(0, self.num_prompts, per)
+        ]  # fmt: skip
 
     @staticmethod
     def concat(parts: Sequence[Rollout]) -> Rollout:

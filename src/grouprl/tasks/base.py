@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import random
 import signal
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from grouprl.errors import UserError
 
@@ -25,7 +29,8 @@ class Task:
 
     name: str
     train: Sequence[dict]
-    """Training rows: {"prompt": str, "answer": str, ...extra columns passed to the rewards}."""
+    """Training rows: {"prompt": str or chat messages, "answer": ..., ...every other column,
+    passed to the reward functions}."""
     heldout: Sequence[dict]
     """Evaluation rows, disjoint from `train`."""
     reward_funcs: dict[str, RewardFn]
@@ -41,79 +46,159 @@ class Task:
     None: the task has no noisy traces (supervised training then uses row["solution"])."""
 
     def split(self, name: str) -> Sequence[dict]:
-        """The rows of split `name` ("train" or "heldout")."""
+        """The rows of split `name`: "train", "heldout", or "all" (train, then heldout)."""
         if name not in SPLITS:
             raise UserError(f"unknown split {name!r}; valid: {', '.join(SPLITS)}")
+        if name == "all":
+            return Concatenated([self.train, self.heldout])
         return self.train if name == "train" else self.heldout
 
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "all")
+
+
+class Concatenated(Sequence):
+    """Several row sequences read as one, without copying them."""
+
+    def __init__(self, parts: Sequence[Sequence[dict]]) -> None:
+        self.parts = list(parts)
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        for part in self.parts:
+            if 0 <= index < len(part):
+                return part[index]
+            index -= len(part)
+        raise IndexError(index)
 
 
 #: Seconds a reward function may take for one batch before the run stops with an error.
 REWARD_TIMEOUT = 60.0
 
 
-class _RewardTimeout(BaseException):
-    """Raised inside a reward function that overran its time; a BaseException so that the
+@dataclass(frozen=True)
+class TrainerState:
+    """What TRL passes to reward functions as ``trainer_state``: the optimizer steps done so far
+    and the run's total, for rewards that change with training progress."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Time limits that nest
+#
+# One SIGALRM timer serves every limit: the run's per-call reward deadline and, inside it, a
+# reward's own per-completion limit (see `grouprl.tasks.math_rewards`). Each limit is an entry
+# on a stack; the timer is always armed for the earliest end, and when it fires the outermost
+# limit that has run out raises. Libraries that call `signal.alarm` themselves would cancel
+# this timer: math-verify's own timeouts are switched off for that reason.
+
+
+class TimeLimitExceeded(BaseException):
+    """Raised by `time_limit` when its time ran out. A BaseException so that a reward
     function's own ``except Exception`` cannot swallow it."""
 
 
+class _TimeUp(BaseException):
+    def __init__(self, token: object) -> None:
+        super().__init__()
+        self.token = token
+
+
+_LIMITS: list[tuple[float, object]] = []  # (monotonic end, token), outermost first
+_PREVIOUS_HANDLER: Any = None
+
+
+def _arm() -> None:
+    if _LIMITS:
+        delay = min(end for end, _ in _LIMITS) - time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, max(delay, 1e-4))
+    else:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _on_alarm(signum, frame) -> None:
+    now = time.monotonic()
+    for end, token in _LIMITS:  # the outermost limit that ran out wins
+        if end <= now + 1e-4:
+            raise _TimeUp(token)
+    _arm()  # woke early: wait for the earliest end
+
+
 @contextmanager
-def _deadline(seconds: float | None):
-    """Raise _RewardTimeout after `seconds` of wall time (main thread on Unix; elsewhere no-op)."""
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise TimeLimitExceeded if the body runs longer than `seconds` (wall time).
+
+    Limits nest: an inner limit does not cancel an outer one, and an outer limit that runs out
+    inside an inner one ends both. Only the main thread on Unix can be interrupted; elsewhere
+    (and with `seconds` None or 0) the body runs unlimited. Code running in C (one huge integer
+    power, say) is interrupted only when it returns to Python.
+    """
     usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
     if not seconds or not usable:
         yield
         return
-
-    def overran(signum, frame):
-        raise _RewardTimeout
-
-    previous = signal.signal(signal.SIGALRM, overran)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    global _PREVIOUS_HANDLER
+    token = object()
+    if not _LIMITS:
+        _PREVIOUS_HANDLER = signal.signal(signal.SIGALRM, _on_alarm)
+    _LIMITS.append((time.monotonic() + seconds, token))
+    _arm()
     try:
         yield
+    except _TimeUp as up:
+        if up.token is token:
+            raise TimeLimitExceeded(seconds) from None
+        raise
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        _LIMITS[:] = [entry for entry in _LIMITS if entry[1] is not token]
+        _arm()
+        if not _LIMITS:
+            signal.signal(signal.SIGALRM, _PREVIOUS_HANDLER)
 
 
-def call_reward(
-    name: str,
-    fn: RewardFn,
-    completions: list[str],
-    rows: Sequence[dict],
-    repeats: int,
-    *,
-    timeout: float | None = REWARD_TIMEOUT,
-) -> list[float]:
-    """Score `completions` (`repeats` consecutive ones per row) with one reward function.
+# ---------------------------------------------------------------------------------------------
+# Calling reward functions
 
-    The function gets ``completions``, ``prompts`` and every other column of the rows, one value
-    per completion (TRL's calling convention). Returns one float per completion, NaN where the
-    function returned None. A function that raises, hangs past `timeout` seconds, or returns the
-    wrong number of values is the user's to fix: UserError, naming the function.
-    """
+
+def completion_objects(texts: Sequence[str], conversational: bool) -> list[Any]:
+    """Completions as TRL hands them to reward functions: strings, or for conversational
+    prompts a one-message list ``[{"role": "assistant", "content": text}]``."""
+    if conversational:
+        return [[{"role": "assistant", "content": text}] for text in texts]
+    return list(texts)
+
+
+def is_conversational(prompt: Any) -> bool:
+    """Whether a prompt is a list of chat messages (TRL's conversational format)."""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)
+
+
+def reward_kwargs(
+    completions: Sequence[Any], rows: Sequence[dict], repeats: int, **extra: Any
+) -> dict[str, Any]:
+    """The keyword arguments of a reward call (TRL's convention): ``completions``, ``prompts``,
+    every other column of the rows repeated once per completion, and `extra` (TRL passes
+    ``completion_ids``, ``trainer_state``, ``log_metric`` and ``log_extra``)."""
     columns = {key: [row[key] for row in rows for _ in range(repeats)] for key in rows[0]}
     prompts = columns.pop("prompt")
-    try:
-        with _deadline(timeout):
-            values = fn(completions=completions, prompts=prompts, **columns)
-    except _RewardTimeout:
-        raise UserError(
-            f"reward function '{name}' did not return within {timeout:g} s for "
-            f"{len(completions)} completions; make it faster or raise --reward-timeout"
-        ) from None
-    except Exception as err:  # a user's reward function: report it, don't crash opaquely
-        raise UserError(
-            f"reward function '{name}' raised {type(err).__name__}: {err}; fix the function "
-            "(it must return one float or None per completion)"
-        ) from None
-    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+    for name in ("completion", "completion_ids"):
+        columns.pop(name, None)
+    return {**columns, "completions": list(completions), "prompts": prompts, **extra}
+
+
+def _check_values(name: str, values: Any, n: int) -> list[float]:
+    if not isinstance(values, (list, tuple)) or len(values) != n:
         got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
         raise UserError(
-            f"reward function '{name}' returned {got} values for {len(completions)} "
+            f"reward function '{name}' returned {got} values for {n} "
             "completions; it must return a list with one float or None per completion"
         )
     try:
@@ -122,3 +207,83 @@ def call_reward(
         raise UserError(
             f"reward function '{name}' returned a value that is neither a number nor None"
         ) from None
+
+
+def _raised(name: str, err: BaseException) -> UserError:
+    if isinstance(err, UserError):  # a built-in reward's own message (e.g. a missing column)
+        return err
+    return UserError(
+        f"reward function '{name}' raised {type(err).__name__}: {err}; fix the function "
+        "(it must return one float or None per completion)"
+    )
+
+
+def call_rewards(
+    funcs: dict[str, RewardFn],
+    kwargs: dict[str, Any],
+    *,
+    timeout: float | None = REWARD_TIMEOUT,
+) -> dict[str, list[float]]:
+    """Call every reward function with `kwargs` (see `reward_kwargs`); scores by name, NaN
+    where a function returned None.
+
+    Plain functions run one after the other, each within `timeout` seconds; `async def`
+    functions run concurrently in one event loop, together within `timeout`. A function that
+    raises, hangs past its time, or returns the wrong number of values is the user's to fix:
+    UserError, naming the function.
+    """
+    n = len(kwargs["completions"])
+    out: dict[str, list[float]] = {}
+    waiting = {name: fn for name, fn in funcs.items() if inspect.iscoroutinefunction(fn)}
+    for name, fn in funcs.items():
+        if name in waiting:
+            continue
+        try:
+            with time_limit(timeout):
+                values = fn(**kwargs)
+        except TimeLimitExceeded:
+            raise _timed_out([name], timeout, n) from None
+        except Exception as err:  # a user's reward function: report it, don't crash opaquely
+            raise _raised(name, err) from None
+        out[name] = _check_values(name, values, n)
+    if waiting:
+
+        async def gather() -> list[Any]:
+            calls = [fn(**kwargs) for fn in waiting.values()]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        try:
+            with time_limit(timeout):
+                results = asyncio.run(gather())
+        except TimeLimitExceeded:
+            raise _timed_out(list(waiting), timeout, n) from None
+        for name, values in zip(waiting, results):
+            if isinstance(values, BaseException):
+                raise _raised(name, values)
+            out[name] = _check_values(name, values, n)
+    return {name: out[name] for name in funcs}
+
+
+def _timed_out(names: list[str], timeout: float | None, n: int) -> UserError:
+    which = ", ".join(f"'{name}'" for name in names)
+    plural = "s" if len(names) > 1 else ""
+    return UserError(
+        f"reward function{plural} {which} did not return within {timeout:g} s for "
+        f"{n} completions; make {'them' if plural else 'it'} faster or raise --reward-timeout"
+    )
+
+
+def call_reward(
+    name: str,
+    fn: RewardFn,
+    completions: list[Any],
+    rows: Sequence[dict],
+    repeats: int,
+    *,
+    timeout: float | None = REWARD_TIMEOUT,
+    **extra: Any,
+) -> list[float]:
+    """Score `completions` (`repeats` consecutive ones per row) with one reward function; see
+    `call_rewards`. `extra` adds keyword arguments (``completion_ids``, ``trainer_state``, ...)."""
+    kwargs = reward_kwargs(completions, rows, repeats, **extra)
+    return call_rewards({name: fn}, kwargs, timeout=timeout)[name]

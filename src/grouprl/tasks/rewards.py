@@ -80,20 +80,21 @@ def parse_answer(completion: Any) -> int | None:
     return parse_integer(text.partition(ANSWER_MARKER)[2])
 
 
-def _column(kwargs: dict, name: str, n: int, reward: str) -> Sequence:
+def reward_column(kwargs: dict, name: str, n: int, reward: str) -> Sequence:
     values = kwargs.get(name)
     if values is None or len(values) != n:
         got = "none" if values is None else f"{len(values)} values"
         raise UserError(
             f"reward {reward!r} needs a column {name!r} with one value per completion "
-            f"({n}), got {got}; give the dataset an {name!r} column"
+            f"({n}), got {got}; give the dataset an {name!r} column (--answer-column names "
+            "the column that holds the reference answer)"
         )
     return values
 
 
 def correct(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
     """1.0 when the completion's final answer equals the row's `answer`, else 0.0."""
-    answers = _column(kwargs, "answer", len(completions), "correct")
+    answers = reward_column(kwargs, "answer", len(completions), "correct")
     scores: list[float | None] = []
     for completion, reference in zip(completions, answers):
         got, want = parse_answer(completion), parse_integer(reference)

@@ -1,7 +1,8 @@
 """Atomic, pickle-free training checkpoints.
 
 A checkpoint is a directory `checkpoints/step_000120/` holding
-  model.safetensors      the policy's parameters
+  model.safetensors      the policy's trainable parameters: all of them, or a LoRA adapter's
+                         (the frozen base is the model the run started from)
   optimizer.safetensors  the optimizer's per-parameter state tensors
   rng.safetensors        torch's CPU random state
   state.json             step, data position, scheduler step, optimizer hyper-parameters,
@@ -84,6 +85,35 @@ def _optimizer_from_files(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The trainable parameters by name when only some are (LoRA); None when all are."""
+    named = dict(model.named_parameters())
+    trained = {name: p for name, p in named.items() if p.requires_grad}
+    return None if len(trained) == len(named) else trained
+
+
+def _save_trainable(model: torch.nn.Module, file: Path) -> None:
+    trained = _trainable(model)
+    if trained is None:
+        save_model(model, str(file))  # handles tied weights
+    else:
+        save_file({k: v.detach().contiguous() for k, v in trained.items()}, str(file))
+
+
+def _load_trainable(model: torch.nn.Module, file: Path) -> None:
+    trained = _trainable(model)
+    if trained is None:
+        missing, unexpected = load_model(model, str(file), strict=True)
+        assert not missing and not unexpected, (missing, unexpected)
+        return
+    saved = load_file(str(file))
+    if saved.keys() != trained.keys():
+        raise ValueError(f"{file} holds other parameters than the model trains")
+    with torch.no_grad():
+        for name, param in trained.items():
+            param.copy_(saved[name])
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -109,7 +139,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
 
-    save_model(model, str(tmp / "model.safetensors"))
+    _save_trainable(model, tmp / "model.safetensors")
     opt_tensors, opt_meta = _optimizer_to_files(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
@@ -145,8 +175,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and random states in place; return state.json."""
     meta = json.loads((path / "state.json").read_text())
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True)
-    assert not missing and not unexpected, (missing, unexpected)
+    _load_trainable(model, path / "model.safetensors")
     _optimizer_from_files(
         optimizer, load_file(str(path / "optimizer.safetensors")), meta["optimizer"]
     )

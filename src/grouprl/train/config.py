@@ -20,34 +20,121 @@ import yaml
 
 from grouprl.core import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, AGGREGATIONS, RATIO_LEVELS
 from grouprl.errors import UserError
+from grouprl.tasks.scoring import absolute_spec
 
 Algo = Literal["grpo", "gspo", "dr_grpo", "dapo"]
+Dtype = Literal["fp32", "bf16", "fp16"]
 
 
 @dataclass
-class TrainConfig:
-    """Train a causal LM with GRPO, GSPO, Dr. GRPO or DAPO on a task with verifiable rewards."""
+class RunOptions:
+    """Where a run's settings come from and where it writes (train only)."""
 
     config: Path | None = None
     """YAML file holding any of these fields; flags given on the command line override it."""
     algo: Algo = "gspo"
     """Algorithm preset. It fills every field below that is left at None (see the README)."""
-    model: str = "builtin:arith"
-    """Policy to start from: a local Hugging Face model directory or builtin:NAME."""
-    task: str = "arithmetic"
-    """Task: a built-in task name (prompts, reference answers and reward functions)."""
     output_dir: Path | None = None
     """Run directory. None: runs/<algo>-<date>-<time>. It must not already hold a run."""
     resume: Path | None = None
     """Run directory to continue from its latest checkpoint (its saved config is the base)."""
+
+
+@dataclass
+class ModelOptions:
+    """The policy and where it runs (shared by train and eval)."""
+
+    model: str = "builtin:arith"
+    """Policy to start from: a local Hugging Face model directory, builtin:NAME, or a hub id
+    (Qwen/Qwen2.5-0.5B-Instruct), given to from_pretrained as it is."""
+    trust_remote_code: bool = False
+    """Let from_pretrained run code shipped with the model (only for models you trust)."""
+    device: str = "auto"
+    """auto (CUDA when available, else CPU), cpu, cuda or cuda:N."""
+    base_dtype: Dtype = "fp32"
+    """dtype of frozen weights: the base model under LoRA and the reference model. Trainable
+    weights and the optimizer stay fp32; bf16/fp16 forwards make the trainer recompute old_logp."""
+
+
+@dataclass
+class DataOptions:
+    """What the model is asked and how its answers are scored (shared by train and eval)."""
+
+    task: str | None = None
+    """A built-in task (arithmetic). None: arithmetic, unless --dataset is given."""
+    dataset: str | None = None
+    """Prompts from a dataset: a JSONL/JSON/CSV/Parquet file, a save_to_disk directory, or a
+    hub id given to datasets.load_dataset. Needs --rewards."""
+    dataset_split: str = "train"
+    """Split of --dataset to read (data files have only "train")."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt: a string, or a list of {role, content} messages; a.b for a
+    nested field."""
+    answer_column: str | None = None
+    """Column holding the reference answer, passed to rewards as `answer` (a.b for a nested
+    field, e.g. reward_model.ground_truth). None: the dataset's own `answer` column, if any."""
+    prompt_template: str | None = None
+    """Build string prompts from columns, e.g. "Question: {question}\nAnswer:"."""
+    chat_template: bool = False
+    """Send string prompts as a user message through the tokenizer's chat template."""
+    system_prompt: str | None = None
+    """System message put before every chat prompt that has none."""
+    eval_dataset: str | None = None
+    """Held-out prompts from another dataset (same loader and columns). None: a part of
+    --dataset chosen by a hash of the prompt (see --eval-fraction)."""
+    eval_split: str = "train"
+    """Split of --eval-dataset to read."""
+    eval_fraction: float = 0.05
+    """Share of --dataset held out for evaluation when there is no --eval-dataset (at least 32
+    and at most 500 rows)."""
+    max_prompt_length: int | None = None
+    """Prompts longer than this many tokens are skipped when drawn (counted and warned about).
+    None: what leaves room for max_new_tokens in the model's context."""
+    stop: list[str] | None = None
+    """Stop strings that end a completion, besides the EOS tokens (for base models that never
+    emit EOS), e.g. --stop "Question:"."""
+    rewards: dict[str, float] | None = None
+    """Reward functions and weights: a built-in name (correct, format, accuracy, think_format),
+    path/to/rewards.py:function, package.module:function, or a reward model directory, e.g.
+    --rewards accuracy 1.0 my_rewards.py:fmt 0.2. None: the task's."""
+    pass_reward: str | None = None
+    """The reward that decides correctness (a completion passes when its score is >= 1), for the
+    accuracy metric and pass@k. None: accuracy if listed, else correct, else the first reward."""
+    reward_timeout: float = 60.0
+    """Seconds a reward function may take for one step's completions before the run stops."""
+    max_new_tokens: int | None = None
+    """Generation budget per completion. None: the task's own budget (256 for --dataset)."""
+
+
+@dataclass
+class TrainConfig(DataOptions, ModelOptions, RunOptions):
+    """Train a causal LM with GRPO, GSPO, Dr. GRPO or DAPO on a task with verifiable rewards."""
+
     seed: int = 0
     """Seed for data order, sampling and initial evaluation; same seed, same run."""
     threads: int | None = None
     """torch CPU threads. None: torch's default (all cores)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Forward passes in fp32, or under bf16 autocast (weights, gradients and optimizer stay
-    fp32). bf16 pays off where matmuls dominate (CPUs with AMX, larger models); old_logp is then
-    recomputed by the trainer, one no-grad forward per step."""
+    fp32). bf16 pays off where matmuls dominate (CPUs with AMX, larger models, GPUs); old_logp is
+    then recomputed by the trainer, one no-grad forward per step."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them: less
+    memory for long completions, about one more forward of compute."""
+    micro_batch_size: int | None = None
+    """Completions per forward/backward; gradients accumulate over a minibatch's chunks (the same
+    update). None: a whole minibatch at once."""
+
+    # ----- LoRA -----
+    lora_r: int | None = None
+    """LoRA rank: train low-rank adapters instead of the full model. None: full fine-tuning."""
+    lora_alpha: float | None = None
+    """LoRA scale numerator (the update is alpha/r * BA). None: 2 * lora_r."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input during updates (non-zero makes the first ratio differ
+    from 1)."""
+    lora_target_modules: list[str] | None = None
+    """Module names that get adapters, e.g. q_proj v_proj. None: every linear layer but the head."""
 
     # ----- sampling -----
     steps: int = 200
@@ -56,8 +143,6 @@ class TrainConfig:
     """Prompts per step (B). Each gets group_size completions: N = B*G completions a step."""
     group_size: int = 8
     """Completions sampled per prompt (G); the group mean is the baseline. At least 2."""
-    max_new_tokens: int | None = None
-    """Generation budget per completion. None: the task's own budget."""
     temperature: float = 1.0
     """Sampling temperature; log-probs for the ratio are taken at the same temperature."""
     top_p: float = 1.0
@@ -118,10 +203,6 @@ class TrainConfig:
     """Added to the std before dividing."""
 
     # ----- rewards and shaping -----
-    rewards: dict[str, float] | None = None
-    """Reward functions and weights, e.g. --rewards correct 1.0 format 0.1. None: the task's."""
-    reward_timeout: float = 60.0
-    """Seconds a reward function may take for one step's completions before the run stops."""
     dynamic_sampling: bool | None = None
     """Drop zero-variance groups and sample more prompts until the batch is full. None: preset."""
     max_resample_rounds: int = 4
@@ -237,8 +318,40 @@ def to_yaml(cfg: TrainConfig) -> str:
     return yaml.safe_dump(values, sort_keys=False)
 
 
+def check_data_options(opts: DataOptions) -> None:
+    """The rules between the data fields (train and eval): one line each."""
+    if opts.dataset is not None and opts.task is not None:
+        raise UserError(
+            f"--task {opts.task} and --dataset are exclusive: a dataset brings its own prompts; "
+            "drop --task"
+        )
+    if opts.dataset is not None and not opts.rewards:
+        raise UserError(
+            "--dataset needs --rewards: name the functions that score your data, e.g. "
+            "--rewards accuracy 1.0, or --rewards path/to/rewards.py:my_reward 1.0"
+        )
+    if opts.dataset is None:
+        for flag, value in (
+            ("--eval-dataset", opts.eval_dataset),
+            ("--prompt-template", opts.prompt_template),
+            ("--answer-column", opts.answer_column),
+        ):
+            if value is not None:
+                raise UserError(f"{flag} applies to --dataset, which is not given")
+    if not 0 < opts.eval_fraction < 1:
+        raise UserError("invalid config: eval_fraction must lie in (0, 1)")
+    if opts.max_prompt_length is not None and opts.max_prompt_length < 1:
+        raise UserError("invalid config: max_prompt_length must be at least 1")
+    if opts.stop is not None and not all(isinstance(s, str) and s for s in opts.stop):
+        raise UserError("invalid config: stop strings must be non-empty")
+
+
 def resolve(cfg: TrainConfig, *, task_max_new_tokens: int) -> TrainConfig:
-    """Fill every field left at None from the preset and the task, then validate."""
+    """Fill every field left at None from the preset and the task, then validate.
+
+    Reward files are recorded with absolute paths, so a resumed run imports the same file
+    from any working directory.
+    """
     preset = dataclasses.asdict(PRESETS[cfg.algo])
     filled = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
     cfg = dataclasses.replace(cfg, **filled)
@@ -248,6 +361,13 @@ def resolve(cfg: TrainConfig, *, task_max_new_tokens: int) -> TrainConfig:
         cfg = dataclasses.replace(cfg, norm_len=cfg.max_new_tokens)
     if cfg.overlong_cache is None:
         cfg = dataclasses.replace(cfg, overlong_cache=max(1, cfg.max_new_tokens // 4))
+    if cfg.lora_r is not None and cfg.lora_alpha is None:
+        cfg = dataclasses.replace(cfg, lora_alpha=2.0 * cfg.lora_r)
+    if cfg.rewards:
+        rewards = {absolute_spec(spec): w for spec, w in cfg.rewards.items()}
+        cfg = dataclasses.replace(cfg, rewards=rewards)
+    if cfg.pass_reward is not None:
+        cfg = dataclasses.replace(cfg, pass_reward=absolute_spec(cfg.pass_reward))
     validate(cfg)
     return cfg
 
@@ -291,6 +411,13 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.keep_last >= 1, "keep_last must be at least 1"),
         (cfg.threads is None or cfg.threads >= 1, "threads must be at least 1"),
         (cfg.rewards is None or len(cfg.rewards) > 0, "rewards must name at least one function"),
+        (
+            cfg.micro_batch_size is None or cfg.micro_batch_size >= 1,
+            "micro_batch_size must be at least 1",
+        ),
+        (cfg.lora_r is None or cfg.lora_r >= 1, "lora_r must be at least 1 (or unset)"),
+        (cfg.lora_alpha is None or cfg.lora_alpha > 0, "lora_alpha must be > 0"),
+        (0 <= cfg.lora_dropout < 1, "lora_dropout must lie in [0, 1)"),
     ]
     for ok, message in checks:
         if not ok:
@@ -302,12 +429,26 @@ def validate(cfg: TrainConfig) -> None:
         "adv_scale": ADVANTAGE_SCALES,
         "adv_estimator": ADVANTAGE_ESTIMATORS,
         "algo": PRESETS,
+        "base_dtype": ("fp32", "bf16", "fp16"),
+        "precision": ("fp32", "bf16"),
     }
     for name, valid in choices.items():
         if getattr(cfg, name) not in valid:
             raise UserError(
                 f"invalid config: {name} '{getattr(cfg, name)}' is not one of {', '.join(valid)}"
             )
+    if cfg.lora_dropout > 0:
+        warnings.warn(
+            "lora_dropout > 0: the update's forward differs from the sampling policy even before "
+            "the first optimizer step, so the on-policy ratio is not 1",
+            stacklevel=2,
+        )
+    if cfg.base_dtype != "fp32" and cfg.lora_r is None and cfg.beta == 0:
+        warnings.warn(
+            "base_dtype sets the dtype of frozen weights (a LoRA base, a reference model); with "
+            "full fine-tuning and beta = 0 there are none, so it changes nothing",
+            stacklevel=2,
+        )
     if cfg.ratio_level != "token" and cfg.loss_agg == "token_mean":
         warnings.warn(
             "a sequence-level ratio with loss_agg=token_mean weights each completion by its "

@@ -1,9 +1,9 @@
-"""`grouprl eval`: pass@1 (sampled and greedy) and pass@k of a model on a task split.
+"""`grouprl eval`: pass@1 (sampled and greedy) and pass@k of a model on a task or dataset split.
 
 For each problem, k completions are sampled at `temperature` with `grouprl.rollout.sample_groups`
-(the trainer's own sampler) and scored with the task's `correct` reward; a completion counts as
-solved when its reward is at least 1 (full marks; None counts as unsolved). With c of n = k
-samples solved:
+(the trainer's own sampler) and judged by the pass reward (`--pass-reward`, the same one
+`grouprl train` uses): a completion counts as solved when that reward is at least 1 (full marks;
+None counts as unsolved). With c of n = k samples solved:
 
     pass@1 = c / n                                   (mean over samples, unbiased)
     pass@k = 1 − C(n − c, k) / C(n, k)               (Chen et al. 2021, "Evaluating Large
@@ -21,7 +21,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -32,21 +32,33 @@ from rich.table import Table
 
 from grouprl.errors import UserError
 from grouprl.models import load_model, load_tokenizer
-from grouprl.rollout import sample_groups
-from grouprl.tasks import RewardFn, get_task
-from grouprl.tasks.base import call_reward
+from grouprl.models.loading import resolve_device
+from grouprl.rollout import Rollout, sample_groups
+from grouprl.tasks import RewardFn
+from grouprl.tasks.base import (
+    REWARD_TIMEOUT,
+    TrainerState,
+    call_reward,
+    completion_objects,
+    is_conversational,
+)
+from grouprl.train.build import (
+    build_rewards,
+    build_task,
+    prompt_budget,
+    rows_that_fit,
+    stop_strings,
+)
+from grouprl.train.config import DataOptions, ModelOptions, check_data_options
 
 
 @dataclass
-class EvalConfig:
-    """Measure pass@1 (sampled and greedy) and pass@k of a model on a task split."""
+class EvalConfig(DataOptions, ModelOptions):
+    """Measure pass@1 (sampled and greedy) and pass@k of a model on a task or dataset split."""
 
-    model: str = "builtin:arith"
-    """Model to evaluate: a local Hugging Face model directory or builtin:NAME."""
-    task: str = "arithmetic"
-    """Task: a built-in task name."""
-    split: Literal["heldout", "train"] = "heldout"
-    """Which split's problems to evaluate on."""
+    split: Literal["heldout", "train", "all"] = "heldout"
+    """Which rows to evaluate: the held-out rows `grouprl train` holds out (the same ones for
+    the same data options), the training rows, or all."""
     samples: int = 8
     """Completions sampled per problem (k of pass@k)."""
     limit: int = 200
@@ -55,8 +67,6 @@ class EvalConfig:
     """Sampling temperature of the k samples (greedy pass@1 always uses temperature 0)."""
     greedy: bool = True
     """Also decode one greedy completion per problem for greedy pass@1."""
-    max_new_tokens: int | None = None
-    """Generation budget per completion. None: the task's own budget."""
     batch_prompts: int = 64
     """Problems sampled together (each with SAMPLES completions)."""
     seed: int = 0
@@ -95,10 +105,30 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def _score(reward_fn: RewardFn, rows: Sequence[dict], texts: list[str], repeats: int) -> list[bool]:
-    """Solved flags for `texts`, `repeats` consecutive completions per row (reward >= 1)."""
+Judge = Callable[[Sequence[dict], Rollout], list[bool]]
+
+
+def reward_judge(reward_fn: RewardFn, timeout: float | None = REWARD_TIMEOUT) -> Judge:
+    """Solved flags from one reward function (score >= 1), called as TRL calls it."""
     name = getattr(reward_fn, "__name__", "reward")
-    return [v >= 1.0 for v in call_reward(name, reward_fn, texts, rows, repeats)]  # NaN: False
+
+    def judge(rows: Sequence[dict], rollout: Rollout) -> list[bool]:
+        completions = completion_objects(rollout.texts, is_conversational(rows[0]["prompt"]))
+        values = call_reward(
+            name,
+            reward_fn,
+            completions,
+            rows,
+            rollout.group_size,
+            timeout=timeout,
+            completion_ids=rollout.completion_id_lists(),
+            trainer_state=TrainerState(),
+            log_metric=lambda *args: None,
+            log_extra=lambda *args: None,
+        )
+        return [v >= 1.0 for v in values]  # NaN: False
+
+    return judge
 
 
 def evaluate(
@@ -106,7 +136,8 @@ def evaluate(
     tokenizer: Any,
     rows: Sequence[dict],
     *,
-    reward_fn: RewardFn,
+    reward_fn: RewardFn | None = None,
+    judge: Judge | None = None,
     samples: int = 8,
     temperature: float = 1.0,
     max_new_tokens: int,
@@ -119,8 +150,13 @@ def evaluate(
 ) -> EvalResult:
     """pass@1, pass@k (k = samples) and greedy pass@1 of `model` on `rows`.
 
-    The model is put in eval mode for the measurement and returned to its previous mode.
+    Completions are judged by `judge(rows, rollout) -> solved flags`, or by `reward_fn`'s score
+    reaching 1. The model is put in eval mode for the measurement and returned to its previous
+    mode.
     """
+    if (reward_fn is None) == (judge is None):
+        raise ValueError("give exactly one of reward_fn and judge")
+    judge = judge or reward_judge(reward_fn)
     if not rows:
         raise UserError("nothing to evaluate: the split is empty (check --limit and the task)")
     if samples < 1:
@@ -160,14 +196,14 @@ def evaluate(
                     seed=seed + i,
                     **common,
                 )
-                flags = _score(reward_fn, batch, rollout.texts, samples)
+                flags = judge(batch, rollout)
                 solved += [sum(flags[j * samples : (j + 1) * samples]) for j in range(len(batch))]
                 total_length += int(rollout.lengths.sum())
                 if greedy:
                     greedy_rollout = sample_groups(
                         model, tokenizer, prompts, group_size=1, temperature=0.0, **common
                     )
-                    greedy_solved += _score(reward_fn, batch, greedy_rollout.texts, 1)
+                    greedy_solved += judge(batch, greedy_rollout)
                 bar.advance(task_id, len(batch))
     finally:
         model.train(was_training)
@@ -196,22 +232,42 @@ def run(cfg: EvalConfig, *, progress: bool = True) -> dict[str, Any]:
 
 
 def _run(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
-    task = get_task(cfg.task)
-    if "correct" not in task.reward_funcs:
-        raise UserError(f"task {cfg.task!r} has no 'correct' reward to evaluate with")
-    rows = task.split(cfg.split)
-    rows = list(rows[: min(cfg.limit, len(rows))])
-    model, tokenizer = load_model(cfg.model), load_tokenizer(cfg.model)
+    check_data_options(cfg)
+    task = build_task(cfg)
+    device = resolve_device(cfg.device)
+    model = load_model(cfg.model, device=device, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    rewards = build_rewards(cfg, task, device)
+    max_new_tokens = cfg.max_new_tokens or task.max_new_tokens
+    budget = prompt_budget(cfg, model, max_new_tokens)
+    rows, too_long = rows_that_fit(task.split(cfg.split), cfg.limit, tokenizer, budget)
+    if too_long:
+        Console(stderr=True).print(
+            f"[yellow]warning:[/] skipped {too_long} prompts longer than {budget} tokens"
+        )
     start = time.perf_counter()
+
+    def judge(batch_rows: Sequence[dict], rollout: Rollout) -> list[bool]:
+        scores = rewards.score(
+            rollout.texts,
+            batch_rows,
+            rollout.group_size,
+            completion_ids=rollout.completion_id_lists(),
+            state=TrainerState(),
+            timeout=cfg.reward_timeout,
+            only_pass=True,
+        )
+        return scores.passed.tolist()
+
     result = evaluate(
         model,
         tokenizer,
         rows,
-        reward_fn=task.reward_funcs["correct"],
+        judge=judge,
         samples=cfg.samples,
         temperature=cfg.temperature,
-        max_new_tokens=cfg.max_new_tokens or task.max_new_tokens,
-        stop=task.stop,
+        max_new_tokens=max_new_tokens,
+        stop=stop_strings(cfg, task),
         batch_prompts=cfg.batch_prompts,
         seed=cfg.seed,
         greedy=cfg.greedy,
@@ -219,8 +275,9 @@ def _run(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
     )
     return {
         "model": cfg.model,
-        "task": cfg.task,
+        "task": task.name,
         "split": cfg.split,
+        "pass_reward": rewards.pass_reward,
         "temperature": cfg.temperature,
         "seed": cfg.seed,
         "k": cfg.samples,

@@ -1,37 +1,44 @@
 """The GRPO / GSPO training loop, top to bottom.
 
 Each step:
-  1. take B prompts from the task's train split (a seeded permutation; the position is saved);
+  1. take B prompts from the task's train split (a seeded permutation; the position is saved),
+     skipping prompts too long for the model's context;
   2. sample G completions for each with the current policy through a `RolloutEngine` (the HF
      engine today; another backend plugs in here); their log-probs under the sampling
      distribution come back with them as `old_logp` (no extra forward pass);
-  3. score every completion: the weighted sum of the reward functions (NaN where none scored);
-     DAPO's soft overlong penalty is added when enabled;
+  3. score every completion: the weighted sum of the reward functions (NaN where none scored),
+     and pass/fail by the pass reward; DAPO's soft overlong penalty is added when enabled;
   4. optionally (dynamic sampling, DAPO) drop groups whose rewards all agree and sample more
      prompts, up to `max_resample_rounds` extra rounds;
   5. advantages = group_advantages(rewards): the group mean is the baseline, so no critic;
   6. reference log-probs when beta > 0 (the initial policy, frozen);
   7. `epochs` passes over `minibatches` minibatches of whole groups (groups whose advantages are
      all 0 left out of the compute when beta = 0: their gradient is exactly 0): current log-probs,
-     `policy_loss` (token ratio for GRPO, sequence ratio for GSPO), backward, gradient clipping,
-     an optimizer step. With one epoch and one minibatch the update is exactly on-policy and the
-     ratio is 1; only its gradient matters (GRPO paper, mu = 1);
+     `policy_loss` (token ratio for GRPO, sequence ratio for GSPO), backward (in chunks of
+     `micro_batch_size` completions, gradients accumulated), gradient clipping, an optimizer
+     step. With one epoch and one minibatch the update is exactly on-policy and the ratio is 1;
+     only its gradient matters (GRPO paper, mu = 1);
   8. learning-rate schedule, metrics, sample completions, evaluation, checkpoints.
 
 Deviations from the papers: dropout stays off throughout (the model stays in eval mode), so the
-ratio compares the same function at two parameter values and is not noisy by construction.
+ratio compares the same function at two parameter values and is not noisy by construction
+(LoRA's own dropout, when asked for, is the one exception).
+
+Everything runs on the policy's device; forward passes run under autocast when the precision
+asks for it, and then the trainer recomputes `old_logp` itself (the sampler's rounding differs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
 import sys
 import time
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +56,29 @@ from grouprl.core import (
     zero_variance_groups,
 )
 from grouprl.errors import UserError
-from grouprl.models import load_model, load_tokenizer
+from grouprl.models import activation_checkpointing as checkpointing
+from grouprl.models.loading import resolve_device
+from grouprl.models.lora import adapter_dropout, base_model_context, save_final
 from grouprl.report import MetricSinks, plot_run
 from grouprl.report.sinks import truncate_jsonl
 from grouprl.rollout import HFRolloutEngine, Rollout, RolloutEngine, completion_logprobs
-from grouprl.tasks import Task, get_task
-from grouprl.tasks.base import call_reward
+from grouprl.tasks import Task
+from grouprl.tasks.base import TrainerState
+from grouprl.tasks.data import PromptStream
+from grouprl.tasks.scoring import RewardSet
 from grouprl.train import checkpoint as ckpt
-from grouprl.train.config import TrainConfig, resolve, to_yaml
+from grouprl.train.build import (
+    autocast,
+    build_rewards,
+    build_task,
+    forward_dtype,
+    load_policy,
+    prompt_budget,
+    prompt_ids,
+    rows_that_fit,
+    stop_strings,
+)
+from grouprl.train.config import TrainConfig, check_data_options, resolve, to_yaml
 from grouprl.train.evaluate import EvalResult, evaluate
 
 # Diagnostics of an update (see `update`): those that are exact even when groups are skipped
@@ -76,27 +98,6 @@ class TrainSummary:
     interrupted: bool = False
 
 
-class PromptStream:
-    """The train split in a seeded random order, epoch after epoch; `position` is resumable."""
-
-    def __init__(self, rows: Sequence[dict], seed: int, position: int = 0):
-        if len(rows) == 0:
-            raise UserError("the task's train split is empty; give it at least one row")
-        self.rows, self.seed, self.position = rows, seed, position
-        self._epoch, self._order = -1, []
-
-    def take(self, k: int) -> list[dict]:
-        out = []
-        for _ in range(k):
-            epoch, index = divmod(self.position, len(self.rows))
-            if epoch != self._epoch:
-                gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-                self._epoch, self._order = epoch, torch.randperm(len(self.rows), generator=gen)
-            out.append(self.rows[int(self._order[index])])
-            self.position += 1
-        return out
-
-
 @dataclass
 class Batch:
     """One step's training data: whole groups, group-contiguous."""
@@ -105,20 +106,26 @@ class Batch:
     rows: list[dict]  # (B,) task rows of the prompts
     rewards: torch.Tensor  # (N,) weighted reward, NaN = unscored
     by_function: dict[str, torch.Tensor]  # name -> (N,) raw scores, NaN = None
+    passed: torch.Tensor | None = None  # (N,) bool: the pass reward's score >= 1
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns, (N,) each
 
     def select_groups(self, groups: list[int]) -> Batch:
         idx = self.rollout.group_rows(groups)  # (b·G,)
+        keep = idx.tolist()
         return Batch(
             self.rollout.select_groups(groups),
             [self.rows[g] for g in groups],
             self.rewards[idx],
             {name: r[idx] for name, r in self.by_function.items()},
+            None if self.passed is None else self.passed[idx],
+            {name: [values[i] for i in keep] for name, values in self.extra.items()},
         )
 
     @staticmethod
     def concat(parts: list[Batch]) -> Batch:
         if len(parts) == 1:
             return parts[0]
+        has_passed = all(p.passed is not None for p in parts)
         return Batch(
             Rollout.concat([p.rollout for p in parts]),
             [row for p in parts for row in p.rows],
@@ -127,55 +134,101 @@ class Batch:
                 name: torch.cat([p.by_function[name] for p in parts])
                 for name in parts[0].by_function
             },
+            torch.cat([p.passed for p in parts]) if has_passed else None,
+            {
+                name: [v for p in parts for v in p.extra[name]]
+                for name in parts[0].extra
+                if all(name in p.extra for p in parts)
+            },
         )
 
 
-def score(
-    rollout: Rollout,
-    rows: list[dict],
-    task: Task,
-    weights: dict[str, float],
-    timeout: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted reward per completion (N,), NaN where every function returned None, and each
-    function's own scores by name."""
-    G = rollout.group_size
-    by_function = {
-        name: torch.tensor(
-            call_reward(name, task.reward_funcs[name], rollout.texts, rows, G, timeout=timeout)
-        )
-        for name in weights
-    }  # name -> (N,)
-    total = sum(weights[name] * r.nan_to_num(0.0) for name, r in by_function.items())
-    scored = torch.stack([~r.isnan() for r in by_function.values()]).any(dim=0)  # (N,)
-    return torch.where(scored, total, math.nan).float(), by_function
+@dataclass
+class Sampler:
+    """What a step needs to draw prompts, sample completions and score them."""
+
+    engine: RolloutEngine
+    tokenizer: Any
+    stream: PromptStream
+    rewards: RewardSet
+    stop: list[str] | None
+    budget: int | None  # longest prompt in tokens; None: no limit
+    dtype: torch.dtype | None  # autocast dtype of the forward passes
+    device: torch.device
+    warn: Callable[[str], None] = print
+    skipped: int = 0  # prompts skipped as too long, over the run
+
+    def fits(self, ids: list[int]) -> bool:
+        return self.budget is None or len(ids) <= self.budget
 
 
-def autocast(cfg: TrainConfig) -> torch.autocast:
-    """bf16 autocast for forward passes when `precision` asks for it (a no-op context in fp32)."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+def draw_prompts(sampler: Sampler, k: int) -> tuple[list[dict], list[list[int]]]:
+    """k rows from the stream whose prompts fit the prompt budget, and their token ids.
+
+    A prompt over the budget is skipped (counted in `sampler.skipped`, warned about once);
+    when a whole pass over the split finds none that fits, that is the user's to fix.
+    """
+    rows: list[dict] = []
+    ids: list[list[int]] = []
+    misses = 0
+    while len(rows) < k:
+        for row in sampler.stream.take(k - len(rows)):
+            row_ids = prompt_ids(sampler.tokenizer, row["prompt"])
+            if sampler.fits(row_ids):
+                rows.append(row)
+                ids.append(row_ids)
+                misses = 0
+                continue
+            if sampler.skipped == 0:
+                sampler.warn(
+                    f"skipping a prompt of {len(row_ids)} tokens, over max_prompt_length "
+                    f"{sampler.budget}; such prompts are counted as skipped_prompts in the metrics"
+                )
+            sampler.skipped += 1
+            misses += 1
+        if misses >= len(sampler.stream.rows):
+            raise UserError(
+                f"no prompt of the training data fits in {sampler.budget} tokens; raise "
+                "--max-prompt-length or lower --max-new-tokens"
+            )
+    return rows, ids
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One forward/backward's completions: a rollout and its rows in the step's rollout."""
+
+    rollout: Rollout
+    rows: torch.Tensor  # (n,) long
+
+
+def plan_rows(cfg: TrainConfig, rollout: Rollout, rows: torch.Tensor) -> list[Chunk]:
+    """`rollout` (whose completions are `rows` of the step's rollout) in micro-batch chunks."""
+    return [Chunk(piece, rows[span]) for piece, span in rollout.chunks(cfg.micro_batch_size)]
 
 
 @dataclass(frozen=True)
 class Minibatch:
-    """One optimizer step's share of a rollout: the groups it trains, and the counts its loss
-    divides by (those of all its groups, skipped ones included)."""
+    """One optimizer step's share of a rollout: the groups it trains (in micro-batch chunks),
+    and the counts its loss divides by (those of all its groups, skipped ones included)."""
 
     rollout: Rollout | None  # the trained groups; None when every group was skipped
     rows: torch.Tensor  # (n,) long, their rows in the step's rollout
     num_tokens: torch.Tensor  # () loss tokens in the whole minibatch
     num_seqs: torch.Tensor  # () sequences with at least one loss token, likewise
+    chunks: tuple[Chunk, ...] = ()
 
 
 def plan_minibatches(
     cfg: TrainConfig, rollout: Rollout, advantages: torch.Tensor, mask: torch.Tensor
 ) -> list[Minibatch]:
     """`cfg.minibatches` minibatches of whole groups, in order, without the groups that have
-    nothing to learn (all advantages 0) when `skip_zero_advantage` applies (beta = 0).
+    nothing to learn (all advantages 0) when `skip_zero_advantage` applies (beta = 0), each cut
+    into chunks of at most `cfg.micro_batch_size` completions.
 
-    A group is never cut: its advantages are normalised over all G of its completions. Raises
-    ValueError unless B is divisible by `cfg.minibatches`. advantages: (N,); mask: (N, T), the
-    loss mask.
+    A group is never cut across minibatches: its advantages are normalised over all G of its
+    completions. Raises ValueError unless B is divisible by `cfg.minibatches`. advantages: (N,);
+    mask: (N, T), the loss mask.
     """
     b, G = rollout.num_prompts, rollout.group_size
     if b % cfg.minibatches:
@@ -190,12 +243,15 @@ def plan_minibatches(
             live = (advantages[span].view(per, G) != 0).any(-1).tolist()  # (per,)
             groups = [g for g, keep in zip(groups, live) if keep]
         m = mask[span]  # (per·G, T)
+        trained = rollout.select_groups(groups) if groups else None
+        rows = rollout.group_rows(groups)
         plans.append(
             Minibatch(
-                rollout=rollout.select_groups(groups) if groups else None,
-                rows=rollout.group_rows(groups),
+                rollout=trained,
+                rows=rows,
                 num_tokens=m.sum(),
                 num_seqs=m.any(-1).sum(),
+                chunks=tuple(plan_rows(cfg, trained, rows)) if trained is not None else (),
             )
         )
     return plans
@@ -206,66 +262,94 @@ def trainer_old_logp(cfg: TrainConfig, policy, plans: list[Minibatch]) -> list[M
 
     Under bf16 the sampler's KV-cached decode and the trainer's full-sequence forward round
     differently (measured: up to 0.06 per token, 4e-3 per sequence), more than GSPO's clip range.
-    Recomputing on exactly the rows (and so the shapes) that the update then runs makes the first
-    update's ratio 1 again. Runs before any optimizer step.
+    Recomputing on exactly the chunks (and so the shapes) that the update then runs makes the
+    first update's ratio 1 again. Runs before any optimizer step.
     """
+    device, dtype = _device(policy), forward_dtype(cfg)
     out = []
     for plan in plans:
-        if plan.rollout is not None:
-            with torch.no_grad(), autocast(cfg):
-                old_logp = completion_logprobs(policy, plan.rollout, temperature=cfg.temperature)
-            plan = dataclasses.replace(
-                plan, rollout=dataclasses.replace(plan.rollout, old_logp=old_logp)
+        chunks = []
+        for chunk in plan.chunks:
+            with torch.no_grad(), autocast(device, dtype):
+                old_logp = completion_logprobs(policy, chunk.rollout, temperature=cfg.temperature)
+            chunks.append(
+                dataclasses.replace(
+                    chunk, rollout=dataclasses.replace(chunk.rollout, old_logp=old_logp)
+                )
             )
-        out.append(plan)
+        out.append(dataclasses.replace(plan, chunks=tuple(chunks)))
+    return out
+
+
+def no_grad_logprobs(
+    cfg: TrainConfig, model: nn.Module, rollout: Rollout, dtype: torch.dtype | None
+) -> torch.Tensor:
+    """Log-probs (N, T) of the rollout's completions under `model`, without gradients, in
+    micro-batch chunks (the reference policy's, for the KL term)."""
+    out = torch.zeros_like(rollout.old_logp)  # (N, T)
+    for piece, span in rollout.chunks(cfg.micro_batch_size):
+        with torch.no_grad(), autocast(_device(model), dtype):
+            out[span] = completion_logprobs(model, piece, temperature=cfg.temperature)
     return out
 
 
 def collect_batch(
-    cfg: TrainConfig,
-    step: int,
-    engine: RolloutEngine,
-    task: Task,
-    stream: PromptStream,
-    weights: dict[str, float],
+    cfg: TrainConfig, step: int, sampler: Sampler
 ) -> tuple[Batch | None, dict[str, float]]:
     """Sample and score B groups; with dynamic sampling keep only groups that teach something.
 
-    Returns the batch (None when dynamic sampling kept no group at all) and sampling statistics.
+    Returns the batch (None when dynamic sampling kept no group at all) and sampling statistics
+    (plus whatever reward functions logged with `log_metric`).
     """
     B, G = cfg.prompts_per_step, cfg.group_size
     parts: list[Batch] = []
     n_kept = n_sampled = n_zero = 0
+    skipped_before = sampler.skipped
+    logged: dict[str, float] = {}
     rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
     for round_ in range(rounds):
-        rows = stream.take(B - n_kept)
-        with autocast(cfg):
-            rollout = engine.sample(
-                [row["prompt"] for row in rows],
+        rows, ids = draw_prompts(sampler, B - n_kept)
+        with autocast(sampler.device, sampler.dtype):
+            rollout = sampler.engine.sample(
+                ids,
                 group_size=G,
                 max_new_tokens=cfg.max_new_tokens,
                 temperature=cfg.temperature,
                 top_p=cfg.top_p,
                 top_k=cfg.top_k,
-                stop=task.stop,
+                stop=sampler.stop,
                 seed=cfg.seed * 1_000_003 + step * 97 + round_,
             )
-        rewards, by_function = score(rollout, rows, task, weights, cfg.reward_timeout)
+        scores = sampler.rewards.score(
+            rollout.texts,
+            rows,
+            G,
+            completion_ids=rollout.completion_id_lists(),
+            state=TrainerState(global_step=step, max_steps=cfg.steps),
+            timeout=cfg.reward_timeout,
+        )
+        rewards = scores.total  # (N,) on the CPU
+        logged.update(scores.logged)
         if cfg.overlong_penalty:
             penalty = overlong_penalty(
                 rollout.lengths, max_len=cfg.max_new_tokens, cache_len=cfg.overlong_cache
             )
-            rewards = rewards + penalty.to(rewards.dtype)
+            rewards = rewards + penalty.to(device="cpu", dtype=rewards.dtype)
         zero = zero_variance_groups(rewards.view(-1, G))  # (B_round,)
         n_sampled, n_zero = n_sampled + len(rows), n_zero + int(zero.sum())
         keep = [g for g in range(len(rows)) if not (cfg.dynamic_sampling and zero[g])]
         if keep:
-            part = Batch(rollout, rows, rewards, by_function)
+            part = Batch(rollout, rows, rewards, scores.by_function, scores.passed, scores.extra)
             parts.append(part if len(keep) == len(rows) else part.select_groups(keep))
             n_kept += len(keep)
         if n_kept >= B:
             break
-    stats = {"frac_zero_std": n_zero / n_sampled, "sample_rounds": round_ + 1}
+    stats = {
+        **logged,
+        "frac_zero_std": n_zero / n_sampled,
+        "sample_rounds": round_ + 1,
+        "skipped_prompts": sampler.skipped - skipped_before,
+    }
     # Short of B groups after the last round: train on a multiple of the minibatch count.
     usable = n_kept - n_kept % cfg.minibatches
     stats["groups"] = usable
@@ -273,6 +357,27 @@ def collect_batch(
         return None, stats
     batch = Batch.concat(parts)
     return (batch if usable == n_kept else batch.select_groups(list(range(usable)))), stats
+
+
+def _combine(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """One minibatch's diagnostics from its chunks' (diagnostics, loss tokens): the loss is the
+    sum (every chunk divides by the whole minibatch's counts), means are token-weighted, the
+    ratio's extremes are extremes over chunks that had tokens."""
+    if len(parts) == 1:
+        return parts[0][0]
+    tokens = sum(t for _, t in parts)
+    live = [d for d, t in parts if t > 0] or [parts[0][0]]
+    out = {}
+    for key in parts[0][0]:
+        if key == "loss":
+            out[key] = sum(d[key] for d, _ in parts)
+        elif key == "ratio_min":
+            out[key] = min(d[key] for d in live)
+        elif key == "ratio_max":
+            out[key] = max(d[key] for d in live)
+        else:
+            out[key] = sum(d[key] * t for d, t in parts) / tokens if tokens else 0.0
+    return out
 
 
 def update(
@@ -298,14 +403,20 @@ def update(
     saving grows as the policy improves and more groups are all correct. Loss, gradient norm and
     clip fractions are those of the full computation; ratio statistics and approx_kl describe
     the trained completions (NaN when none was); `trained_frac` is the fraction trained.
+
+    Micro-batching: a minibatch's forward/backward runs in chunks of at most
+    `micro_batch_size` completions whose gradients accumulate; every chunk's loss divides by the
+    whole minibatch's counts, so the sum is the minibatch's loss and the update is the same.
     """
     rollout = batch.rollout
+    device, dtype = _device(policy), forward_dtype(cfg)
+    advantages = advantages.to(device)  # (N,)
     mask = rollout.mask  # (N, T)
     if cfg.mask_truncated:
         mask = mask & ~rollout.truncated[:, None]
     params = trainable_parameters(policy)
     plans = plan_minibatches(cfg, rollout, advantages, mask)
-    if cfg.precision == "bf16":
+    if dtype is not None:
         plans = trainer_old_logp(cfg, policy, plans)
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
     totals: dict[str, float] = {}
@@ -314,37 +425,44 @@ def update(
         for plan in plans:
             optimizer.zero_grad(set_to_none=True)
             diagnostics = dict.fromkeys(_EXACT_DIAGNOSTICS, 0.0)
-            if plan.rollout is None:
+            if not plan.chunks:
                 for p in params:
                     p.grad = torch.zeros_like(p)
             else:
-                with autocast(cfg):
-                    logp = completion_logprobs(
-                        policy, plan.rollout, temperature=cfg.temperature
-                    )  # (n, T) float32
-                m = mask[plan.rows]  # (n, T)
-                out = policy_loss(
-                    logp,
-                    plan.rollout.old_logp,
-                    advantages[plan.rows],
-                    m,
-                    level=cfg.ratio_level,
-                    clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_high,
-                    dual_clip=cfg.dual_clip,
-                    ref_logp=None if ref_logp is None else ref_logp[plan.rows],
-                    beta=cfg.beta,
-                    kl_estimator=cfg.kl_estimator,
-                    agg=cfg.loss_agg,
-                    norm_len=cfg.norm_len,
-                    num_tokens=plan.num_tokens,
-                    num_seqs=plan.num_seqs,
-                )
-                out.loss.backward()
-                diagnostics = out.metrics()
+                parts = []
+                for chunk in plan.chunks:
+                    with (
+                        autocast(device, dtype),
+                        _recomputing(cfg, policy),
+                        adapter_dropout(policy, cfg.lora_dropout > 0),
+                    ):
+                        logp = completion_logprobs(
+                            policy, chunk.rollout, temperature=cfg.temperature
+                        )  # (n, T) float32
+                    m = mask[chunk.rows]  # (n, T)
+                    out = policy_loss(
+                        logp,
+                        chunk.rollout.old_logp,
+                        advantages[chunk.rows],
+                        m,
+                        level=cfg.ratio_level,
+                        clip_low=cfg.clip_low,
+                        clip_high=cfg.clip_high,
+                        dual_clip=cfg.dual_clip,
+                        ref_logp=None if ref_logp is None else ref_logp[chunk.rows],
+                        beta=cfg.beta,
+                        kl_estimator=cfg.kl_estimator,
+                        agg=cfg.loss_agg,
+                        norm_len=cfg.norm_len,
+                        num_tokens=plan.num_tokens,
+                        num_seqs=plan.num_seqs,
+                    )
+                    out.loss.backward()
+                    parts.append((out.metrics(), float(m.sum())))
+                diagnostics = _combine(parts)
                 # Skipped tokens have advantage 0 and are never clipped: over the minibatch's
                 # tokens the clip fractions are exactly those of the full computation.
-                share = float(m.sum()) / max(float(plan.num_tokens), 1.0)
+                share = sum(t for _, t in parts) / max(float(plan.num_tokens), 1.0)
                 diagnostics["clip_frac_low"] *= share
                 diagnostics["clip_frac_high"] *= share
                 n_trained_updates += 1
@@ -364,20 +482,70 @@ def update(
     return result
 
 
+def _recomputing(cfg: TrainConfig, policy: nn.Module) -> contextlib.AbstractContextManager:
+    return (
+        checkpointing.recomputing(policy)
+        if cfg.gradient_checkpointing
+        else contextlib.nullcontext()
+    )
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def evaluation_rows(
+    cfg: TrainConfig, task: Task, sampler: Sampler, warn: Callable[[str], None]
+) -> list[dict]:
+    """The first `eval_size` held-out rows whose prompts fit the prompt budget (a warning when
+    there are fewer)."""
+    if cfg.eval_size > len(task.heldout):
+        warn(
+            f"eval_size {cfg.eval_size} is more than the {len(task.heldout)} held-out rows; "
+            "evaluating all of them"
+        )
+    rows, too_long = rows_that_fit(task.heldout, cfg.eval_size, sampler.tokenizer, sampler.budget)
+    if too_long:
+        warn(f"{too_long} held-out prompts are over {sampler.budget} tokens and not evaluated")
+    if not rows:
+        raise UserError("no held-out prompt fits the prompt budget; raise --max-prompt-length")
+    return rows
+
+
 def run_eval(
-    cfg: TrainConfig, policy, tokenizer, task: Task, *, progress: bool
+    cfg: TrainConfig,
+    policy,
+    sampler: Sampler,
+    rows: Sequence[dict],
+    step: int,
+    *,
+    progress: bool,
 ) -> dict[str, float]:
     """Held-out pass@1 (sampled and greedy) and pass@k on a fixed subset, with a fixed seed."""
-    with autocast(cfg):
+    state = TrainerState(global_step=step, max_steps=cfg.steps)
+
+    def judge(batch_rows: Sequence[dict], rollout: Rollout) -> list[bool]:
+        scores = sampler.rewards.score(
+            rollout.texts,
+            batch_rows,
+            rollout.group_size,
+            completion_ids=rollout.completion_id_lists(),
+            state=state,
+            timeout=cfg.reward_timeout,
+            only_pass=True,
+        )
+        return scores.passed.tolist()
+
+    with autocast(sampler.device, sampler.dtype):
         result: EvalResult = evaluate(
             policy,
-            tokenizer,
-            list(task.heldout[: cfg.eval_size]),
-            reward_fn=task.reward_funcs["correct"],
+            sampler.tokenizer,
+            rows,
+            judge=judge,
             samples=cfg.eval_samples,
             temperature=cfg.temperature,
             max_new_tokens=cfg.max_new_tokens,
-            stop=task.stop,
+            stop=sampler.stop,
             seed=cfg.seed,
             greedy=True,
             progress=progress,
@@ -460,31 +628,46 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     return run_dir
 
 
+def _describe(model: nn.Module) -> str:
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{total / 1e6:.2f}M parameters, {trained / 1e6:.2f}M trained"
+
+
 def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
     """Run (or resume) a training run described by `cfg`; see the module docstring."""
     console = console or Console(stderr=True)
-    task = get_task(cfg.task)
+
+    def warn(message: str) -> None:
+        console.print(f"[yellow]warning:[/] {message}")
+
+    check_data_options(cfg)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        task = build_task(cfg)
         cfg = resolve(cfg, task_max_new_tokens=task.max_new_tokens)
     for warning in caught:
-        console.print(f"[yellow]warning:[/] {warning.message}")
-    weights = dict(cfg.rewards or task.reward_weights)
-    for name in weights:
-        if name not in task.reward_funcs:
-            raise UserError(
-                f"unknown reward '{name}' for task {task.name}; "
-                f"choose from: {', '.join(task.reward_funcs)}"
-            )
+        warn(str(warning.message))
     run_dir = prepare_run_dir(cfg)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
 
-    policy = load_model(cfg.model).eval()
-    tokenizer = load_tokenizer(cfg.model)
-    engine = HFRolloutEngine(policy, tokenizer)  # samples with the policy itself: no weight sync
-    reference = load_model(cfg.model).eval().requires_grad_(False) if cfg.beta > 0 else None
+    device = resolve_device(cfg.device)
+    policy, tokenizer, reference = load_policy(cfg, device)
+    rewards = build_rewards(cfg, task, device)
+    sampler = Sampler(
+        engine=HFRolloutEngine(policy, tokenizer),  # samples with the policy itself: no sync
+        tokenizer=tokenizer,
+        stream=PromptStream(task.train, cfg.seed),
+        rewards=rewards,
+        stop=stop_strings(cfg, task),
+        budget=prompt_budget(cfg, policy, cfg.max_new_tokens),
+        dtype=forward_dtype(cfg),
+        device=device,
+        warn=warn,
+    )
+    eval_rows = evaluation_rows(cfg, task, sampler, warn)
     optimizer = make_optimizer(cfg, policy)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
 
@@ -501,12 +684,12 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         console.print(f"resuming {run_dir} from step {start}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    stream = PromptStream(task.train, cfg.seed, state["data_position"])
+    sampler.stream.position = state["data_position"]
     sinks = MetricSinks(run_dir)
     interactive = cfg.progress and console.is_terminal
 
     def save(step: int) -> Path:
-        state.update(data_position=stream.position)
+        state.update(data_position=sampler.stream.position)
         return ckpt.save_checkpoint(
             run_dir,
             step,
@@ -518,7 +701,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         )
 
     def evaluate_at(step: int) -> dict[str, float]:
-        result = run_eval(cfg, policy, tokenizer, task, progress=False)
+        result = run_eval(cfg, policy, sampler, eval_rows, step, progress=False)
         sinks.log_eval(step, result)
         line = "  ".join(f"{k} {v:.3f}" for k, v in result.items())
         console.print(f"step {step:>5}  held-out  {line}")
@@ -526,6 +709,13 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
 
     if state["initial_eval"] is None:
         console.print(f"run directory: {run_dir}")
+        console.print(
+            f"policy: {cfg.model} ({_describe(policy)}) on {device}; "
+            f"data: {task.name} ({len(task.train)} train, {len(eval_rows)} held-out rows "
+            f"evaluated); rewards: "
+            + ", ".join(f"{n} x{w:g}" for n, w in rewards.weights.items())
+            + f"; pass reward: {rewards.pass_reward}"
+        )
         state["initial_eval"] = evaluate_at(0)
     latest_eval = None
     step = start
@@ -533,7 +723,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         task_id = bar.add_task("train", total=cfg.steps, completed=start, info="")
         while step < cfg.steps and not stop.requested:
             t0 = time.perf_counter()
-            batch, stats = collect_batch(cfg, step, engine, task, stream, weights)
+            batch, stats = collect_batch(cfg, step, sampler)
             t_rollout = time.perf_counter() - t0
             metrics: dict[str, float] = {**stats}
             if batch is not None:
@@ -546,10 +736,10 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                     unbiased_std=cfg.unbiased_std,
                 ).reshape(-1)  # (N,)
                 ref_logp = None
-                if reference is not None:
-                    with torch.no_grad(), autocast(cfg):
-                        ref_logp = completion_logprobs(
-                            reference, batch.rollout, temperature=cfg.temperature
+                if cfg.beta > 0:  # the initial policy: a frozen copy, or LoRA's base model
+                    with base_model_context(policy):
+                        ref_logp = no_grad_logprobs(
+                            cfg, reference or policy, batch.rollout, sampler.dtype
                         )  # (N, T)
                 metrics.update(update(cfg, policy, optimizer, batch, advantages, ref_logp))
                 metrics.update(_batch_metrics(batch))
@@ -591,8 +781,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
 
     final_eval = evaluate_at(step)
     sinks.close()
-    policy.save_pretrained(run_dir / "final")
-    tokenizer.save_pretrained(run_dir / "final")
+    save_final(policy, tokenizer, run_dir / "final")
     plots = plot_run(run_dir)
     _print_summary(console, state["initial_eval"], final_eval)
     console.print(f"final policy: {run_dir / 'final'}   plots: {plots[0].parent if plots else '-'}")
@@ -629,8 +818,8 @@ def _batch_metrics(batch: Batch) -> dict[str, float]:
         metrics["entropy"] = float(batch.rollout.entropy[mask].mean()) if mask.any() else 0.0
     for name, values in batch.by_function.items():
         metrics[f"reward_{name}"] = float(values.nanmean())
-    if "correct" in batch.by_function:
-        metrics["accuracy"] = metrics["reward_correct"]
+    if batch.passed is not None:  # the pass reward's verdict: the one definition of correct
+        metrics["accuracy"] = float(batch.passed.float().mean())
     return metrics
 
 
@@ -641,7 +830,8 @@ def _nanstd_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def _samples(batch: Batch, advantages: torch.Tensor, k: int) -> list[dict[str, Any]]:
-    """The first completion of the first k groups: enough to read what the policy writes."""
+    """The first completion of the first k groups: enough to read what the policy writes (with
+    any columns the reward functions added through `log_extra`)."""
     G, out = batch.rollout.group_size, []
     for g in range(min(k, len(batch.rows))):
         row = g * G
@@ -652,6 +842,7 @@ def _samples(batch: Batch, advantages: torch.Tensor, k: int) -> list[dict[str, A
                 "reward": float(batch.rewards[row]),
                 "advantage": float(advantages[row]),
                 "answer": batch.rows[g].get("answer"),
+                **{name: values[row] for name, values in batch.extra.items()},
             }
         )
     return out

@@ -1,0 +1,104 @@
+"""LoRA adapters with `peft`: wrap a policy, use the base model as the reference, save.
+
+peft is imported inside these functions: it costs several seconds to import, and only runs
+that ask for LoRA should pay that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def apply_lora(
+    model: nn.Module,
+    *,
+    r: int,
+    alpha: float,
+    dropout: float = 0.0,
+    target_modules: Sequence[str] | None = None,
+) -> nn.Module:
+    """`model` wrapped in a peft LoRA adapter; only the adapter's weights require grad.
+
+    target_modules None: every linear layer but the output head (peft's "all-linear"). The
+    adapter's B matrix starts at zero, so the wrapped model computes exactly what `model` did.
+    Adapter weights are float32 whatever the base dtype (peft's autocast_adapter_dtype).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules) if target_modules else "all-linear",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        wrapped = get_peft_model(model, config, autocast_adapter_dtype=True)
+    except ValueError as err:  # e.g. target modules that match nothing
+        from grouprl.errors import UserError
+
+        first = str(err).strip().splitlines()[0]
+        raise UserError(f"cannot add LoRA adapters: {first}; check --lora-target-modules") from None
+    return wrapped.eval()
+
+
+def is_lora(model: nn.Module) -> bool:
+    """Whether `model` is a peft model (LoRA adapters over a frozen base)."""
+    return hasattr(model, "disable_adapter") and hasattr(model, "merge_and_unload")
+
+
+def base_model_context(model: nn.Module) -> contextlib.AbstractContextManager:
+    """A context in which a LoRA model computes its base model (adapters off): the reference
+    policy without a second copy of the weights. A no-op context for other models."""
+    if is_lora(model):
+        return model.disable_adapter()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def adapter_dropout(model: nn.Module, active: bool) -> Iterator[None]:
+    """Turn the LoRA dropout layers on (training mode) inside the context, leaving every other
+    module in its mode: the policy stays in eval mode, so its own dropout never fires."""
+    layers = [m for name, m in model.named_modules() if name.endswith("lora_dropout")]
+    layers = [sub for m in layers for sub in m.modules()] if active else []
+    before = [m.training for m in layers]
+    for m in layers:
+        m.training = True
+    try:
+        yield
+    finally:
+        for m, mode in zip(layers, before):
+            m.training = mode
+
+
+def save_final(model: nn.Module, tokenizer, directory: Path) -> None:
+    """`directory`: a full model `AutoModelForCausalLM` loads, and for a LoRA model also
+    `directory/adapter` (the adapter alone, which peft loads over the base model).
+
+    The merge runs in float32 (base weights upcast), so small adapter updates are not rounded
+    away in a bf16/fp16 base; the merged model is saved in float32. It consumes the LoRA
+    wrapper: call it last.
+    """
+    directory = Path(directory)
+    if is_lora(model):
+        model.save_pretrained(directory / "adapter")
+        tokenizer.save_pretrained(directory / "adapter")
+        model = model.merge_and_unload() if _all_float32(model) else _merged_float32(model)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def _all_float32(model: nn.Module) -> bool:
+    return all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def _merged_float32(model: nn.Module) -> nn.Module:
+    model = model.float()
+    merged = model.merge_and_unload()
+    merged.config.dtype = torch.float32
+    return merged

@@ -1,0 +1,72 @@
+"""A reward model as a reward function: a local `AutoModelForSequenceClassification` directory.
+
+It scores prompt + completion, the first logit being the reward, as TRL's GRPOTrainer does:
+string prompts are joined with their completion; conversational ones are rendered with the
+reward model's own chat template (prompt messages, then the assistant's completion).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grouprl.errors import UserError
+from grouprl.tasks.base import is_conversational
+
+
+class RewardModel:
+    """Callable with TRL's reward signature; runs without gradients in batches of `batch_size`."""
+
+    def __init__(self, path: Path, *, device: Any = "cpu", batch_size: int = 16) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        try:
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                path, local_files_only=True
+            )
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise UserError(
+                f"cannot load a sequence-classification reward model from {path}: "
+                f"{type(err).__name__}: {first}"
+            ) from None
+        self.model.to(device).eval().requires_grad_(False)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.batch_size = batch_size
+        self.__name__ = Path(path).resolve().name
+
+    def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
+        """What the reward model reads for each completion."""
+        if is_conversational(prompts[0]):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise UserError(
+                    f"reward model {self.__name__} has no chat template for conversational data"
+                )
+            return [
+                self.tokenizer.apply_chat_template(list(p) + list(c), tokenize=False)
+                for p, c in zip(prompts, completions)
+            ]
+        return [p + c for p, c in zip(prompts, completions)]
+
+    def __call__(self, completions: Sequence[Any], prompts: Sequence[Any], **kwargs: Any):
+        texts = self.texts(prompts, completions)
+        device = next(self.model.parameters()).device
+        scores: list[float] = []
+        with torch.inference_mode():
+            for i in range(0, len(texts), self.batch_size):
+                batch = self.tokenizer(
+                    texts[i : i + self.batch_size],
+                    return_tensors="pt",
+                    padding=True,
+                    truncation=True,
+                    add_special_tokens=False,
+                ).to(device)
+                scores += self.model(**batch).logits[:, 0].float().tolist()
+        return scores

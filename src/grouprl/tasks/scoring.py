@@ -1,0 +1,271 @@
+"""Reward functions by name, and scoring a batch of completions with them.
+
+`--rewards NAME WEIGHT ...` names each reward in one of these ways, tried in this order:
+
+- a reward of the task (`correct`, `format` for the arithmetic task);
+- a built-in reward: `correct`, `format`, `accuracy`, `think_format`;
+- a file and a function in it, `path/to/rewards.py:my_reward`;
+- an importable module and a function in it, `my_package.rewards:my_reward`;
+- a local directory holding an `AutoModelForSequenceClassification` (a reward model): it scores
+  prompt + completion, with the chat template for conversational data, as TRL does.
+
+A function's metric name is its own `__name__` (a reward model's: its directory name), so
+metrics read `reward_my_reward`. One reward decides what counts as correct (`pass_reward`): a
+completion passes when that reward's raw score is at least 1. The accuracy metric, pass@1 and
+pass@k in `train` and `eval` all use that one definition.
+
+Loading a file or module runs its code, by design: the user names it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grouprl.errors import UserError
+from grouprl.tasks.base import (
+    REWARD_TIMEOUT,
+    RewardFn,
+    Task,
+    TrainerState,
+    call_rewards,
+    completion_objects,
+    is_conversational,
+    reward_kwargs,
+)
+from grouprl.tasks.math_rewards import MATH_REWARDS
+from grouprl.tasks.rewards import REWARDS
+
+#: Rewards any task can name.
+BUILTIN_REWARDS: dict[str, RewardFn] = {**REWARDS, **MATH_REWARDS}
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One reward function: its metric name, the spec it was named by, and its weight."""
+
+    name: str
+    spec: str
+    fn: RewardFn
+    weight: float
+
+
+def _load_attribute(module: Any, attr: str, where: str) -> RewardFn:
+    fn = getattr(module, attr, None)
+    if fn is None:
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise UserError(
+            f"{where} has no function {attr!r}; functions found: {', '.join(found) or 'none'}"
+        )
+    if not callable(fn):
+        raise UserError(f"{where}:{attr} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _import_file(path: Path) -> Any:
+    """Import a Python file as a module (its directory importable while it runs)."""
+    name = f"grouprl_rewards_{abs(hash(str(path.resolve())))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UserError(f"cannot import {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise UserError(
+            f"importing reward file {path} raised {type(err).__name__}: {err}; fix the file"
+        ) from None
+    finally:
+        sys.path.pop(0)
+    sys.modules[name] = module
+    return module
+
+
+def is_file_spec(spec: str) -> bool:
+    """`path/to/file.py:function`."""
+    path, sep, attr = spec.rpartition(":")
+    return bool(sep and attr and path.endswith(".py"))
+
+
+def absolute_spec(spec: str) -> str:
+    """A file spec with its path made absolute (so a resumed run imports the same file from any
+    directory); other specs unchanged."""
+    if not is_file_spec(spec):
+        return spec
+    path, _, attr = spec.rpartition(":")
+    return f"{Path(path).expanduser().resolve()}:{attr}"
+
+
+def load_reward(
+    spec: str, task: Task | None = None, *, device: Any = "cpu"
+) -> tuple[str, RewardFn]:
+    """(metric name, function) for a reward spec; UserError naming the spec when it is none."""
+    if task is not None and spec in task.reward_funcs:
+        return spec, task.reward_funcs[spec]
+    if spec in BUILTIN_REWARDS:
+        return spec, BUILTIN_REWARDS[spec]
+    if is_file_spec(spec):
+        path_text, _, attr = spec.rpartition(":")
+        path = Path(path_text).expanduser()
+        if not path.is_file():
+            raise UserError(f"reward file {path} does not exist (from --rewards {spec})")
+        fn = _load_attribute(_import_file(path), attr, str(path))
+        return getattr(fn, "__name__", attr), fn
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(
+                f"reward {spec!r} is a directory without config.json, not a reward model"
+            )
+        from grouprl.tasks.reward_model import RewardModel
+
+        model = RewardModel(path, device=device)
+        return model.__name__, model
+    module_name, sep, attr = spec.rpartition(":")
+    if sep and module_name and attr:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise UserError(
+                f"cannot import module {module_name!r} for reward {spec!r}: {err}"
+            ) from None
+        fn = _load_attribute(module, attr, module_name)
+        return getattr(fn, "__name__", attr), fn
+    known = sorted({*(task.reward_funcs if task else {}), *BUILTIN_REWARDS})
+    raise UserError(
+        f"unknown reward {spec!r}; name a built-in reward ({', '.join(known)}), a file and "
+        "function (path/to/rewards.py:my_reward), a module and function (package.module:fn), "
+        "or a reward model directory"
+    )
+
+
+@dataclass
+class Scores:
+    """A batch's scores: the weighted total, each function's raw scores, and pass/fail."""
+
+    total: torch.Tensor  # (N,) float32, NaN where no weighted function scored the completion
+    by_function: dict[str, torch.Tensor]  # name -> (N,) raw scores, NaN = None
+    passed: torch.Tensor  # (N,) bool, the pass reward's raw score >= 1
+    logged: dict[str, float] = field(default_factory=dict)  # log_metric(name, value) calls
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra(column, values)
+
+
+class RewardSet:
+    """The run's reward functions with their weights, and the one that decides correctness."""
+
+    def __init__(self, rewards: Sequence[Reward], pass_reward: str) -> None:
+        self.rewards = list(rewards)
+        names = [r.name for r in self.rewards]
+        if pass_reward not in names:
+            raise UserError(f"pass reward {pass_reward!r} is not one of the rewards {names}")
+        self.pass_reward = pass_reward
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {r.name: r.weight for r in self.rewards}
+
+    @property
+    def pass_fn(self) -> RewardFn:
+        return next(r.fn for r in self.rewards if r.name == self.pass_reward)
+
+    def score(
+        self,
+        texts: Sequence[str],
+        rows: Sequence[dict],
+        repeats: int,
+        *,
+        completion_ids: Sequence[Sequence[int]],
+        state: TrainerState,
+        timeout: float | None = REWARD_TIMEOUT,
+        only_pass: bool = False,
+    ) -> Scores:
+        """Score `texts` (`repeats` consecutive completions per row) with every function (or
+        only the pass reward), through TRL's calling convention."""
+        logged: dict[str, list[float]] = {}
+        extra: dict[str, list[Any]] = {}
+
+        def log_metric(name: str, value: float) -> None:
+            logged.setdefault(str(name), []).append(float(value))
+
+        def log_extra(column: str, values: list) -> None:
+            extra.setdefault(str(column), []).extend(values)
+
+        conversational = is_conversational(rows[0]["prompt"])
+        kwargs = reward_kwargs(
+            completion_objects(texts, conversational),
+            rows,
+            repeats,
+            completion_ids=[list(ids) for ids in completion_ids],
+            trainer_state=state,
+            log_metric=log_metric,
+            log_extra=log_extra,
+        )
+        chosen = [r for r in self.rewards if not only_pass or r.name == self.pass_reward]
+        raw = call_rewards({r.name: r.fn for r in chosen}, kwargs, timeout=timeout)
+        by_function = {name: torch.tensor(v, dtype=torch.float32) for name, v in raw.items()}
+        n = len(texts)
+        total = torch.zeros(n)
+        scored = torch.zeros(n, dtype=torch.bool)
+        for r in chosen:
+            if r.weight != 0:  # a logged-only reward never decides whether a row is scored
+                values = by_function[r.name]
+                total += r.weight * values.nan_to_num(0.0)
+                scored |= ~values.isnan()
+        passed = by_function[self.pass_reward].nan_to_num(0.0) >= 1.0
+        return Scores(
+            total=torch.where(scored, total, math.nan),
+            by_function=by_function,
+            passed=passed,
+            logged={k: sum(v) / len(v) for k, v in logged.items()},
+            extra={k: v for k, v in extra.items() if len(v) == n},
+        )
+
+
+def build_reward_set(
+    weights: dict[str, float],
+    task: Task | None,
+    *,
+    pass_reward: str | None = None,
+    device: Any = "cpu",
+    loader: Callable[..., tuple[str, RewardFn]] = load_reward,
+) -> RewardSet:
+    """Load every reward of `weights` (spec -> weight) and pick the pass reward.
+
+    pass_reward: a metric name or spec among them, or another spec (then loaded with weight 0:
+    logged, deciding correctness, not part of the total). None: `accuracy` when listed, else
+    `correct`, else the first reward.
+    """
+    rewards: list[Reward] = []
+    for spec, weight in weights.items():
+        name, fn = loader(spec, task, device=device)
+        if any(r.name == name for r in rewards):
+            raise UserError(
+                f"two rewards are named {name!r} ({spec} and "
+                f"{next(r.spec for r in rewards if r.name == name)}); rename one function"
+            )
+        rewards.append(Reward(name, spec, fn, float(weight)))
+    if pass_reward is None:
+        names = [r.name for r in rewards]
+        chosen = next((n for n in ("accuracy", "correct") if n in names), names[0])
+    else:
+        match = [r.name for r in rewards if pass_reward in (r.name, r.spec)]
+        if match:
+            chosen = match[0]
+        else:
+            name, fn = loader(pass_reward, task, device=device)
+            if any(r.name == name for r in rewards):
+                raise UserError(f"pass reward {pass_reward!r} clashes with reward {name!r}")
+            rewards.append(Reward(name, pass_reward, fn, 0.0))
+            chosen = name
+    return RewardSet(rewards, chosen)

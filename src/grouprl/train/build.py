@@ -1,0 +1,157 @@
+"""What `train` and `eval` build from their options: the task, the policy, its precision, the
+reward set and the prompt budget. One place, so both commands read data and models alike."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from grouprl.errors import UserError
+from grouprl.models import activation_checkpointing as checkpointing
+from grouprl.models import load_model, load_tokenizer
+from grouprl.models.loading import DTYPES, context_length
+from grouprl.models.lora import apply_lora
+from grouprl.rollout import encode_prompts
+from grouprl.tasks import Task, get_task
+from grouprl.tasks.data import RowFormat, dataset_task
+from grouprl.tasks.scoring import RewardSet, build_reward_set
+from grouprl.train.config import DataOptions, TrainConfig
+
+
+def build_task(opts: DataOptions) -> Task:
+    """The built-in task (`--task`, default arithmetic) or a task over `--dataset`."""
+    if opts.dataset is None:
+        return get_task(opts.task or "arithmetic")
+    fmt = RowFormat(
+        prompt_column=opts.prompt_column,
+        answer_column=opts.answer_column,
+        prompt_template=opts.prompt_template,
+        chat_template=opts.chat_template,
+        system_prompt=opts.system_prompt,
+    )
+    if opts.eval_dataset == opts.dataset and opts.eval_split == opts.dataset_split:
+        raise UserError(
+            f"--eval-dataset is --dataset and --eval-split is --dataset-split "
+            f"({opts.dataset_split}): evaluation would score training prompts; choose "
+            "another split, or leave --eval-dataset out to hold out part of --dataset"
+        )
+    return dataset_task(
+        opts.dataset,
+        fmt,
+        split=opts.dataset_split,
+        eval_source=opts.eval_dataset,
+        eval_split=opts.eval_split,
+        eval_fraction=opts.eval_fraction,
+    )
+
+
+def build_rewards(opts: DataOptions, task: Task, device: torch.device) -> RewardSet:
+    """The reward functions `--rewards` names (default: the task's) and the pass reward."""
+    return build_reward_set(
+        dict(opts.rewards or task.reward_weights),
+        task,
+        pass_reward=opts.pass_reward,
+        device=device,
+    )
+
+
+def stop_strings(opts: DataOptions, task: Task) -> list[str] | None:
+    """The task's stop strings and `--stop`'s, or None."""
+    stop = [*(task.stop or []), *(opts.stop or [])]
+    return stop or None
+
+
+def forward_dtype(cfg: TrainConfig) -> torch.dtype | None:
+    """The autocast dtype of the policy's forward passes, None for plain float32.
+
+    `--precision bf16` asks for it; so does a LoRA base in bf16/fp16 (its frozen weights are in
+    that dtype, the fp32 adapters meet them under autocast).
+    """
+    if cfg.precision == "bf16":
+        return torch.bfloat16
+    if cfg.lora_r is not None and cfg.base_dtype != "fp32":
+        return DTYPES[cfg.base_dtype]
+    return None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """Autocast to `dtype` on the model's device type; a no-op context for None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def load_policy(cfg: TrainConfig, device: torch.device) -> tuple[nn.Module, Any, nn.Module | None]:
+    """(policy, tokenizer, reference) on `device`, in eval mode.
+
+    Full fine-tuning: the policy in float32, a frozen reference copy in `base_dtype` when
+    beta > 0. LoRA: the base in `base_dtype` with float32 adapters; the reference is the same
+    model with its adapters off (see `grouprl.models.lora.base_model_context`), so None here.
+    """
+    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    options = {"device": device, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.lora_r is None:
+        policy = load_model(cfg.model, dtype=torch.float32, **options)
+        reference = None
+        if cfg.beta > 0:
+            reference = load_model(cfg.model, dtype=DTYPES[cfg.base_dtype], **options)
+            reference.requires_grad_(False)
+    else:
+        base = load_model(cfg.model, dtype=DTYPES[cfg.base_dtype], **options)
+        if cfg.gradient_checkpointing:
+            checkpointing.enable(base)
+        policy = apply_lora(
+            base,
+            r=cfg.lora_r,
+            alpha=cfg.lora_alpha,
+            dropout=cfg.lora_dropout,
+            target_modules=cfg.lora_target_modules,
+        )
+        reference = None
+    if cfg.gradient_checkpointing and cfg.lora_r is None:
+        checkpointing.enable(policy)
+    return policy.eval(), tokenizer, reference
+
+
+def prompt_budget(opts: DataOptions, model: nn.Module, max_new_tokens: int) -> int | None:
+    """The longest prompt (tokens) to sample from: `--max-prompt-length`, else what leaves room
+    for `max_new_tokens` in the model's context (None when the model does not say)."""
+    context = context_length(model)
+    if context is not None and max_new_tokens >= context:
+        raise UserError(
+            f"max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's "
+            f"context of {context} tokens; lower --max-new-tokens"
+        )
+    if opts.max_prompt_length is not None:
+        if context is not None and opts.max_prompt_length + max_new_tokens > context:
+            raise UserError(
+                f"max_prompt_length ({opts.max_prompt_length}) + max_new_tokens "
+                f"({max_new_tokens}) exceed the model's context of {context} tokens"
+            )
+        return opts.max_prompt_length
+    return None if context is None else context - max_new_tokens
+
+
+def prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    """The token ids the sampler feeds for one prompt (chat template applied to messages)."""
+    return encode_prompts(tokenizer, [prompt])[0][0]
+
+
+def rows_that_fit(
+    rows: Iterable[dict], limit: int, tokenizer: Any, budget: int | None
+) -> tuple[list[dict], int]:
+    """The first `limit` rows whose prompts fit in `budget` tokens, and how many were too long."""
+    kept: list[dict] = []
+    too_long = 0
+    for row in rows:
+        if len(kept) == limit:
+            break
+        if budget is None or len(prompt_ids(tokenizer, row["prompt"])) <= budget:
+            kept.append(row)
+        else:
+            too_long += 1
+    return kept, too_long
