@@ -7,6 +7,7 @@ that ask for LoRA should pay that.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -38,7 +39,9 @@ def apply_lora(
         task_type="CAUSAL_LM",
     )
     try:
-        wrapped = get_peft_model(model, config, autocast_adapter_dtype=True)
+        with warnings.catch_warnings():  # peft reads attributes transformers 5 deprecates
+            warnings.simplefilter("ignore", FutureWarning)
+            wrapped = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as err:  # e.g. target modules that match nothing
         from grouprl.errors import UserError
 

@@ -37,12 +37,12 @@ def _forward_params(module: nn.Module) -> set[str]:
     """Names of `module.forward`'s parameters, looking through wrappers whose forward takes only
     `*args, **kwargs` (`peft.PeftModel`, a patched forward) to the model or decoder inside."""
     names = set(inspect.signature(module.forward).parameters)
-    for inner in ("get_base_model", "get_decoder"):
-        if "input_ids" in names:
-            break
-        get = getattr(module, inner, None)
-        if callable(get):
-            names |= set(inspect.signature(get().forward).parameters)
+    base = getattr(module, "get_base_model", None)
+    if callable(base) and base() is not module:  # a peft wrapper passes **kwargs through
+        names |= _forward_params(base())
+    get_decoder = getattr(module, "get_decoder", None)
+    if "input_ids" not in names and callable(get_decoder):
+        names |= set(inspect.signature(get_decoder().forward).parameters)
     return names
 
 

@@ -107,6 +107,8 @@ def load_table(source: str, split: str = "train") -> Any:
     except UserError:
         raise
     except ValueError as err:
+        if "corresponds to no data" in str(err):  # e.g. a CSV file with a header only
+            raise UserError(f"dataset {source} has no rows; give it at least one") from None
         if "split" in str(err).lower():
             raise UserError(f"dataset {source} has no split {split!r}: {_one_line(err)}") from None
         raise UserError(f"cannot read dataset {source}: {_one_line(err)}") from None

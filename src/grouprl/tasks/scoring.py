@@ -19,8 +19,10 @@ Loading a file or module runs its code, by design: the user names it.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
+import inspect
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -143,11 +145,40 @@ def load_reward(
         fn = _load_attribute(module, attr, module_name)
         return getattr(fn, "__name__", attr), fn
     known = sorted({*(task.reward_funcs if task else {}), *BUILTIN_REWARDS})
+    close = difflib.get_close_matches(spec, known, n=1)
+    hint = f"did you mean {close[0]!r}? Or name" if close else "name"
     raise UserError(
-        f"unknown reward {spec!r}; name a built-in reward ({', '.join(known)}), a file and "
+        f"unknown reward {spec!r}; {hint} a built-in reward ({', '.join(known)}), a file and "
         "function (path/to/rewards.py:my_reward), a module and function (package.module:fn), "
         "or a reward model directory"
     )
+
+
+#: Keyword arguments every reward call gets besides the dataset's columns (TRL 1.16's).
+CALL_ARGUMENTS = frozenset(
+    {"completions", "prompts", "completion_ids", "trainer_state", "log_metric", "log_extra"}
+)
+#: Columns the built-in rewards read from their keyword arguments.
+_BUILTIN_COLUMNS = {"correct": ("answer",), "accuracy": ("answer",)}
+
+
+def required_columns(fn: RewardFn) -> list[str]:
+    """Dataset columns a reward function cannot run without: its parameters without a default
+    that the call does not supply itself (plus what a built-in reward reads)."""
+    name = getattr(fn, "__name__", "")
+    if BUILTIN_REWARDS.get(name) is fn:
+        return list(_BUILTIN_COLUMNS.get(name, ()))
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins and some callables have no signature
+        return []
+    return [
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name not in CALL_ARGUMENTS
+    ]
 
 
 @dataclass
@@ -178,6 +209,23 @@ class RewardSet:
     @property
     def pass_fn(self) -> RewardFn:
         return next(r.fn for r in self.rewards if r.name == self.pass_reward)
+
+    def check_columns(self, row: dict, where: str) -> None:
+        """UserError when a reward function needs a column `row` lacks (checked before a run
+        starts, not at its first step): a required parameter of the function's signature, or
+        the `answer` the built-in rewards read."""
+        for r in self.rewards:
+            missing = [c for c in required_columns(r.fn) if c not in row]
+            if missing:
+                hint = (
+                    "; name the column that holds the reference answer with --answer-column"
+                    if "answer" in missing
+                    else ""
+                )
+                raise UserError(
+                    f"reward {r.name!r} needs a column {missing[0]!r}, which the rows of {where} "
+                    f"lack (they have: {', '.join(row)}){hint}"
+                )
 
     def score(
         self,

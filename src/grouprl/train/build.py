@@ -51,12 +51,14 @@ def build_task(opts: DataOptions) -> Task:
 
 def build_rewards(opts: DataOptions, task: Task, device: torch.device) -> RewardSet:
     """The reward functions `--rewards` names (default: the task's) and the pass reward."""
-    return build_reward_set(
+    rewards = build_reward_set(
         dict(opts.rewards or task.reward_weights),
         task,
         pass_reward=opts.pass_reward,
         device=device,
     )
+    rewards.check_columns(task.train[0], task.name)
+    return rewards
 
 
 def stop_strings(opts: DataOptions, task: Task) -> list[str] | None:

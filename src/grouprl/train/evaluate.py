@@ -295,6 +295,7 @@ def _table(out: dict[str, Any]) -> Table:
     table.add_row(f"pass@{k}", f"{out['pass_at_k']:.1%}")
     if out["greedy_pass_at_1"] is not None:
         table.add_row("pass@1 (greedy)", f"{out['greedy_pass_at_1']:.1%}")
+    table.add_row("judged by (pass reward)", out["pass_reward"])
     table.add_row("mean completion tokens", f"{out['mean_length']:.1f}")
     table.add_row("seconds", f"{out['seconds']:.1f}")
     return table

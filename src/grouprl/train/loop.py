@@ -628,10 +628,17 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     return run_dir
 
 
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
 def _describe(model: nn.Module) -> str:
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return f"{total / 1e6:.2f}M parameters, {trained / 1e6:.2f}M trained"
+    return f"{_count(total)} parameters, {_count(trained)} trained"
 
 
 def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
@@ -709,13 +716,13 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
 
     if state["initial_eval"] is None:
         console.print(f"run directory: {run_dir}")
+        weights = ", ".join(f"{n} x{w:g}" for n, w in rewards.weights.items())
+        console.print(f"policy:  {cfg.model} ({_describe(policy)}) on {device}")
         console.print(
-            f"policy: {cfg.model} ({_describe(policy)}) on {device}; "
-            f"data: {task.name} ({len(task.train)} train, {len(eval_rows)} held-out rows "
-            f"evaluated); rewards: "
-            + ", ".join(f"{n} x{w:g}" for n, w in rewards.weights.items())
-            + f"; pass reward: {rewards.pass_reward}"
+            f"data:    {task.name} ({len(task.train)} train rows, {len(eval_rows)} held-out "
+            "rows evaluated)"
         )
+        console.print(f"rewards: {weights}; pass reward: {rewards.pass_reward}")
         state["initial_eval"] = evaluate_at(0)
     latest_eval = None
     step = start
