@@ -255,6 +255,9 @@ def call_rewards(
         try:
             with time_limit(timeout):
                 results = asyncio.run(gather())
+                for values in results:  # a time limit that fired inside a task comes back here
+                    if isinstance(values, BaseException) and not isinstance(values, Exception):
+                        raise values
         except TimeLimitExceeded:
             raise _timed_out(list(waiting), timeout, n) from None
         for name, values in zip(waiting, results):

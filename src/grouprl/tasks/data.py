@@ -168,6 +168,13 @@ def _is_messages(feature: Any) -> bool:
     return isinstance(inner, dict) and "role" in inner and "content" in inner
 
 
+def _is_json(feature: Any) -> bool:
+    """Free-form JSON (values whose structure differs between rows, or a list of them): checked
+    row by row when read."""
+    inner = getattr(feature, "feature", feature)
+    return type(feature).__name__ == "Json" or type(inner).__name__ == "Json"
+
+
 def _template_fields(template: str) -> list[str]:
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
@@ -196,7 +203,7 @@ def check_schema(table: Any, fmt: RowFormat, source: str) -> bool:
     else:
         feature = _feature_at(features, fmt.prompt_column, source, "--prompt-column")
         conversational = _is_messages(feature)
-        if not (conversational or _is_string(feature)):
+        if not (conversational or _is_string(feature) or _is_json(feature)):
             raise UserError(
                 f"dataset {source}: column {fmt.prompt_column!r} holds {feature}; a prompt must "
                 "be a string or a list of {role, content} messages (or build one with "
@@ -324,7 +331,8 @@ def heldout_count(rows: int, fraction: float) -> int:
 
 def split_by_hash(table: Any, fmt: RowFormat, fraction: float, source: str):
     """(train indices, held-out indices), each in file order: the held-out rows are those with
-    the `heldout_count` smallest BLAKE2b hashes of their prompt (ties on the same side)."""
+    the `heldout_count` smallest BLAKE2b hashes of their prompt. Rows with the same prompt fall
+    on the same side, so the count can be off by the duplicates at the boundary."""
     n = len(table)
     k = heldout_count(n, fraction)
     if k < 1:
@@ -332,23 +340,31 @@ def split_by_hash(table: Any, fmt: RowFormat, fraction: float, source: str):
             f"dataset {source} has {n} row(s): too few to hold any out for evaluation; give "
             "more rows or an --eval-dataset"
         )
-    if k < MIN_HELDOUT:
-        warnings.warn(
-            f"dataset {source} has only {n} rows: {k} are held out for evaluation, {n - k} "
-            "train; pass --eval-dataset for a separate evaluation set",
-            stacklevel=2,
-        )
     keys = _prompt_keys(table, fmt, source)
     hashes = np.fromiter(
         (
-            int.from_bytes(hashlib.blake2b(k_.encode(), digest_size=8).digest(), "big")
-            for k_ in keys
+            int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+            for key in keys
         ),
         dtype=np.uint64,
         count=n,
     )
     threshold = np.partition(hashes, k - 1)[k - 1]
     heldout = hashes <= threshold
+    if heldout.all():  # duplicates of the k-th prompt fill the dataset: keep them for training
+        heldout = hashes < threshold
+    if not heldout.any():
+        raise UserError(
+            f"every row of dataset {source} has the same prompt: nothing can be held out for "
+            "evaluation; give an --eval-dataset"
+        )
+    held = int(heldout.sum())
+    if k < MIN_HELDOUT:
+        warnings.warn(
+            f"dataset {source} has only {n} rows: {held} are held out for evaluation, "
+            f"{n - held} train; pass --eval-dataset for a separate evaluation set",
+            stacklevel=2,
+        )
     return np.flatnonzero(~heldout), np.flatnonzero(heldout)
 
 

@@ -1,0 +1,232 @@
+"""Reward functions by name (built-in, file, module, reward model), TRL's calling convention,
+the pass reward, time limits that nest, and concurrent async rewards."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+
+import pytest
+import torch
+
+from grouprl.errors import UserError
+from grouprl.tasks import get_task
+from grouprl.tasks.base import TimeLimitExceeded, TrainerState, call_rewards, time_limit
+from grouprl.tasks.math_rewards import accuracy
+from grouprl.tasks.scoring import (
+    build_reward_set,
+    load_reward,
+    required_columns,
+)
+
+ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+REWARD_FILE = """
+import asyncio
+
+def exact(completions, answer, **kwargs):
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+def logs(completions, trainer_state, log_metric, log_extra, completion_ids, **kwargs):
+    log_metric("calls", 1.0)
+    log_extra("step", [trainer_state.global_step] * len(completions))
+    return [float(len(ids)) for ids in completion_ids]
+
+async def slow_half(completions, **kwargs):
+    await asyncio.sleep(0)
+    return [0.5] * len(completions)
+
+NOT_A_FUNCTION = 3
+"""
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(REWARD_FILE)
+    return path
+
+
+def burn(seconds: float) -> None:
+    """Busy work for a bounded time (a hang that a broken time limit cannot turn into a hung
+    suite); `except Exception` inside must not swallow a time limit."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        with contextlib.suppress(Exception):
+            sum(range(1000))
+
+
+def test_names_resolve_to_builtin_file_and_module_functions(reward_file):
+    task = get_task("arithmetic")
+    assert load_reward("correct", task)[0] == "correct"
+    assert load_reward("accuracy", None)[1] is accuracy
+    name, fn = load_reward(f"{reward_file}:exact")
+    assert name == "exact" and fn(["2"], answer=["2"]) == [1.0]
+    name, fn = load_reward("grouprl.tasks.math_rewards:think_format")
+    assert name == "think_format"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("acuracy", r"unknown reward 'acuracy'; did you mean 'accuracy'\?"),
+        ("{file}:nope", r"has no function 'nope'; functions found: .*exact"),
+        ("{file}:NOT_A_FUNCTION", r"is a int, not a function"),
+        ("{dir}/missing.py:fn", r"reward file .*missing.py does not exist"),
+        ("no_such_module_xyz:fn", r"cannot import module 'no_such_module_xyz'"),
+        ("{dir}", r"is a directory without config.json, not a reward model"),
+    ],
+)
+def test_bad_reward_names_are_one_line(reward_file, spec, message):
+    spec = spec.format(file=reward_file, dir=reward_file.parent)
+    with pytest.raises(UserError, match=message):
+        load_reward(spec)
+
+
+def test_a_reward_file_that_fails_to_import_is_a_user_error(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import not_a_module_anywhere\n")
+    with pytest.raises(UserError, match=r"importing reward file .*bad.py raised ModuleNotFound"):
+        load_reward(f"{bad}:fn")
+
+
+def test_score_weights_nan_and_the_pass_reward(reward_file):
+    def first(completions, prompts, answer, **kwargs):
+        return [1.0, None, 0.0, None]
+
+    def second(completions, **kwargs):
+        return [0.5, None, None, 1]
+
+    def logged_only(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    funcs = {"first": first, "second": second, "logged_only": logged_only}
+    rewards = build_reward_set(
+        {"first": 1.0, "second": 2.0, "logged_only": 0.0},
+        None,
+        pass_reward="first",
+        loader=lambda spec, task, device: (spec, funcs[spec]),
+    )
+    scores = rewards.score(
+        ["a", "b", "c", "d"], ROWS, 2, completion_ids=[[1]] * 4, state=TrainerState()
+    )
+    assert scores.total[0] == 2.0 and scores.total[2] == 0.0 and scores.total[3] == 2.0
+    # row 1: only the weight-0 function scored it, which does not make it scored
+    assert math.isnan(scores.total[1])
+    assert torch.isnan(scores.by_function["first"]).tolist() == [False, True, False, True]
+    assert scores.passed.tolist() == [True, False, False, False]
+
+
+def test_trl_keyword_arguments_reach_the_function(reward_file):
+    rewards = build_reward_set({f"{reward_file}:logs": 1.0}, None)
+    scores = rewards.score(
+        ["a", "b", "c", "d"],
+        ROWS,
+        2,
+        completion_ids=[[1], [1, 2], [3], [4, 5, 6]],
+        state=TrainerState(global_step=7, max_steps=9),
+    )
+    assert scores.by_function["logs"].tolist() == [1.0, 2.0, 1.0, 3.0]
+    assert scores.logged == {"calls": 1.0}
+    assert scores.extra == {"step": [7, 7, 7, 7]}
+
+
+def test_conversational_prompts_get_message_completions():
+    seen = {}
+
+    def spy(completions, prompts, **kwargs):
+        seen.update(completions=completions, prompts=prompts)
+        return [0.0] * len(completions)
+
+    chat_rows = [{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}]
+    rewards = build_reward_set({"spy": 1.0}, None, loader=lambda s, t, device: (s, spy))
+    rewards.score(["yo", "hey"], chat_rows, 2, completion_ids=[[1], [1]], state=TrainerState())
+    assert seen["completions"] == [
+        [{"role": "assistant", "content": "yo"}],
+        [{"role": "assistant", "content": "hey"}],
+    ]
+    assert seen["prompts"] == [chat_rows[0]["prompt"]] * 2
+
+
+def test_the_default_pass_reward_is_accuracy_then_correct_then_the_first(reward_file):
+    def pick(weights, **kw):
+        return build_reward_set(weights, get_task("arithmetic"), **kw).pass_reward
+
+    assert pick({"format": 0.1, "accuracy": 1.0, "correct": 1.0}) == "accuracy"
+    assert pick({"format": 0.1, "correct": 1.0}) == "correct"
+    assert pick({f"{reward_file}:exact": 1.0, "format": 0.1}) == "exact"
+    # a pass reward that is not listed is added with weight 0: logged, not in the total
+    rewards = build_reward_set({"format": 1.0}, get_task("arithmetic"), pass_reward="correct")
+    assert rewards.pass_reward == "correct" and rewards.weights == {"format": 1.0, "correct": 0.0}
+
+
+def test_required_columns_come_from_the_signature(reward_file):
+    _, exact = load_reward(f"{reward_file}:exact")
+    assert required_columns(exact) == ["answer"]
+    assert required_columns(accuracy) == ["answer"]
+    assert required_columns(lambda completions, prompts, **kw: []) == []
+    rewards = build_reward_set({f"{reward_file}:exact": 1.0}, None)
+    with pytest.raises(UserError, match=r"needs a column 'answer'.*--answer-column"):
+        rewards.check_columns({"prompt": "p", "solution": "2"}, "my data")
+
+
+def test_async_rewards_run_concurrently():
+    """Each of these waits for the other: run one after the other they could never finish."""
+    ready = {}
+
+    async def ping(completions, **kwargs):
+        ready.setdefault("ping", asyncio.Event()).set()
+        await ready.setdefault("pong", asyncio.Event()).wait()
+        return [1.0] * len(completions)
+
+    async def pong(completions, **kwargs):
+        ready.setdefault("pong", asyncio.Event()).set()
+        await ready.setdefault("ping", asyncio.Event()).wait()
+        return [0.0] * len(completions)
+
+    kwargs = {"completions": ["a", "b"], "prompts": ["p", "p"]}
+    out = call_rewards({"ping": ping, "pong": pong}, kwargs, timeout=20)
+    assert out == {"ping": [1.0, 1.0], "pong": [0.0, 0.0]}
+
+
+def test_a_hanging_async_reward_times_out_naming_it():
+    async def hang(completions, **kwargs):
+        burn(30)
+        return [0.0] * len(completions)
+
+    with pytest.raises(UserError, match=r"reward function 'hang' did not return within 0\.2 s"):
+        call_rewards({"hang": hang}, {"completions": ["a"], "prompts": ["p"]}, timeout=0.2)
+
+
+def test_time_limits_nest():
+    with pytest.raises(TimeLimitExceeded), time_limit(5):  # the inner limit ends the inner body
+        with time_limit(0.1):
+            burn(30)
+        pytest.fail("unreachable")  # pragma: no cover
+    outer = None
+    try:
+        with time_limit(0.2):
+            try:
+                with time_limit(10):  # the outer limit runs out first and ends both
+                    burn(30)
+            except TimeLimitExceeded:  # pragma: no cover - the inner one must not fire
+                pytest.fail("the inner limit fired")
+    except TimeLimitExceeded as err:
+        outer = err
+    assert outer is not None
+
+
+def test_a_hanging_reward_after_accuracy_still_times_out():
+    """math-verify's own signal timeouts would cancel the reward deadline; they are off, and
+    accuracy's per-completion limits nest inside the deadline."""
+
+    def hang(completions, **kwargs):
+        burn(30)
+        return [0.0] * len(completions)
+
+    kwargs = {"completions": ["\\boxed{4}", "#### 5"], "prompts": ["p", "p"], "answer": ["4", "4"]}
+    accuracy(["0"], answer=["0"])  # math-verify imported before the clock starts
+    with pytest.raises(UserError, match=r"'hang' did not return within 0\.5 s"):
+        call_rewards({"accuracy": accuracy, "hang": hang}, kwargs, timeout=0.5)
+    assert call_rewards({"accuracy": accuracy}, kwargs, timeout=5) == {"accuracy": [1.0, 0.0]}
