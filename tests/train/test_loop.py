@@ -85,6 +85,8 @@ def test_options_are_exercised(tmp_path):
         rewards={"correct": 1.0, "format": 0.5},
         top_k=5,
         top_p=0.9,
+        micro_batch_size=3,
+        gradient_checkpointing=True,
     )
     first, second = _metrics(summary.run_dir)
     assert first["kl"] >= 0 and "reward_format" in first
@@ -337,3 +339,90 @@ def test_entropy_metric_is_the_samplers_and_absent_without_it():
     assert loop._batch_metrics(batch)["entropy"] == pytest.approx(0.3)  # mean of 0.5, 0.1, 0.3
     batch.rollout = dataclasses.replace(rollout, entropy=None)  # an engine without entropy
     assert "entropy" not in loop._batch_metrics(batch)
+
+
+def _small_batch(group_rewards, seed=3):
+    from grouprl.models import load_model, load_tokenizer
+    from grouprl.rollout import sample_groups
+
+    policy = load_model("builtin:arith").eval()
+    tokenizer = load_tokenizer("builtin:arith")
+    rows = get_task("arithmetic").train[:4]
+    rollout = sample_groups(
+        policy, tokenizer, [r["prompt"] for r in rows], group_size=4, max_new_tokens=20, seed=seed
+    )
+    rewards = torch.tensor(group_rewards, dtype=torch.float32).reshape(-1)  # (N,)
+    return policy, loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
+
+
+@pytest.mark.parametrize("micro", [1, 3, 4, 6, 16])
+@pytest.mark.parametrize("algo", ["grpo", "gspo", "dapo"])
+def test_micro_batches_give_the_unchunked_update(micro, algo, monkeypatch):
+    """Chunks of `micro` completions (sub-groups sharing their prompt when micro < G), each
+    dividing by the whole minibatch's counts: the same parameters as one forward/backward."""
+    from grouprl.train.config import resolve
+
+    policy, batch = _small_batch([[1, 0, 0, 1], [1, 1, 1, 1], [0, 1, 0, 0], [1, 1, 0, 1]])
+    settings = {"prompts_per_step": 4, "group_size": 4, "lr": 1e-3, "max_grad_norm": 0.0}
+    extra = {"minibatches": 2, "epochs": 2} if algo == "gspo" else {}
+    cfg = resolve(
+        TrainConfig(algo=algo, **settings, max_new_tokens=20, **extra), task_max_new_tokens=20
+    )
+    advantages = loop.group_advantages(batch.rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
+    sizes = []
+    original = loop.completion_logprobs
+
+    def spy(model, rollout, **kwargs):
+        sizes.append(rollout.completion_ids.shape[0])
+        return original(model, rollout, **kwargs)
+
+    monkeypatch.setattr(loop, "completion_logprobs", spy)
+    whole, whole_diag = _update_from(policy, cfg, batch, advantages)
+    sizes.clear()
+    chunked, diag = _update_from(
+        policy, dataclasses.replace(cfg, micro_batch_size=micro), batch, advantages
+    )
+    assert max(sizes) <= micro and sum(sizes) == 12 * cfg.epochs  # one all-right group skipped
+    before = {n: p.detach() for n, p in policy.named_parameters()}
+    assert max(float((whole[n] - before[n]).abs().max()) for n in whole) > 1e-4
+    for name in whole:
+        torch.testing.assert_close(chunked[name], whole[name], rtol=0, atol=1e-6)
+    for key in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl"):
+        assert diag[key] == pytest.approx(whole_diag[key], rel=1e-4, abs=1e-7), key
+
+
+def test_gradient_checkpointing_takes_effect_in_eval_mode():
+    """transformers checkpoints only layers in training mode; `recomputing` puts the layers
+    (not their submodules) in it, so far less is saved for backward, with the same gradients."""
+    from grouprl.models import activation_checkpointing as checkpointing
+
+    policy, batch = _small_batch([[1, 0, 0, 1]] * 4)
+    checkpointing.enable(policy)
+    policy.eval()
+
+    def saved_bytes_and_grads(context):
+        policy.zero_grad(set_to_none=True)
+        storages, total = set(), 0
+
+        def pack(t):
+            nonlocal total
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in storages:
+                storages.add(storage.data_ptr())
+                total += storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
+            logp = loop.completion_logprobs(policy, batch.rollout)
+        logp.sum().backward()
+        return total, {n: p.grad.clone() for n, p in policy.named_parameters()}
+
+    import contextlib
+
+    plain, plain_grads = saved_bytes_and_grads(contextlib.nullcontext())
+    kept, grads = saved_bytes_and_grads(checkpointing.recomputing(policy))
+    assert kept < plain / 3, (kept, plain)
+    assert not any(m.training for m in policy.modules())  # back in eval mode after the context
+    for name in grads:  # float rounding of two summation orders, relative to the gradient
+        scale = float(plain_grads[name].abs().max())
+        torch.testing.assert_close(grads[name], plain_grads[name], rtol=0, atol=1e-5 * scale)

@@ -1,0 +1,328 @@
+"""Bring your own model, data and verifier, end to end: a chat model with a BPE tokenizer on a
+JSONL file, reward files, LoRA (reference, merge, resume), stop strings, long prompts, bf16
+bases, `grouprl eval` on the same held-out rows, and one line for each bad input."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import re
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from grouprl.cli import main
+from grouprl.models import load_model
+from grouprl.rollout import completion_logprobs
+from grouprl.train import loop
+from grouprl.train.build import build_task
+from grouprl.train.config import TrainConfig
+from grouprl.train.evaluate import EvalConfig
+
+TINY = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "4",
+        "--eval-samples", "2", "--threads", "1", "--no-progress", "--save-every", "1"]  # fmt: skip
+REWARDS = '''
+def brevity(completions, solution, trainer_state, **kwargs):
+    """TRL style: conversational completions, a dataset column by name."""
+    assert len(solution) == len(completions) and trainer_state.global_step >= 0
+    return [1.0 - min(len(c[0]["content"]), 40) / 40 for c in completions]
+
+
+def length(completions, **kwargs):
+    """Has variance on any model, so no group is skipped."""
+    return [len(c) / 20 for c in completions]
+
+
+def explode(completions, **kwargs):
+    raise RuntimeError("boom")
+'''
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("byo")
+    rows = [
+        {
+            "question": [{"role": "user", "content": f"What is {a} plus {a + 3}?"}],
+            "solution": f"{a} + {a + 3} = {2 * a + 3}\n#### {2 * a + 3}",
+        }
+        for a in range(80)
+    ]
+    (root / "gsm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sums = [{"q": f"{a}+{b}", "total": str(a + b)} for a in range(12, 40) for b in range(3)]
+    (root / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sums))
+    (root / "my_rewards.py").write_text(REWARDS)
+    return root
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo"])
+def test_a_chat_model_trains_on_a_jsonl_file_with_a_reward_file(
+    chat_model_dir, files, tmp_path, algo
+):
+    run = tmp_path / algo
+    code = main(
+        ["train", "--algo", algo, "--model", str(chat_model_dir), "--dataset",
+         str(files / "gsm.jsonl"), "--prompt-column", "question", "--answer-column", "solution",
+         "--rewards", f"{files / 'my_rewards.py'}:brevity", "1.0", "accuracy", "1.0",
+         "--max-new-tokens", "12", "--output-dir", str(run), *TINY]
+    )  # fmt: skip
+    assert code == 0
+    records = metrics(run)
+    assert len(records) == 2
+    for key in ("reward_brevity", "reward_accuracy", "accuracy", "loss", "skipped_prompts"):
+        assert key in records[0], key
+    sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["prompt"][0]["role"] == "user"  # conversational prompts stay messages
+    final = AutoModelForCausalLM.from_pretrained(run / "final")
+    assert final.generation_config.eos_token_id == [2, 0]  # both EOS ids kept
+    config = (run / "config.yaml").read_text()
+    assert "pass_reward: null" in config and str(files / "my_rewards.py") in config
+
+
+@pytest.fixture(scope="module")
+def lora_runs(files, tmp_path_factory):
+    """LoRA on the bundled model from a JSONL with other column names and a template: a
+    straight 4-step run, and one interrupted after step 2 and resumed. The policy handed to
+    save_final is kept for inspection."""
+    root = tmp_path_factory.mktemp("lora")
+    base = dict(
+        model="builtin:arith",
+        dataset=str(files / "sums.jsonl"),
+        prompt_template="{q}=",
+        answer_column="total",
+        rewards={f"{files / 'my_rewards.py'}:length": 1.0, "correct": 0.0},
+        max_new_tokens=24,
+        lora_r=4,
+        lr=2e-2,
+        warmup_steps=0,
+        steps=4,
+        prompts_per_step=4,
+        group_size=4,
+        eval_size=4,
+        eval_samples=2,
+        eval_every=0,
+        save_every=1,
+        progress=False,
+        threads=1,
+    )
+    saved = {}
+    original_save_final = loop.save_final
+
+    def keep(policy, tokenizer, directory):
+        saved[directory.parent.name] = copy.deepcopy(policy)
+        original_save_final(policy, tokenizer, directory)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(loop, "save_final", keep)
+    try:
+        straight = loop.train(TrainConfig(**base, output_dir=root / "straight"))
+        original_collect = loop.collect_batch
+
+        def interrupt_at_step_2(cfg, step, *args):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+            return original_collect(cfg, step, *args)
+
+        patch.setattr(loop, "collect_batch", interrupt_at_step_2)
+        broken = loop.train(TrainConfig(**base, output_dir=root / "broken"))
+        patch.setattr(loop, "collect_batch", original_collect)
+        resumed = loop.train(TrainConfig(**{**base, "resume": broken.run_dir}))
+    finally:
+        patch.undo()
+    return straight, broken, resumed, saved
+
+
+def test_lora_trains_the_adapters_only(lora_runs):
+    straight, _, _, saved = lora_runs
+    policy = saved["straight"]
+    base = load_model("builtin:arith")
+    for name, param in base.named_parameters():
+        torch.testing.assert_close(
+            policy.get_base_model().get_parameter(name), param, rtol=0, atol=0
+        )
+    moved = [p for n, p in policy.named_parameters() if "lora_B" in n]
+    assert moved and all(p.abs().max() > 1e-4 for p in moved)  # B starts at zero
+    files = load_file(str(straight.run_dir / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert files and all("lora_" in key for key in files)  # only the adapter is checkpointed
+
+
+def test_lora_final_directory_merged_and_adapter(lora_runs):
+    straight, _, _, saved = lora_runs
+    ids = torch.tensor([[1, 5, 6, 15, 7, 8, 19]])
+    with torch.no_grad():
+        expected = saved["straight"](input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(straight.run_dir / "final")
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+    assert (straight.run_dir / "final" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_lora_resume_equals_the_uninterrupted_run(lora_runs):
+    straight, broken, resumed, _ = lora_runs
+    assert broken.interrupted and broken.steps_done == 3 and resumed.steps_done == 4
+
+    def comparable(run_dir):
+        drop = {"step_seconds", "rollout_seconds", "tokens_per_s"}
+        return [{k: v for k, v in r.items() if k not in drop} for r in metrics(run_dir)]
+
+    assert comparable(resumed.run_dir) == comparable(straight.run_dir)
+    a = load_file(str(straight.run_dir / "final" / "model.safetensors"))
+    b = load_file(str(resumed.run_dir / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_reference_logprobs_are_the_base_models(files, tmp_path, monkeypatch):
+    seen = []
+    original = loop.update
+
+    def spy(cfg, policy, optimizer, batch, advantages, ref_logp):
+        seen.append((batch.rollout, ref_logp))
+        return original(cfg, policy, optimizer, batch, advantages, ref_logp)
+
+    monkeypatch.setattr(loop, "update", spy)
+    loop.train(
+        TrainConfig(
+            model="builtin:arith", dataset=str(files / "sums.jsonl"), prompt_template="{q}=",
+            answer_column="total", rewards={f"{files / 'my_rewards.py'}:length": 1.0},
+            max_new_tokens=24, lora_r=4, lr=2e-2, warmup_steps=0, beta=0.1, steps=2,
+            prompts_per_step=4,
+            group_size=4, eval_size=2, eval_samples=1, eval_every=0, progress=False, threads=1,
+            output_dir=tmp_path / "kl",
+        )
+    )  # fmt: skip
+    base = load_model("builtin:arith")
+    rollout, ref_logp = seen[-1]  # step 2: the adapter has moved by then
+    with torch.no_grad():
+        torch.testing.assert_close(ref_logp, completion_logprobs(base, rollout), atol=1e-5, rtol=0)
+    assert metrics(tmp_path / "kl")[-1]["kl"] > 0
+
+
+def test_a_bf16_lora_base_recomputes_old_logp(files, tmp_path):
+    """Adapters over a bf16 base run under autocast; the trainer's own old_logp makes the first
+    update's ratio 1 (a policy that does not move clips nothing)."""
+    loop.train(
+        TrainConfig(
+            algo="gspo", model="builtin:arith", lora_r=4, base_dtype="bf16", lr=1e-12,
+            warmup_steps=0, steps=1, prompts_per_step=4, group_size=4, minibatches=2,
+            eval_size=2, eval_samples=1, progress=False, threads=1, output_dir=tmp_path / "bf16",
+        )
+    )  # fmt: skip
+    (record,) = metrics(tmp_path / "bf16")
+    assert abs(record["ratio_min"] - 1) < 1e-5 and abs(record["ratio_max"] - 1) < 1e-5
+    assert record["clip_frac_low"] == 0 and record["clip_frac_high"] == 0
+
+
+def test_stop_strings_end_completions(tmp_path):
+    run = tmp_path / "stop"
+    assert main(["train", "--stop", "+", "--output-dir", str(run), "--steps", "1", *TINY[2:]]) == 0
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["completion"].endswith("+") for s in samples)
+    assert metrics(run)[0]["completion_len_max"] <= 4  # "7+" and the like, not whole traces
+
+
+def test_long_prompts_are_skipped_and_counted(files, tmp_path, capsys):
+    long_rows = [{"q": "1" * 40 + f"+{i}", "total": "0"} for i in range(6)]
+    rows = long_rows + [{"q": f"{i}+1", "total": str(i + 1)} for i in range(60)]
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "long"
+    code = main(
+        ["train", "--dataset", str(data), "--prompt-template", "{q}=", "--answer-column",
+         "total", "--rewards", "correct", "1", "--max-prompt-length", "20", "--steps", "4",
+         "--max-new-tokens", "24",
+         "--output-dir", str(run), *TINY[2:]]
+    )  # fmt: skip
+    assert code == 0
+    assert sum(r["skipped_prompts"] for r in metrics(run)) > 0
+    assert capsys.readouterr().err.count("over max_prompt_length 20") == 1  # warned once
+
+
+def test_eval_scores_the_rows_train_holds_out(chat_model_dir, files, capsys):
+    data = dict(dataset=str(files / "gsm.jsonl"), prompt_column="question",
+                answer_column="solution", rewards={"accuracy": 1.0})  # fmt: skip
+    held_train = build_task(TrainConfig(**data)).heldout
+    held_eval = build_task(EvalConfig(**data)).heldout
+    assert [r["prompt"] for r in held_train] == [r["prompt"] for r in held_eval]
+    code = main(
+        ["eval", "--model", str(chat_model_dir), "--dataset", data["dataset"], "--prompt-column",
+         "question", "--answer-column", "solution", "--rewards", "accuracy", "1", "--limit", "5",
+         "--samples", "2", "--max-new-tokens", "6", "--json", "--threads", "1"]
+    )  # fmt: skip
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n"] == 5 and out["pass_reward"] == "accuracy" and out["split"] == "heldout"
+
+
+def _bad(files, chat_model_dir, tmp_path):
+    gsm, rewards = str(files / "gsm.jsonl"), f"{files / 'my_rewards.py'}"
+    chat = ["--model", str(chat_model_dir), "--dataset", gsm, "--prompt-column", "question"]
+    return [
+        (["--dataset", gsm], "--dataset needs --rewards"),
+        (["--task", "arithmetic", "--dataset", gsm, "--rewards", "accuracy", "1"],
+         "--task arithmetic and --dataset are exclusive"),
+        ([*chat[:4], "--rewards", "accuracy", "1"], r"no column 'prompt' \(columns: question, solution\)"),
+        ([*chat, "--rewards", "accuracy", "1"], "reward 'accuracy' needs a column 'answer'"),
+        ([*chat, "--answer-column", "solution", "--rewards", f"{rewards}:nope", "1"],
+         "has no function 'nope'"),
+        ([*chat, "--answer-column", "soluton", "--rewards", "accuracy", "1"],
+         r"no column 'soluton' .* --answer-column"),
+        (["--dataset", str(tmp_path / "none.jsonl"), "--rewards", "accuracy", "1"], "does not exist"),
+        (["--dataset", gsm, "--prompt-column", "question", "--answer-column", "solution",
+          "--rewards", "accuracy", "1", "--max-new-tokens", "16"],
+         "prompts are chat messages but the tokenizer has no chat template"),
+        (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "tpu"],
+         "device"),
+        (["--model", "no-such-org/no-such-model"], "neither a local directory nor a hub id found"),
+        (["--lora-r", "4", "--lora-target-modules", "nope_proj"], "cannot add LoRA adapters"),
+        (["--eval-dataset", gsm], "--eval-dataset applies to --dataset"),
+        ([*chat, "--answer-column", "solution", "--rewards", f"{rewards}:explode", "1", "--steps",
+          "1"], r"reward function 'explode' raised RuntimeError: boom"),
+    ]  # fmt: skip
+
+
+def test_bad_inputs_are_one_line_and_touch_no_earlier_run(chat_model_dir, files, tmp_path, capsys):
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "config.yaml").write_text("algo: gspo\n")
+    (earlier / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = {p.name: p.read_bytes() for p in earlier.iterdir()}
+    for i, (flags, message) in enumerate(_bad(files, chat_model_dir, tmp_path)):
+        out = tmp_path / f"new{i}"
+        code = main(["train", *flags, "--output-dir", str(out), *TINY[2:]])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2, flags
+        assert err[-1].startswith("grouprl train: error:"), err
+        assert re.search(message, err[-1]), (message, err[-1])
+        if "explode" not in message:  # caught before anything is printed or written
+            assert len(err) == 1 and not out.exists(), (flags, err)
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == before
+
+
+def test_bad_eval_inputs_are_one_line(files, capsys):
+    code = main(["eval", "--dataset", str(files / "gsm.jsonl"), "--rewards", "accuracy", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no column 'prompt'" in err[0]
+
+
+def test_the_run_records_what_ran(files, tmp_path):
+    summary = loop.train(
+        TrainConfig(
+            model="builtin:arith", dataset=str(files / "sums.jsonl"), prompt_template="{q}=",
+            answer_column="total", rewards={"correct": 1.0}, lora_r=2, steps=1, max_new_tokens=30,
+            prompts_per_step=4, group_size=2, eval_size=2, eval_samples=1, progress=False,
+            threads=1, output_dir=tmp_path / "rec", micro_batch_size=2,
+        )
+    )  # fmt: skip
+    from grouprl.train.config import from_mapping, load_yaml
+
+    saved = from_mapping(load_yaml(summary.run_dir / "config.yaml"), source="x")
+    assert saved.lora_alpha == 4.0 and saved.max_new_tokens == 30 and saved.task is None
+    assert dataclasses.asdict(saved)["rewards"] == {"correct": 1.0}
