@@ -53,3 +53,25 @@ def test_unknown_command_and_missing_model(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not a local directory" in err[0]
     assert not (tmp_path / "r").exists()
+
+
+def test_peft_datasets_and_math_verify_load_only_when_used():
+    """A default run builds its task, rewards and policy without importing them: peft alone
+    costs seconds to import, and every CLI call would pay it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from grouprl.train.config import TrainConfig\n"
+        "from grouprl.train import build, loop, evaluate\n"
+        "cfg = TrainConfig(beta=0.0)\n"
+        "task = build.build_task(cfg)\n"
+        "rewards = build.build_rewards(cfg, task, 'cpu')\n"
+        "build.load_policy(cfg, 'cpu')\n"
+        "print(sorted(m for m in ('peft', 'datasets', 'math_verify') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

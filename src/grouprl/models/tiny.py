@@ -1,16 +1,30 @@
-"""The architecture of the built-in model: a standard transformers Llama, about 1M parameters.
+"""Tiny models: the built-in model's architecture, and a random chat model for smoke tests.
 
 Nothing here is home-made: `tiny_llama_config` fills a `LlamaConfig`, and `build_tiny_llama`
 instantiates `LlamaForCausalLM` with transformers' own initialisation (seed torch first). The
 default size (hidden 128, 4 layers, 4 heads, MLP 512, tied embeddings, 102-token vocabulary)
 has 1.06M parameters, 4.2 MB of float32 safetensors.
+
+`save_tiny_chat_model` writes a random Qwen2 with everything a real instruct model brings: a
+byte-level BPE tokenizer (trained on the spot with `tokenizers`), a ChatML chat template and
+two EOS ids in its generation config. It says nothing useful, but a pipeline that runs with it
+(chat prompts, stop tokens, rewards on messages) runs with Qwen2.5-Instruct too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 
 @dataclass(frozen=True)
@@ -51,3 +65,58 @@ def build_tiny_llama(tokenizer: PreTrainedTokenizerBase, size: TinySize) -> Llam
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model
+
+
+#: Qwen's ChatML chat template, reduced to what prompts and replies need.
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "What is 12 plus 30? The answer is 42.",
+    "<think>add the tens then the ones</think> <answer>42</answer>",
+    "Compute \\boxed{7} and #### 1,200 dollars.",
+    "system user assistant question answer solution",
+] * 20
+
+
+def save_tiny_chat_model(directory: str | Path, *, seed: int = 0):
+    """Save a random 2-layer Qwen2 (hidden 32) with a byte-level BPE tokenizer (300 tokens),
+    a ChatML template, and EOS ids `<|im_end|>` and `<|endoftext|>`; returns (model, tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = CHATML
+    torch.manual_seed(seed)
+    ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=ends[0],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = ends  # as Qwen2.5-Instruct lists its two
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model.eval(), tokenizer
