@@ -80,3 +80,47 @@ def test_tokenizer_without_pad_gets_eos_as_pad(tiny_dir, tmp_path) -> None:
     (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
     loaded = load_tokenizer(tmp_path)
     assert loaded.pad_token == "<eos>" and loaded.pad_token_id == loaded.eos_token_id
+
+
+def _remote_code_model(tiny_dir, tmp_path, model_type):
+    import json
+    import shutil
+
+    target = tmp_path / "remote"
+    shutil.copytree(tiny_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config["model_type"] = model_type
+    config["auto_map"] = {
+        "AutoConfig": "configuration_custom.CustomConfig",
+        "AutoModelForCausalLM": "modeling_custom.CustomLM",
+    }
+    (target / "config.json").write_text(json.dumps(config))
+    for name in ("configuration_custom.py", "modeling_custom.py"):
+        (target / name).write_text("raise RuntimeError('repository code ran')\n")
+    return target
+
+
+def test_code_from_a_model_repository_runs_only_when_trusted(tiny_dir, tmp_path) -> None:
+    known = _remote_code_model(tiny_dir, tmp_path, "llama")
+    load_model(known)  # a known architecture: loaded without running the repository's code
+    with pytest.raises(UserError, match="repository code ran"):
+        load_model(known, trust_remote_code=True)
+    (tmp_path / "remote").rename(tmp_path / "known")
+    custom = _remote_code_model(tiny_dir, tmp_path, "custom_arch_xyz")
+    with pytest.raises(UserError, match=r"needs code from its repository.*--trust-remote-code"):
+        load_model(custom)
+
+
+def test_devices() -> None:
+    from grouprl.models.loading import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    assert load_model("builtin:arith", device=resolve_device("auto")).device.type == expected
+    for spec, message in [("tpu", "unknown device 'tpu'"), ("mps", "unsupported device")]:
+        with pytest.raises(UserError, match=message):
+            resolve_device(spec)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="torch sees no CUDA GPU; use --device cpu"):
+            resolve_device("cuda:0")

@@ -230,3 +230,39 @@ def test_a_hanging_reward_after_accuracy_still_times_out():
     with pytest.raises(UserError, match=r"'hang' did not return within 0\.5 s"):
         call_rewards({"accuracy": accuracy, "hang": hang}, kwargs, timeout=0.5)
     assert call_rewards({"accuracy": accuracy}, kwargs, timeout=5) == {"accuracy": [1.0, 0.0]}
+
+
+def test_a_reward_model_directory_scores_prompt_and_completion(tmp_path):
+    """A sequence-classification model given as a reward name: its first logit on prompt +
+    completion (the chat template's rendering for conversational data), as TRL scores."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from grouprl.models import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    name, rm = load_reward(str(tmp_path / "rm"))
+    assert name == "rm"
+    model = LlamaForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+
+    def first_logit(text):
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")
+        with torch.no_grad():
+            return float(model(**ids).logits[0, 0])
+
+    scores = rm(completions=["12", "345"], prompts=["1+", "2+"])
+    assert scores == pytest.approx([first_logit("1+12"), first_logit("2+345")], abs=1e-5)
+    assert scores[0] != pytest.approx(scores[1])
+    chat = [{"role": "user", "content": "1+"}]
+    (score,) = rm(completions=[[{"role": "assistant", "content": "12"}]], prompts=[chat])
+    assert score == pytest.approx(first_logit("user: 1+\nassistant: 12\n"), abs=1e-5)

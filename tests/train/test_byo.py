@@ -326,3 +326,29 @@ def test_the_run_records_what_ran(files, tmp_path):
     saved = from_mapping(load_yaml(summary.run_dir / "config.yaml"), source="x")
     assert saved.lora_alpha == 4.0 and saved.max_new_tokens == 30 and saved.task is None
     assert dataclasses.asdict(saved)["rewards"] == {"correct": 1.0}
+
+
+def test_the_shipped_example_runs_as_documented(tmp_path, monkeypatch, capsys):
+    """examples/byo_arith/config.yaml from the project root (its paths are relative to it),
+    shortened; eval_size above the held-out rows warns once."""
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    run = tmp_path / "example"
+    code = main(
+        ["train", "--config", "examples/byo_arith/config.yaml", "--steps", "2", "--eval-size",
+         "1000", "--eval-samples", "1", "--prompts-per-step", "4", "--group-size", "4",
+         "--output-dir", str(run), "--threads", "1", "--no-progress"]
+    )  # fmt: skip
+    assert code == 0
+    err = capsys.readouterr().err
+    assert err.count("eval_size 1000 is more than the") == 1
+    record = metrics(run)[0]
+    assert "reward_correct_total" in record and "reward_shows_work" in record
+    assert (run / "final" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_a_dataset_brings_a_256_token_budget(files):
+    opts = {"dataset": str(files / "gsm.jsonl"), "prompt_column": "question"}
+    task = build_task(TrainConfig(**opts, rewards={"accuracy": 1.0}))
+    assert task.max_new_tokens == 256
