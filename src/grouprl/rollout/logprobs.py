@@ -227,7 +227,8 @@ def _full_forward(
         ],
         dim=1,
     )  # (N, P + T − 1)
-    return module(input_ids=ids, attention_mask=attn, position_ids=_hf.left_pad_positions(attn))
+    positions = _hf.left_pad_positions(attn)
+    return module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False)
 
 
 def _unshared_hidden(
@@ -284,7 +285,9 @@ def _plain_head(model: nn.Module) -> bool:
         decoder, head = model.get_decoder(), model.get_output_embeddings()
         plain = decoder is not None and head is not None and decoder is not model
         if plain:
-            was_training = model.training
+            # every module's own mode, not just the model's: `model.train(mode)` would also
+            # reset layers switched on for gradient checkpointing alone
+            modes = [(m, m.training) for m in model.modules()]
             model.eval()
             try:
                 with torch.no_grad():
@@ -295,7 +298,8 @@ def _plain_head(model: nn.Module) -> bool:
                     mine, logits, rtol=1e-4, atol=1e-4
                 )
             finally:
-                model.train(was_training)
+                for module, mode in modes:
+                    module.training = mode
     except (AttributeError, NotImplementedError, TypeError):
         plain = False
     _PLAIN_HEAD[model] = plain
