@@ -16,6 +16,7 @@ from grouprl.errors import UserError
 from grouprl.rollout import Rollout
 from grouprl.tasks import get_task
 from grouprl.train import loop
+from grouprl.train import update as train_update
 from grouprl.train.config import TrainConfig
 
 SMALL = dict(
@@ -246,13 +247,13 @@ def test_skipping_zero_advantage_groups_changes_no_update(group_rewards, overrid
         assert 0 < rollout.truncated.sum() < 16  # 20 tokens cut some completions short
     advantages = loop.group_advantages(rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
     seen_rows = []
-    original = loop.completion_logprobs
+    original = train_update.completion_logprobs
 
     def spy(model, minibatch, **kwargs):
         seen_rows.append(minibatch.completion_ids.shape[0])
         return original(model, minibatch, **kwargs)
 
-    monkeypatch.setattr(loop, "completion_logprobs", spy)
+    monkeypatch.setattr(train_update, "completion_logprobs", spy)
     full_cfg = dataclasses.replace(cfg, skip_zero_advantage=False)
     full, full_diag = _update_from(policy, full_cfg, batch, advantages)
     assert sum(seen_rows) == 16 * cfg.epochs
@@ -302,7 +303,7 @@ def test_plan_minibatches_keeps_whole_groups_and_the_full_counts():
     )
     advantages = torch.tensor([1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.5, -0.5])  # groups 1, 2: no signal
     cfg = TrainConfig(minibatches=2, beta=0.0)
-    first, second = loop.plan_minibatches(cfg, rollout, advantages, mask)
+    first, second = train_update.plan_minibatches(cfg, rollout, advantages, mask)
     assert first.rollout.prompts == ["p0"] and first.rows.tolist() == [0, 1]
     assert second.rollout.prompts == ["p3"] and second.rows.tolist() == [6, 7]
     # counts over all of a minibatch's rows: rows 0-3 hold 3 + 3 tokens, 3 non-empty rows
@@ -310,14 +311,14 @@ def test_plan_minibatches_keeps_whole_groups_and_the_full_counts():
     assert (int(second.num_tokens), int(second.num_seqs)) == (6, 3)
     for cfg in (TrainConfig(minibatches=2, beta=0.0, skip_zero_advantage=False),
                 TrainConfig(minibatches=2, beta=0.1)):  # fmt: skip
-        plans = loop.plan_minibatches(cfg, rollout, advantages, mask)
+        plans = train_update.plan_minibatches(cfg, rollout, advantages, mask)
         assert [p.rows.tolist() for p in plans] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    all_zero = loop.plan_minibatches(
+    all_zero = train_update.plan_minibatches(
         TrainConfig(minibatches=4, beta=0.0), rollout, advantages, mask
     )
     assert [p.rollout is None for p in all_zero] == [False, True, True, False]
     with pytest.raises(ValueError, match="cannot split 4 prompts into 3"):
-        loop.plan_minibatches(TrainConfig(minibatches=3), rollout, advantages, mask)
+        train_update.plan_minibatches(TrainConfig(minibatches=3), rollout, advantages, mask)
 
 
 def test_entropy_metric_is_the_samplers_and_absent_without_it():
@@ -370,13 +371,13 @@ def test_micro_batches_give_the_unchunked_update(micro, algo, monkeypatch):
     )
     advantages = loop.group_advantages(batch.rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
     sizes = []
-    original = loop.completion_logprobs
+    original = train_update.completion_logprobs
 
     def spy(model, rollout, **kwargs):
         sizes.append(rollout.completion_ids.shape[0])
         return original(model, rollout, **kwargs)
 
-    monkeypatch.setattr(loop, "completion_logprobs", spy)
+    monkeypatch.setattr(train_update, "completion_logprobs", spy)
     whole, whole_diag = _update_from(policy, cfg, batch, advantages)
     sizes.clear()
     chunked, diag = _update_from(
@@ -413,7 +414,7 @@ def test_gradient_checkpointing_takes_effect_in_eval_mode():
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
-            logp = loop.completion_logprobs(policy, batch.rollout)
+            logp = train_update.completion_logprobs(policy, batch.rollout)
         logp.sum().backward()
         return total, {n: p.grad.clone() for n, p in policy.named_parameters()}
 

@@ -1,0 +1,55 @@
+"""A step's training data: sampled groups with their rewards, selectable and joinable by group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grouprl.rollout import Rollout
+
+
+@dataclass
+class Batch:
+    """One step's training data: whole groups, group-contiguous."""
+
+    rollout: Rollout
+    rows: list[dict]  # (B,) task rows of the prompts
+    rewards: torch.Tensor  # (N,) weighted reward, NaN = unscored
+    by_function: dict[str, torch.Tensor]  # name -> (N,) raw scores, NaN = None
+    passed: torch.Tensor | None = None  # (N,) bool: the pass reward's score >= 1
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns, (N,) each
+
+    def select_groups(self, groups: list[int]) -> Batch:
+        idx = self.rollout.group_rows(groups)  # (b·G,)
+        keep = idx.tolist()
+        return Batch(
+            self.rollout.select_groups(groups),
+            [self.rows[g] for g in groups],
+            self.rewards[idx],
+            {name: r[idx] for name, r in self.by_function.items()},
+            None if self.passed is None else self.passed[idx],
+            {name: [values[i] for i in keep] for name, values in self.extra.items()},
+        )
+
+    @staticmethod
+    def concat(parts: list[Batch]) -> Batch:
+        if len(parts) == 1:
+            return parts[0]
+        has_passed = all(p.passed is not None for p in parts)
+        return Batch(
+            Rollout.concat([p.rollout for p in parts]),
+            [row for p in parts for row in p.rows],
+            torch.cat([p.rewards for p in parts]),
+            {
+                name: torch.cat([p.by_function[name] for p in parts])
+                for name in parts[0].by_function
+            },
+            torch.cat([p.passed for p in parts]) if has_passed else None,
+            {
+                name: [v for p in parts for v in p.extra[name]]
+                for name in parts[0].extra
+                if all(name in p.extra for p in parts)
+            },
+        )
