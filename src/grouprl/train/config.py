@@ -74,7 +74,8 @@ class DataOptions:
     """Column holding the reference answer, passed to rewards as `answer` (a.b for a nested
     field, e.g. reward_model.ground_truth). None: the dataset's own `answer` column, if any."""
     prompt_template: str | None = None
-    """Build string prompts from columns, e.g. "Question: {question}\nAnswer:"."""
+    """Build string prompts from columns, e.g. "Question: {question} Answer:" (use a YAML
+    config for a template with newlines)."""
     chat_template: bool = False
     """Send string prompts as a user message through the tokenizer's chat template."""
     system_prompt: str | None = None
