@@ -60,6 +60,11 @@ def resolve_model_path(spec: str | Path) -> Path | str:
         return path
     path = Path(spec).expanduser()
     if path.exists():
+        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            raise UserError(
+                f"{spec} holds a LoRA adapter, not a whole model; give the merged model beside "
+                f"it ({path.parent}, what grouprl train writes to final/) or the base model"
+            )
         if not path.is_dir() or not (path / "config.json").is_file():
             raise UserError(
                 f"model {spec!r} is not a Hugging Face model directory (no config.json); give a "

@@ -101,7 +101,10 @@ def load_table(source: str, split: str = "train") -> Any:
             else:
                 table = datasets.load_dataset(str(path), split=split)
         elif source.startswith((".", "/", "~")) or path.suffix.lower() in FORMATS:
-            raise UserError(f"dataset {source} does not exist; check the path")
+            where = (
+                "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
+            )
+            raise UserError(f"dataset {source} does not exist{where}; check the path")
         else:
             table = datasets.load_dataset(source, split=split)
     except UserError:
