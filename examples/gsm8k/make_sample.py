@@ -23,7 +23,9 @@ def problem(rng: random.Random) -> dict:
     a, b, price = rng.randint(3, 60), rng.randint(2, 40), rng.randint(2, 9)
     if rng.random() < 0.5:
         total = a + b
-        question = f"{name} has {a} {thing} and gets {b} more. How many {thing} does {name} have now?"
+        question = (
+            f"{name} has {a} {thing} and gets {b} more. How many {thing} does {name} have now?"
+        )
         answer = f"{name} has {a} + {b} = <<{a}+{b}={total}>>{total} {thing}.\n#### {total}"
     else:
         total = (a + b) * price

@@ -76,7 +76,9 @@ def test_merged_model_equals_the_adapter_model(base, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
         torch.testing.assert_close(adapter(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
-    with pytest.raises(UserError, match=r"holds a LoRA adapter, not a whole model; give the merged"):
+    with pytest.raises(
+        UserError, match=r"holds a LoRA adapter, not a whole model; give the merged"
+    ):
         load_model(tmp_path / "final" / "adapter")
 
 

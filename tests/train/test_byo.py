@@ -325,6 +325,7 @@ def test_the_run_records_what_ran(files, tmp_path):
 
     saved = from_mapping(load_yaml(summary.run_dir / "config.yaml"), source="x")
     assert saved.lora_alpha == 4.0 and saved.max_new_tokens == 30 and saved.task is None
+    assert saved.dataset == str(files / "sums.jsonl") and saved.model == "builtin:arith"
     assert dataclasses.asdict(saved)["rewards"] == {"correct": 1.0}
 
 

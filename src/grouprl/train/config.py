@@ -350,8 +350,8 @@ def check_data_options(opts: DataOptions) -> None:
 def resolve(cfg: TrainConfig, *, task_max_new_tokens: int) -> TrainConfig:
     """Fill every field left at None from the preset and the task, then validate.
 
-    Reward files are recorded with absolute paths, so a resumed run imports the same file
-    from any working directory.
+    Local paths (model, datasets, reward files) are recorded absolute, so a resumed run reads
+    the same files from any working directory; hub ids and builtin:NAME stay as they are.
     """
     preset = dataclasses.asdict(PRESETS[cfg.algo])
     filled = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
@@ -364,6 +364,12 @@ def resolve(cfg: TrainConfig, *, task_max_new_tokens: int) -> TrainConfig:
         cfg = dataclasses.replace(cfg, overlong_cache=max(1, cfg.max_new_tokens // 4))
     if cfg.lora_r is not None and cfg.lora_alpha is None:
         cfg = dataclasses.replace(cfg, lora_alpha=2.0 * cfg.lora_r)
+    local = {
+        name: str(Path(value).expanduser().resolve())
+        for name in ("model", "dataset", "eval_dataset")
+        if (value := getattr(cfg, name)) is not None and Path(value).expanduser().exists()
+    }
+    cfg = dataclasses.replace(cfg, **local)
     if cfg.rewards:
         rewards = {absolute_spec(spec): w for spec, w in cfg.rewards.items()}
         cfg = dataclasses.replace(cfg, rewards=rewards)
