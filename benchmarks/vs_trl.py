@@ -211,7 +211,7 @@ def prepare_model(name: str, workdir: Path) -> ModelSpec:
 def train_rows(seed: int, count: int) -> list[dict]:
     """The first `count` training rows grouprl's trainer draws with `seed` (prompt, answer)."""
     from grouprl.tasks import get_task
-    from grouprl.train.loop import PromptStream
+    from grouprl.tasks.data import PromptStream
 
     rows = PromptStream(get_task("arithmetic").train, seed).take(count)
     return [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]
@@ -316,7 +316,7 @@ def grouprl_config(algo: str, **overrides) -> Any:
     from grouprl.train.config import TrainConfig, resolve
 
     cfg = TrainConfig(algo=algo, **overrides)
-    return resolve(cfg, task_max_new_tokens=get_task(cfg.task).max_new_tokens)
+    return resolve(cfg, task_max_new_tokens=get_task(cfg.task or "arithmetic").max_new_tokens)
 
 
 def trl_spec(cfg: Any, model_dir: str, rollouts: int, out_dir: Path, tta: dict | None) -> dict:
