@@ -214,3 +214,26 @@ def test_duplicates_at_the_boundary_never_leave_training_empty(tmp_path):
     assert {r["prompt"] for r in task.train}.isdisjoint(r["prompt"] for r in task.heldout)
     with pytest.raises(UserError, match=r"every row of dataset .* has the same prompt"):
         dataset_task(str(write_jsonl(tmp_path / "s.jsonl", [{"prompt": "x"}] * 50)), RowFormat())
+
+
+def test_a_data_file_has_only_the_train_split(gsm, tmp_path):
+    with pytest.raises(UserError, match=r"single file, which has no split 'test' \(only train\)"):
+        dataset_task(str(gsm), RowFormat(prompt_column="question"), split="test")
+
+
+def test_messages_of_varying_shape_take_a_system_prompt(tmp_path):
+    """datasets stores message lists whose keys differ between rows as free-form JSON; they are
+    still chat prompts."""
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(40)]
+    rows += [{"prompt": [{"role": "user", "content": "x", "name": "ann"}]}]
+    fmt = RowFormat(system_prompt="Be brief.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        task = dataset_task(str(write_jsonl(tmp_path / "v.jsonl", rows)), fmt)
+    assert task.train[0]["prompt"][0] == {"role": "system", "content": "Be brief."}
+
+
+def test_a_template_on_a_column_of_the_wrong_type_names_the_row(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"n": i} for i in range(70)])
+    with pytest.raises(UserError, match=r"row 0: --prompt-template cannot be filled"):
+        dataset_task(str(path), RowFormat(prompt_template="{n[0]}"))

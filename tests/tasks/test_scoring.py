@@ -266,3 +266,59 @@ def test_a_reward_model_directory_scores_prompt_and_completion(tmp_path):
     chat = [{"role": "user", "content": "1+"}]
     (score,) = rm(completions=[[{"role": "assistant", "content": "12"}]], prompts=[chat])
     assert score == pytest.approx(first_logit("user: 1+\nassistant: 12\n"), abs=1e-5)
+
+
+def test_limits_that_run_out_as_their_body_ends_never_leak():
+    """Thousands of limits whose bodies end right around their deadline: each either finishes
+    or raises TimeLimitExceeded (never the alarm's internal exception), an outer limit is never
+    swallowed by an inner one's handler, and afterwards no limit is left and SIGALRM has its
+    handler back."""
+    import signal
+
+    from grouprl.tasks import base
+
+    before = signal.getsignal(signal.SIGALRM)
+    outcomes = {"done": 0, "timed out": 0}
+    for i in range(3000):
+        seconds = 3e-4
+        try:
+            with time_limit(seconds):
+                burn(seconds * (0.5 + (i % 10) / 10))  # 0.5x to 1.4x the limit
+            outcomes["done"] += 1
+        except TimeLimitExceeded:
+            outcomes["timed out"] += 1
+    assert outcomes["done"] > 0 and outcomes["timed out"] > 0
+    outer_expired = 0
+    for i in range(300):
+        try:
+            with time_limit(2e-3):
+                for _ in range(50):
+                    try:
+                        with time_limit(1e-4 * (1 + i % 3)):
+                            burn(1e-4)
+                    except TimeLimitExceeded:
+                        pass  # the inner limit's own expiry: swallowed on purpose
+        except TimeLimitExceeded:
+            outer_expired += 1
+    assert outer_expired == 300  # every outer deadline ended its loop, none was swallowed
+    assert base._LIMITS == [] and base._HELD == []
+    assert signal.getsignal(signal.SIGALRM) == before
+
+
+def test_async_rewards_that_wait_or_compute_forever_are_stopped():
+    """One reward awaits something that never comes, the other computes without yielding: the
+    event loop's timeout ends the first, the alarm the second; both are named."""
+
+    async def waits(completions, **kwargs):
+        await asyncio.Event().wait()
+
+    async def computes(completions, **kwargs):
+        burn(30)
+        return [0.0] * len(completions)
+
+    kwargs = {"completions": ["a"], "prompts": ["p"]}
+    with time_limit(20):  # a guard: a broken timeout fails here instead of hanging
+        with pytest.raises(UserError, match=r"'waits', 'computes' did not return within 0\.3 s"):
+            call_rewards({"waits": waits, "computes": computes}, kwargs, timeout=0.3)
+        with pytest.raises(UserError, match=r"reward function 'waits' did not return"):
+            call_rewards({"waits": waits}, kwargs, timeout=0.3)

@@ -179,13 +179,20 @@ def test_lora_resume_equals_the_uninterrupted_run(lora_runs):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resuming_with_other_lora_settings_is_one_line(lora_runs, capsys):
+    straight = lora_runs[0]
+    code = main(["train", "--resume", str(straight.run_dir), "--lora-r", "8", "--steps", "5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "holds other trainable parameters than this model" in err[-1]
+
+
 def test_lora_reference_logprobs_are_the_base_models(files, tmp_path, monkeypatch):
     seen = []
     original = loop.update
 
-    def spy(cfg, policy, optimizer, batch, advantages, ref_logp):
+    def spy(cfg, policy, optimizer, batch, advantages, ref_logp, **kwargs):
         seen.append((batch.rollout, ref_logp))
-        return original(cfg, policy, optimizer, batch, advantages, ref_logp)
+        return original(cfg, policy, optimizer, batch, advantages, ref_logp, **kwargs)
 
     monkeypatch.setattr(loop, "update", spy)
     loop.train(
@@ -218,6 +225,24 @@ def test_a_bf16_lora_base_recomputes_old_logp(files, tmp_path):
     (record,) = metrics(tmp_path / "bf16")
     assert abs(record["ratio_min"] - 1) < 1e-5 and abs(record["ratio_max"] - 1) < 1e-5
     assert record["clip_frac_low"] == 0 and record["clip_frac_high"] == 0
+
+
+def test_an_fp16_lora_base_trains_with_a_loss_scaler(tmp_path):
+    """fp16 forwards scale the loss (torch.amp.GradScaler): gradients stay finite, the
+    adapters move, and the scaler's state is checkpointed for an exact resume."""
+    summary = loop.train(
+        TrainConfig(
+            algo="grpo", model="builtin:arith", lora_r=4, base_dtype="fp16", lr=1e-2,
+            warmup_steps=0, steps=2, prompts_per_step=4, group_size=4, eval_size=2,
+            eval_samples=1, save_every=1, progress=False, threads=1, output_dir=tmp_path / "fp16",
+        )
+    )  # fmt: skip
+    records = metrics(summary.run_dir)
+    assert all(0 < r["grad_norm"] < float("inf") for r in records if r["trained_frac"] > 0)
+    state = json.loads((summary.run_dir / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert state["grad_scaler"]["scale"] > 0
+    adapter = load_file(str(summary.run_dir / "final" / "adapter" / "adapter_model.safetensors"))
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)
 
 
 def test_stop_strings_end_completions(tmp_path):
@@ -283,6 +308,8 @@ def _bad(files, chat_model_dir, tmp_path):
         (["--model", "no-such-org/no-such-model"], "neither a local directory nor a hub id found"),
         (["--lora-r", "4", "--lora-target-modules", "nope_proj"], "cannot add LoRA adapters"),
         (["--eval-dataset", gsm], "--eval-dataset applies to --dataset"),
+        ([*chat, "--answer-column", "solution", "--rewards", "accuracy", "1", "--eval-dataset",
+          str(files / "." / "gsm.jsonl")], "evaluation would score training prompts"),
         ([*chat, "--answer-column", "solution", "--rewards", f"{rewards}:explode", "1", "--steps",
           "1"], r"reward function 'explode' raised RuntimeError: boom"),
     ]  # fmt: skip

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from grouprl.errors import UserError
 from grouprl.train import checkpoint as ckpt
 
 
@@ -109,7 +110,7 @@ def test_wrong_model_is_rejected(tmp_path):
         )
     )
     opt = torch.optim.AdamW(other.parameters())
-    with pytest.raises(RuntimeError):
+    with pytest.raises(UserError, match="holds other trainable parameters than this model"):
         ckpt.load_checkpoint(
             path,
             model=other,

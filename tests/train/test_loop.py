@@ -100,9 +100,9 @@ def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path, monkeypatc
     seen = []
     original = loop.update
 
-    def spy(cfg, policy, optimizer, batch, advantages, ref_logp):
+    def spy(cfg, policy, optimizer, batch, advantages, ref_logp, **kwargs):
         seen.append(zero_variance_groups(batch.rewards.view(-1, cfg.group_size)))
-        return original(cfg, policy, optimizer, batch, advantages, ref_logp)
+        return original(cfg, policy, optimizer, batch, advantages, ref_logp, **kwargs)
 
     monkeypatch.setattr(loop, "update", spy)
     summary = _run(tmp_path, algo="dapo", steps=2, max_resample_rounds=2)
@@ -178,14 +178,16 @@ def test_short_run_raises_the_reward(tmp_path):
     assert last > first + 0.2, (first, last, rewards)
 
 
-def test_bf16_recomputes_old_logp_so_an_unmoved_policy_has_ratio_one(tmp_path):
+@pytest.mark.parametrize("memory", [{}, {"gradient_checkpointing": True}, {"micro_batch_size": 3}])
+def test_bf16_recomputes_old_logp_so_an_unmoved_policy_has_ratio_one(tmp_path, memory):
     """Under bf16 the sampler's log-probs differ from the trainer's by more than GSPO's clip
     range (4e-4); recomputed by the trainer, a policy that does not move (lr 1e-12) sees ratios
     of 1 and clips nothing; also when some groups of a minibatch are skipped (the recompute runs
-    on the same rows as the update)."""
+    on the same rows as the update), and with the update's forward in chunks or checkpointed
+    (the recompute takes the same path)."""
     summary = _run(
         tmp_path, algo="gspo", precision="bf16", steps=1, lr=1e-12, warmup_steps=0,
-        prompts_per_step=8, group_size=2, minibatches=2,
+        prompts_per_step=8, group_size=2, minibatches=2, **memory,
     )  # fmt: skip
     (record,) = _metrics(summary.run_dir)
     assert 0 < record["trained_frac"] < 1

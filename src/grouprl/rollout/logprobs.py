@@ -43,6 +43,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int | None = None,
+    share_prompt: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (N, T) of `batch.completion_ids` under softmax(logits / temperature).
 
@@ -52,6 +53,8 @@ def completion_logprobs(
         matches `old_logp`.
     with_entropy: also return the entropy (N, T) of softmax(logits / temperature) per position.
     chunk_tokens: positions per head chunk (default: 2^25 / vocab logits at a time).
+    share_prompt: run each prompt once for its group (False: the N full sequences, as under
+        gradient checkpointing; the same values in exact arithmetic, other float rounding).
 
     Returns logp (N, T), or (logp, entropy); both float32 and 0 where `mask` is False.
     Differentiable w.r.t. the model's parameters; wrap in `torch.no_grad()` for old/reference
@@ -86,7 +89,9 @@ def completion_logprobs(
 
     if _plain_head(model):
         decoder, head = model.get_decoder(), model.get_output_embeddings()
-        hidden = _completion_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
+        hidden = _completion_hidden(
+            decoder, prompt_ids, prompt_mask, completion_ids, group_size, share_prompt
+        )
         h = hidden[sel]  # (M, H) only masked positions
         targets = completion_ids[sel]  # (M,)
         step = chunk_tokens or max(1, _LOGIT_CHUNK_ELEMENTS // _vocab_size(model, head))
@@ -160,17 +165,19 @@ def _completion_hidden(
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     group_size: int,
+    share_prompt: bool = True,
 ) -> torch.Tensor:
     """Final hidden states (N, T, H) that predict completion_ids (N, T).
 
     Position t's state comes from prompt + completion[:t]: t = 0 is the prompt's last position,
     t ≥ 1 the completion token t − 1. Runs the B prompts once and shares their cache across
-    each group, unless the cache would be dropped (gradient checkpointing while training).
+    each group, unless asked not to or the cache would be dropped (gradient checkpointing while
+    training).
     """
     width = completion_ids.shape[1]
     prompt_pos = _hf.left_pad_positions(prompt_mask)  # (B, P)
     prompt_len = prompt_mask.sum(-1)  # (B,)
-    if _checkpointing(decoder):
+    if not share_prompt or _checkpointing(decoder):
         return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
 
     cache = _hf.new_cache(decoder)

@@ -9,8 +9,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,10 +94,13 @@ class TrainerState:
 # Time limits that nest
 #
 # One SIGALRM timer serves every limit: the run's per-call reward deadline and, inside it, a
-# reward's own per-completion limit (see `grouprl.tasks.math_rewards`). Each limit is an entry
-# on a stack; the timer is always armed for the earliest end, and when it fires the outermost
-# limit that has run out raises. Libraries that call `signal.alarm` themselves would cancel
-# this timer: math-verify's own timeouts are switched off for that reason.
+# reward's own per-completion limit (see `grouprl.tasks.math_rewards`). The limits form a stack
+# (outermost first); the timer is always armed for the earliest end. When it fires, the
+# outermost limit that has run out ends, and with it every limit nested inside it: the handler
+# pops them off the stack and re-arms the timer before raising. An alarm that lands while a
+# limit is being entered or left is held back until that bookkeeping is done, so the stack and
+# the exceptions stay right whenever it fires. Libraries that call `signal.alarm` themselves
+# would cancel this timer: math-verify's own timeouts are off for that reason.
 
 
 class TimeLimitExceeded(BaseException):
@@ -107,61 +109,98 @@ class TimeLimitExceeded(BaseException):
 
 
 class _TimeUp(BaseException):
+    """What the alarm raises inside a limit's body: which limit ran out. Not a
+    TimeLimitExceeded, so code that catches its own, inner limit's expiry cannot swallow an
+    outer one's; each limit turns its own `_TimeUp` into TimeLimitExceeded as it is left."""
+
     def __init__(self, token: object) -> None:
         super().__init__()
         self.token = token
 
 
 _LIMITS: list[tuple[float, object]] = []  # (monotonic end, token), outermost first
-_PREVIOUS_HANDLER: Any = None
+_HELD: list[object] = []  # tokens of limits that ran out during a limit's own bookkeeping
+_PREVIOUS_HANDLER: Any = signal.SIG_DFL
 
 
-def _arm() -> None:
+def _settle() -> None:
+    """Arm the timer for the earliest end, or, with no limit left, stop it and give SIGALRM
+    back to its previous handler."""
     if _LIMITS:
         delay = min(end for end, _ in _LIMITS) - time.monotonic()
         signal.setitimer(signal.ITIMER_REAL, max(delay, 1e-4))
     else:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, _PREVIOUS_HANDLER)
 
 
 def _on_alarm(signum, frame) -> None:
     now = time.monotonic()
-    for end, token in _LIMITS:  # the outermost limit that ran out wins
+    for index, (end, token) in enumerate(_LIMITS):  # the outermost limit that ran out wins
         if end <= now + 1e-4:
+            del _LIMITS[index:]  # it ends, and every limit inside it
+            _settle()
+            if frame is not None and frame.f_code in _BOOKKEEPING:
+                _HELD.append(token)  # raised when the bookkeeping is done
+                return
             raise _TimeUp(token)
-    _arm()  # woke early: wait for the earliest end
+    _settle()  # woke early: wait for the earliest end
 
 
-@contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
+class time_limit:  # lower case: it reads like a function, `with time_limit(3): ...`
     """Raise TimeLimitExceeded if the body runs longer than `seconds` (wall time).
 
     Limits nest: an inner limit does not cancel an outer one, and an outer limit that runs out
-    inside an inner one ends both. Only the main thread on Unix can be interrupted; elsewhere
-    (and with `seconds` None or 0) the body runs unlimited. Code running in C (one huge integer
-    power, say) is interrupted only when it returns to Python.
+    inside an inner one ends both (and cannot be caught as the inner one's TimeLimitExceeded).
+    Only the main thread on Unix can be interrupted; elsewhere (and with `seconds` None or 0)
+    the body runs unlimited. Code running in C (one huge integer power, say) is interrupted
+    only when it returns to Python.
     """
-    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-    if not seconds or not usable:
-        yield
-        return
-    global _PREVIOUS_HANDLER
-    token = object()
-    if not _LIMITS:
-        _PREVIOUS_HANDLER = signal.signal(signal.SIGALRM, _on_alarm)
-    _LIMITS.append((time.monotonic() + seconds, token))
-    _arm()
-    try:
-        yield
-    except _TimeUp as up:
-        if up.token is token:
-            raise TimeLimitExceeded(seconds) from None
-        raise
-    finally:
-        _LIMITS[:] = [entry for entry in _LIMITS if entry[1] is not token]
-        _arm()
-        if not _LIMITS:
-            signal.signal(signal.SIGALRM, _PREVIOUS_HANDLER)
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.token = object()
+        main = threading.current_thread() is threading.main_thread()
+        self.active = bool(seconds) and hasattr(signal, "setitimer") and main
+
+    def __enter__(self) -> time_limit:
+        global _PREVIOUS_HANDLER
+        if self.active:
+            if not _LIMITS:
+                previous = signal.signal(signal.SIGALRM, _on_alarm)
+                _PREVIOUS_HANDLER = signal.SIG_DFL if previous is None else previous  # None: C
+            _LIMITS.append((time.monotonic() + self.seconds, self.token))
+            _settle()
+            self._release()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self.active:
+            return False
+        for index, (_, token) in enumerate(_LIMITS):
+            if token is self.token:  # still on the stack: it did not run out
+                del _LIMITS[index:]  # it ends, and whatever it holds
+                _settle()
+                break
+        if isinstance(exc, _TimeUp) and exc.token is self.token:
+            raise TimeLimitExceeded(self.seconds) from None
+        self._release()
+        return False
+
+    def _release(self) -> None:
+        """Raise what an alarm held back during the bookkeeping: this limit's own expiry as
+        TimeLimitExceeded, an outer limit's as its `_TimeUp`."""
+        if _HELD:
+            token = _HELD.pop(0)
+            _HELD.clear()
+            if token is self.token:
+                raise TimeLimitExceeded(self.seconds)
+            raise _TimeUp(token)
+
+
+_BOOKKEEPING = frozenset(
+    f.__code__ for f in (time_limit.__enter__, time_limit.__exit__, time_limit._release, _settle)
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,24 +286,46 @@ def call_rewards(
             raise _raised(name, err) from None
         out[name] = _check_values(name, values, n)
     if waiting:
-
-        async def gather() -> list[Any]:
-            calls = [fn(**kwargs) for fn in waiting.values()]
-            return await asyncio.gather(*calls, return_exceptions=True)
-
-        try:
-            with time_limit(timeout):
-                results = asyncio.run(gather())
-                for values in results:  # a time limit that fired inside a task comes back here
-                    if isinstance(values, BaseException) and not isinstance(values, Exception):
-                        raise values
-        except TimeLimitExceeded:
-            raise _timed_out(list(waiting), timeout, n) from None
-        for name, values in zip(waiting, results):
+        results = _run_concurrently(waiting, kwargs, timeout)
+        late = [name for name, value in results.items() if isinstance(value, TimeLimitExceeded)]
+        if late:
+            raise _timed_out(late, timeout, n)
+        for name, values in results.items():
             if isinstance(values, BaseException):
                 raise _raised(name, values)
             out[name] = _check_values(name, values, n)
     return {name: out[name] for name in funcs}
+
+
+def _run_concurrently(
+    funcs: dict[str, RewardFn], kwargs: dict[str, Any], timeout: float | None
+) -> dict[str, Any]:
+    """Run `async def` reward functions in one event loop; each one's result, exception, or a
+    TimeLimitExceeded when it had not finished after `timeout` seconds.
+
+    The event loop's own timeout ends functions that wait (on I/O, a server); the alarm of
+    `time_limit`, a little later, ends one that computes without ever yielding to the loop.
+    """
+
+    async def run_all() -> dict[str, Any]:
+        tasks = {name: asyncio.ensure_future(fn(**kwargs)) for name, fn in funcs.items()}
+        _, pending = await asyncio.wait(tasks.values(), timeout=timeout)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        out = {}
+        for name, task in tasks.items():
+            value = TimeLimitExceeded(timeout) if task in pending else task.exception()
+            if isinstance(value, _TimeUp):  # the alarm landed inside this function's code
+                value = TimeLimitExceeded(timeout)
+            out[name] = task.result() if value is None else value
+        return out
+
+    try:
+        with time_limit(None if timeout is None else timeout + 1.0):
+            return asyncio.run(run_all())
+    except TimeLimitExceeded:  # the event loop itself was blocked past the deadline
+        return dict.fromkeys(funcs, TimeLimitExceeded(timeout))
 
 
 def _timed_out(names: list[str], timeout: float | None, n: int) -> UserError:

@@ -92,12 +92,15 @@ def load_table(source: str, split: str = "train") -> Any:
                 )
             if path.stat().st_size == 0:
                 raise UserError(f"dataset {source} is empty; give it at least one row")
+            _only_train(split, source)
             table = datasets.load_dataset(builder, data_files=str(path), split="train")
         elif path.is_dir():
             if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
                 table = datasets.load_from_disk(str(path))
                 if isinstance(table, datasets.DatasetDict):
                     table = _pick_split(table, split, source)
+                else:
+                    _only_train(split, source)
             else:
                 table = datasets.load_dataset(str(path), split=split)
         elif source.startswith((".", "/", "~")) or path.suffix.lower() in FORMATS:
@@ -127,6 +130,15 @@ def load_table(source: str, split: str = "train") -> Any:
     if len(table) == 0:
         raise UserError(f"dataset {source} has no rows; give it at least one")
     return table
+
+
+def _only_train(split: str, source: str) -> None:
+    """A single data file (or saved Dataset) is one split, which `datasets` calls train."""
+    if split != "train":
+        raise UserError(
+            f"dataset {source} is a single file, which has no split {split!r} (only train); "
+            "give those rows as a file of their own (e.g. --eval-dataset test.jsonl)"
+        )
 
 
 def _pick_split(tables: Any, split: str, source: str) -> Any:
@@ -202,11 +214,12 @@ def check_schema(table: Any, fmt: RowFormat, source: str) -> bool:
                     f"--prompt-template names {{{root}}} but dataset {source} has no column "
                     f"{root!r} (columns: {', '.join(features)})"
                 )
-        conversational = False
+        conversational, strings = False, True
     else:
         feature = _feature_at(features, fmt.prompt_column, source, "--prompt-column")
         conversational = _is_messages(feature)
-        if not (conversational or _is_string(feature) or _is_json(feature)):
+        strings = _is_string(feature)
+        if not (conversational or strings or _is_json(feature)):
             raise UserError(
                 f"dataset {source}: column {fmt.prompt_column!r} holds {feature}; a prompt must "
                 "be a string or a list of {role, content} messages (or build one with "
@@ -214,7 +227,7 @@ def check_schema(table: Any, fmt: RowFormat, source: str) -> bool:
             )
     if fmt.answer_column is not None:
         _feature_at(features, fmt.answer_column, source, "--answer-column")
-    if fmt.system_prompt is not None and not (conversational or fmt.chat_template):
+    if fmt.system_prompt is not None and strings and not fmt.chat_template:
         raise UserError(
             "--system-prompt needs chat prompts: the dataset's prompts are strings; add "
             "--chat-template to send them as user messages"
@@ -254,7 +267,7 @@ def _raw_prompt(row: dict, fmt: RowFormat, where: str) -> Any:
         return _get(row, fmt.prompt_column)
     try:
         return fmt.prompt_template.format_map(row)
-    except (KeyError, IndexError, AttributeError, ValueError) as err:
+    except (KeyError, IndexError, AttributeError, ValueError, TypeError) as err:
         raise UserError(f"{where}: --prompt-template cannot be filled: {err!r}") from None
 
 

@@ -138,6 +138,8 @@ def accuracy(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
                     gold_cache[ref] = _parse(ref)
             except TimeLimitExceeded:
                 gold_cache[ref] = None
+            except Exception:  # a reference math-verify cannot read: the row goes unscored
+                gold_cache[ref] = None
         gold = gold_cache.get(ref) if ref is not None else None
         if gold is None:
             scores.append(None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +34,8 @@ def build_task(opts: DataOptions) -> Task:
         chat_template=opts.chat_template,
         system_prompt=opts.system_prompt,
     )
-    if opts.eval_dataset == opts.dataset and opts.eval_split == opts.dataset_split:
+    same_source = opts.eval_dataset is not None and _same_source(opts.eval_dataset, opts.dataset)
+    if same_source and opts.eval_split == opts.dataset_split:
         raise UserError(
             f"--eval-dataset is --dataset and --eval-split is --dataset-split "
             f"({opts.dataset_split}): evaluation would score training prompts; choose "
@@ -47,6 +49,14 @@ def build_task(opts: DataOptions) -> Task:
         eval_split=opts.eval_split,
         eval_fraction=opts.eval_fraction,
     )
+
+
+def _same_source(a: str, b: str) -> bool:
+    """Whether two dataset specs name the same data (the same path, however it is written)."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a == b
 
 
 def build_rewards(opts: DataOptions, task: Task, device: torch.device) -> RewardSet:

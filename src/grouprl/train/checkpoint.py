@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from grouprl.errors import UserError
+
 PREFIX = "step_"
 _KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
@@ -101,14 +103,30 @@ def _save_trainable(model: torch.nn.Module, file: Path) -> None:
 
 
 def _load_trainable(model: torch.nn.Module, file: Path) -> None:
+    """Restore the trainable parameters; UserError when the checkpoint holds other ones (the
+    model, or its LoRA settings, changed since the run started)."""
+    saved = load_file(str(file))
     trained = _trainable(model)
+    if trained is None:  # full fine-tuning: tied weights are saved once, under either name
+        expected = dict(model.state_dict())
+        mismatch = not set(saved) <= set(expected) or any(
+            expected[name].shape != tensor.shape for name, tensor in saved.items()
+        )
+    else:
+        expected = trained
+        mismatch = saved.keys() != trained.keys() or any(
+            trained[name].shape != tensor.shape for name, tensor in saved.items()
+        )
+    if mismatch:
+        raise UserError(
+            f"checkpoint {file.parent} holds other trainable parameters than this model has "
+            "(a different model, or other --lora-r / --lora-target-modules than the run used); "
+            "resume with the run's own settings"
+        )
     if trained is None:
         missing, unexpected = load_model(model, str(file), strict=True)
         assert not missing and not unexpected, (missing, unexpected)
         return
-    saved = load_file(str(file))
-    if saved.keys() != trained.keys():
-        raise ValueError(f"{file} holds other parameters than the model trains")
     with torch.no_grad():
         for name, param in trained.items():
             param.copy_(saved[name])

@@ -76,7 +76,7 @@ from grouprl.train.build import (
 )
 from grouprl.train.config import TrainConfig, check_data_options, resolve, to_yaml
 from grouprl.train.evaluate import EvalResult, evaluate
-from grouprl.train.update import make_optimizer, no_grad_logprobs, update
+from grouprl.train.update import grad_scaler, make_optimizer, no_grad_logprobs, update
 
 
 @dataclass(frozen=True)
@@ -369,6 +369,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
     eval_rows = evaluation_rows(cfg, task, sampler, warn)
     optimizer = make_optimizer(cfg, policy)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
+    scaler = grad_scaler(cfg, device)
 
     state: dict[str, Any] = {"data_position": 0, "initial_eval": None}
     start = 0
@@ -378,6 +379,8 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         )
         start = meta["step"]
         state = {key: meta[key] for key in state}
+        if scaler is not None and meta.get("grad_scaler"):
+            scaler.load_state_dict(meta["grad_scaler"])
         for name in ("metrics.jsonl", "eval.jsonl", "samples.jsonl"):
             truncate_jsonl(run_dir / name, keep_through_step=start)
         console.print(f"resuming {run_dir} from step {start}")
@@ -389,6 +392,8 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
 
     def save(step: int) -> Path:
         state.update(data_position=sampler.stream.position)
+        if scaler is not None:
+            state.update(grad_scaler=scaler.state_dict())
         return ckpt.save_checkpoint(
             run_dir,
             step,
@@ -440,7 +445,9 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                         ref_logp = no_grad_logprobs(
                             cfg, reference or policy, batch.rollout, sampler.dtype
                         )  # (N, T)
-                metrics.update(update(cfg, policy, optimizer, batch, advantages, ref_logp))
+                metrics.update(
+                    update(cfg, policy, optimizer, batch, advantages, ref_logp, scaler=scaler)
+                )
                 metrics.update(_batch_metrics(batch))
                 sinks.log_samples(step + 1, _samples(batch, advantages, cfg.log_samples))
             lr = optimizer.param_groups[0]["lr"]  # the rate this step's updates used

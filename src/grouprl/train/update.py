@@ -98,8 +98,9 @@ def trainer_old_logp(cfg: TrainConfig, policy, plans: list[Minibatch]) -> list[M
 
     Under bf16 the sampler's KV-cached decode and the trainer's full-sequence forward round
     differently (measured: up to 0.06 per token, 4e-3 per sequence), more than GSPO's clip range.
-    Recomputing on exactly the chunks (and so the shapes) that the update then runs makes the
-    first update's ratio 1 again. Runs before any optimizer step.
+    Recomputing on exactly the chunks (and so the shapes) that the update then runs, through the
+    same forward path (prompt shared, or not under gradient checkpointing), makes the first
+    update's ratio 1 again. Runs before any optimizer step.
     """
     device, dtype = _device(policy), forward_dtype(cfg)
     out = []
@@ -107,7 +108,12 @@ def trainer_old_logp(cfg: TrainConfig, policy, plans: list[Minibatch]) -> list[M
         chunks = []
         for chunk in plan.chunks:
             with torch.no_grad(), autocast(device, dtype):
-                old_logp = completion_logprobs(policy, chunk.rollout, temperature=cfg.temperature)
+                old_logp = completion_logprobs(
+                    policy,
+                    chunk.rollout,
+                    temperature=cfg.temperature,
+                    share_prompt=not cfg.gradient_checkpointing,  # the update's own path
+                )
             chunks.append(
                 dataclasses.replace(
                     chunk, rollout=dataclasses.replace(chunk.rollout, old_logp=old_logp)
@@ -120,10 +126,12 @@ def trainer_old_logp(cfg: TrainConfig, policy, plans: list[Minibatch]) -> list[M
 def no_grad_logprobs(
     cfg: TrainConfig, model: nn.Module, rollout: Rollout, dtype: torch.dtype | None
 ) -> torch.Tensor:
-    """Log-probs (N, T) of the rollout's completions under `model`, without gradients, in
-    micro-batch chunks (the reference policy's, for the KL term)."""
+    """Log-probs (N, T) of the rollout's completions under `model`, without gradients (the
+    reference policy's, for the KL term), in chunks no larger than the update's: a micro-batch,
+    or else a minibatch, so this pass never needs more memory than training does."""
     out = torch.zeros_like(rollout.old_logp)  # (N, T)
-    for piece, span in rollout.chunks(cfg.micro_batch_size):
+    minibatch = max(1, rollout.num_prompts // cfg.minibatches) * rollout.group_size
+    for piece, span in rollout.chunks(cfg.micro_batch_size or minibatch):
         with torch.no_grad(), autocast(_device(model), dtype):
             out[span] = completion_logprobs(model, piece, temperature=cfg.temperature)
     return out
@@ -157,10 +165,12 @@ def update(
     batch: Batch,
     advantages: torch.Tensor,
     ref_logp: torch.Tensor | None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict[str, float]:
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
 
-    advantages: (N,); ref_logp: (N, T) or None. Returns the diagnostics averaged over updates.
+    advantages: (N,); ref_logp: (N, T) or None; scaler: the loss scaler of fp16 forwards (see
+    `grad_scaler`). Returns the diagnostics averaged over updates.
 
     Groups without a learning signal are skipped (`skip_zero_advantage`, beta = 0 only): when
     every completion of a group scored the same, its advantages are all 0, so its loss terms
@@ -227,7 +237,7 @@ def update(
                         num_tokens=plan.num_tokens,
                         num_seqs=plan.num_seqs,
                     )
-                    out.loss.backward()
+                    (out.loss if scaler is None else scaler.scale(out.loss)).backward()
                     parts.append((out.metrics(), float(m.sum())))
                 diagnostics = _combine(parts)
                 # Skipped tokens have advantage 0 and are never clipped: over the minibatch's
@@ -236,8 +246,14 @@ def update(
                 diagnostics["clip_frac_low"] *= share
                 diagnostics["clip_frac_high"] *= share
                 n_trained_updates += 1
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            optimizer.step()
+            if scaler is None:
+                optimizer.step()
+            else:  # skips the step when the scaled gradients overflowed, then adapts the scale
+                scaler.step(optimizer)
+                scaler.update()
             diagnostics["grad_norm"] = float(grad_norm)
             for key, value in diagnostics.items():
                 totals[key] = totals.get(key, 0.0) + value
@@ -262,6 +278,19 @@ def _recomputing(cfg: TrainConfig, policy: nn.Module) -> contextlib.AbstractCont
 
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler | None:
+    """A dynamic loss scaler when forward passes run in fp16, else None.
+
+    fp16 has a narrow exponent range: small gradients of fp16 activations flush to zero and large
+    ones overflow. Scaling the loss up before backward and the gradients down before the step
+    keeps them representable; a step whose gradients overflowed is skipped and the scale lowered
+    (torch.amp's usual recipe). bf16 has fp32's range and needs none.
+    """
+    if forward_dtype(cfg) != torch.float16:
+        return None
+    return torch.amp.GradScaler(device.type)
 
 
 def make_optimizer(cfg: TrainConfig, policy: nn.Module) -> torch.optim.AdamW:
