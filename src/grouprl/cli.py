@@ -2,13 +2,14 @@
 
 Each subcommand's flags come from a dataclass whose field docstrings are the help text (tyro);
 `grouprl train --config run.yaml --lr 1e-4` reads the file first and lets flags override it.
-Mistakes a user can fix end in one line on stderr and exit status 2, with no traceback.
+Mistakes a user can fix end in one line on stderr and exit status 2, with no traceback. Nothing
+heavy is imported before the flags are parsed: `--help` answers without torch or transformers.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,40 +36,39 @@ class PlotArgs:
     """A run directory written by `grouprl train`."""
 
 
+def _quiet_hf() -> None:
+    """Our own progress output is enough: no progress bars from the HF libraries."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _train(argv: list[str]) -> int:
-    from grouprl.train.config import TrainConfig, from_mapping, load_yaml
+    from grouprl.train.config import parse_train_args
+
+    cfg = parse_train_args(argv)  # --help exits here, before torch is imported
+    _quiet_hf()
     from grouprl.train.loop import main
 
-    # --config and --resume pick the defaults the other flags then override.
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", type=Path)
-    pre.add_argument("--resume", type=Path)
-    known, _ = pre.parse_known_args(argv)
-    base = TrainConfig()
-    if known.resume is not None:
-        saved = known.resume / "config.yaml"
-        if not saved.is_file():
-            raise UserError(
-                f"{known.resume} is not a run directory (no config.yaml); check --resume"
-            )
-        base = from_mapping(load_yaml(saved), source=str(saved))
-        base.output_dir = known.resume
-    elif known.config is not None:
-        base = from_mapping(load_yaml(known.config), source=str(known.config))
-    cfg = tyro.cli(TrainConfig, args=argv, default=base, prog="grouprl train")
     return main(cfg)
 
 
 def _eval(argv: list[str]) -> int:
-    from grouprl.train.evaluate import EvalConfig, main
+    from grouprl.train.config import EvalConfig, parse_args
 
-    return main(tyro.cli(EvalConfig, args=argv, prog="grouprl eval"))
+    cfg = parse_args(EvalConfig, argv, prog="grouprl eval", source="the command line")
+    _quiet_hf()
+    from grouprl.train.evaluate import main
+
+    return main(cfg)
 
 
 def _sft(argv: list[str]) -> int:
     from grouprl.train.sft import SFTConfig, main
 
-    return main(tyro.cli(SFTConfig, args=argv, prog="grouprl sft"))
+    cfg = tyro.cli(SFTConfig, args=argv, prog="grouprl sft")
+    _quiet_hf()
+    return main(cfg)
 
 
 def _explain(argv: list[str]) -> int:
@@ -96,8 +96,19 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 }
 
 
+def version() -> str:
+    """The installed package's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("grouprl")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "unknown"
+
+
 def _usage() -> str:
-    lines = ["usage: grouprl COMMAND [--help] [flags]", "", "commands:"]
+    lines = ["usage: grouprl COMMAND [--help] [flags]   (or: grouprl --version)", "", "commands:"]
     lines += [f"  {name:<8} {doc}" for name, (_, doc) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -107,15 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"grouprl {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress output is enough
     if name not in COMMANDS:
         print(f"grouprl: error: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
         return 2
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"grouprl {name}: warning: {message}", file=sys.stderr)
+
     try:
-        return COMMANDS[name][0](rest)
+        with warnings.catch_warnings():
+            warnings.showwarning = show  # one plain line per warning, no source location
+            return COMMANDS[name][0](rest)
     except UserError as err:
         print(f"grouprl {name}: error: {err}", file=sys.stderr)
         return 2

@@ -181,9 +181,13 @@ def test_lora_resume_equals_the_uninterrupted_run(lora_runs):
 
 def test_resuming_with_other_lora_settings_is_one_line(lora_runs, capsys):
     straight = lora_runs[0]
-    code = main(["train", "--resume", str(straight.run_dir), "--lora-r", "8", "--steps", "5"])
+    resume = ["train", "--resume", str(straight.run_dir), "--lora-r", "8", "--steps", "5"]
+    assert main(resume) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and "holds other trainable parameters than this model" in err[-1]
+    assert len(err) == 1 and "lora_r would change from 4 to 8" in err[0]
+    assert main([*resume, "--allow-change", "lora_r"]) == 2  # allowed, but the weights differ
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "holds other trainable parameters than this model" in err[-1]
 
 
 def test_lora_reference_logprobs_are_the_base_models(files, tmp_path, monkeypatch):

@@ -105,10 +105,10 @@ def test_cli_yaml_file_and_flag_override(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_cli_unknown_flag_exits_nonzero(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--grop-size", "4"])
-    assert exit_info.value.code == 2
+def test_cli_unknown_flag_is_one_line_with_a_suggestion(capsys):
+    assert main(["train", "--grop-size", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["grouprl train: error: unknown flag --grop-size; did you mean --group-size?"]
 
 
 def test_cli_help_lists_every_field_with_its_doc(capsys):
@@ -120,3 +120,127 @@ def test_cli_help_lists_every_field_with_its_doc(capsys):
         assert f"--{name.replace('_', '-')}" in out, name
     assert "Completions sampled per prompt (G)" in out
     assert "(default: 8)" in out
+
+
+TINY = ["--steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--eval-size", "2",
+        "--eval-samples", "1", "--threads", "1", "--no-progress"]  # fmt: skip
+
+
+def test_a_saved_config_is_a_record_that_starts_new_runs(tmp_path, capsys):
+    """An earlier run's config.yaml holds no launch directive, and `--config OLD/config.yaml
+    --output-dir NEW` starts a new run in NEW, also from a config written by an older grouprl
+    that still held `resume:` (which used to continue, and overwrite, the old run)."""
+    old = tmp_path / "old"
+    assert main(["train", "--output-dir", str(old), *TINY]) == 0
+    saved = (old / "config.yaml").read_text()
+    assert "resume" not in saved and "config:" not in saved and "allow_change" not in saved
+    before = _snapshot(old)
+    (tmp_path / "older.yaml").write_text(saved + f"resume: {old}\nconfig: null\n")
+    for i, config in enumerate([old / "config.yaml", tmp_path / "older.yaml"]):
+        new = tmp_path / f"new{i}"
+        assert main(["train", "--config", str(config), "--output-dir", str(new), *TINY]) == 0
+        assert (new / "final" / "model.safetensors").is_file()
+    assert "'resume' ignored" in capsys.readouterr().err
+    assert _snapshot(old) == before
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("steps: 3.0", "steps in {file} takes an integer"),
+        ("steps: five", "steps in {file} takes an integer"),
+        ("eval_size: 8.5", "eval_size in {file} takes an integer"),
+        ("adam_betas: 0.9", "adam_betas in {file} takes 2 numbers"),
+        ("algo: ppo", "algo in {file}: 'ppo' is not one of grpo, gspo, dr_grpo, dapo"),
+        ("precision: fp16", "precision in {file}: 'fp16' is not one of fp32, bf16"),
+        ("progress: maybe", "progress in {file} must be true or false, got 'maybe'"),
+        ("lr: abc", "lr in {file} takes a number"),
+        ("rewards: {correct: x}", "rewards in {file} takes NAME VALUE pairs"),
+        ("weight_decay: -1", "invalid config: weight_decay must be >= 0"),
+        ("- a list", "must hold a mapping of field: value"),
+    ],
+)
+def test_yaml_values_are_parsed_like_flags_with_one_line_errors(tmp_path, capsys, text, message):
+    config = tmp_path / "run.yaml"
+    config.write_text(text + "\n")
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(config), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message.format(file=config) in err[0], err
+    assert not out.exists()
+
+
+def test_a_yaml_value_means_what_the_same_flag_means(tmp_path):
+    from grouprl.train.config import parse_train_args
+
+    config = tmp_path / "run.yaml"
+    config.write_text("lr: 1e-4\nsteps: 7\nadam_betas: [0.8, 0.9]\nprogress: false\n")
+    from_file = parse_train_args(["--config", str(config)])
+    from_flags = parse_train_args(
+        ["--lr", "1e-4", "--steps", "7", "--adam-betas", "0.8", "0.9", "--no-progress"]
+    )
+    assert from_file.lr == 1e-4 and isinstance(from_file.lr, float)  # PyYAML reads a string
+    assert dataclasses.replace(from_file, config=None) == from_flags
+    # flags given with --config override the file
+    assert parse_train_args(["--config", str(config), "--steps", "9"]).steps == 9
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "five"], "--steps takes an integer"),
+        (["--algo", "ppo"], "--algo: 'ppo' is not one of grpo, gspo, dr_grpo, dapo"),
+        (["--adam-betas", "0.9"], "--adam-betas takes 2 numbers"),
+        (["--progress", "maybe"], "unexpected value 'maybe'"),
+        (["--rewards", "accuracy"], "--rewards takes NAME VALUE pairs"),
+    ],
+)
+def test_bad_flags_are_one_line(capsys, flags, message):
+    assert main(["train", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_resume_changes_only_what_may_change(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), *TINY]) == 0
+    capsys.readouterr()
+    refused = [
+        (["--algo", "grpo"], "algo would change from 'gspo' to 'grpo'"),
+        (["--lr", "1e-3"], "lr would change from 5e-05 to 0.001"),
+        (["--output-dir", str(tmp_path / "other")], "--resume continues a run in its own"),
+        (["--config", str(run / "config.yaml")], "drop --config"),
+        (["--allow-change", "lrr"], "--allow-change names no field 'lrr'"),
+    ]
+    before = _snapshot(run)
+    for flags, message in refused:
+        assert main(["train", "--resume", str(run), "--steps", "2", *flags]) == 2, flags
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert _snapshot(run) == before
+    assert main(["train", "--resume", str(run), "--steps", "2", "--lr", "1e-4",
+                 "--allow-change", "lr", "--eval-size", "3"]) == 0  # fmt: skip
+    import yaml
+
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    assert (recorded["steps"], recorded["lr"], recorded["eval_size"]) == (2, 1e-4, 3)
+
+
+def test_help_and_version_need_no_torch():
+    """`grouprl train --help` answers without importing torch or transformers; `--version`
+    and `python -m grouprl` work."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom grouprl.cli import main\n"
+        "for argv in (['train', '--help'], ['eval', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'peft') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    version = subprocess.run(
+        [sys.executable, "-m", "grouprl", "--version"], capture_output=True, text=True, check=True
+    )
+    assert version.stdout.startswith("grouprl 0.")

@@ -45,6 +45,7 @@ from grouprl.tasks.base import (
 )
 from grouprl.tasks.math_rewards import MATH_REWARDS
 from grouprl.tasks.rewards import REWARDS
+from grouprl.tasks.specs import is_file_spec
 
 #: Rewards any task can name.
 BUILTIN_REWARDS: dict[str, RewardFn] = {**REWARDS, **MATH_REWARDS}
@@ -92,21 +93,6 @@ def _import_file(path: Path) -> Any:
         sys.path.pop(0)
     sys.modules[name] = module
     return module
-
-
-def is_file_spec(spec: str) -> bool:
-    """`path/to/file.py:function`."""
-    path, sep, attr = spec.rpartition(":")
-    return bool(sep and attr and path.endswith(".py"))
-
-
-def absolute_spec(spec: str) -> str:
-    """A file spec with its path made absolute (so a resumed run imports the same file from any
-    directory); other specs unchanged."""
-    if not is_file_spec(spec):
-        return spec
-    path, _, attr = spec.rpartition(":")
-    return f"{Path(path).expanduser().resolve()}:{attr}"
 
 
 def load_reward(

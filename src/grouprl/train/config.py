@@ -1,26 +1,34 @@
-"""The one typed configuration of `grouprl train`, its algorithm presets, and its validation.
+"""The typed configurations of `grouprl train` and `grouprl eval`, presets, parsing, validation.
 
 Precedence, lowest first: field defaults < `--config FILE.yaml` (or the saved config of the run
 given to `--resume`) < command-line flags < the `--algo` preset, which fills only the fields
 still left at `None`. Every field below becomes a flag (`group_size` -> `--group-size`) whose
 help is the docstring under it.
+
+One typed path: a YAML mapping is turned into the flags that say the same thing and parsed with
+the command line by the same parser (tyro), so `lr: 1e-4` in a file is exactly `--lr 1e-4`, and
+a bad value is one line naming the field and where it came from, wherever it came from. This
+module imports neither torch nor transformers, so `--help` answers at once.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
+import typing
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+import tyro
 import yaml
 
-from grouprl.core import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, AGGREGATIONS, RATIO_LEVELS
 from grouprl.errors import UserError
-from grouprl.tasks.scoring import absolute_spec
+from grouprl.tasks.specs import absolute_spec
 
 Algo = Literal["grpo", "gspo", "dr_grpo", "dapo"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -38,6 +46,9 @@ class RunOptions:
     """Run directory. None: runs/<algo>-<date>-<time>. It must not already hold a run."""
     resume: Path | None = None
     """Run directory to continue from its latest checkpoint (its saved config is the base)."""
+    allow_change: list[str] | None = None
+    """Fields --resume may change besides steps, eval/save/log settings, threads, progress,
+    reward_timeout and device, e.g. --allow-change lr."""
 
 
 @dataclass
@@ -232,6 +243,31 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Show a live progress bar (off: one plain line per eval)."""
 
 
+@dataclass
+class EvalConfig(DataOptions, ModelOptions):
+    """Measure pass@1 (sampled and greedy) and pass@k of a model on a task or dataset split."""
+
+    split: Literal["heldout", "train", "all"] = "heldout"
+    """Which rows to evaluate: the held-out rows `grouprl train` holds out (the same ones for
+    the same data options), the training rows, or all."""
+    samples: int = 8
+    """Completions sampled per problem (k of pass@k)."""
+    limit: int = 200
+    """Number of problems (the first LIMIT rows of the split)."""
+    temperature: float = 1.0
+    """Sampling temperature of the k samples (greedy pass@1 always uses temperature 0)."""
+    greedy: bool = True
+    """Also decode one greedy completion per problem for greedy pass@1."""
+    batch_prompts: int = 64
+    """Problems sampled together (each with SAMPLES completions)."""
+    seed: int = 0
+    """Sampling seed; the same seed gives the same numbers on the same machine."""
+    threads: int | None = None
+    """torch CPU threads. None: torch's default."""
+    json: bool = False
+    """Print one JSON object on stdout instead of a table."""
+
+
 @dataclass(frozen=True)
 class Preset:
     """The algorithm-defining fields that an `--algo` preset fills."""
@@ -273,25 +309,140 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(TrainConfig)]
+def field_names(cls: type | None = None) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls or TrainConfig)]
 
 
-def from_mapping(values: dict[str, Any], *, source: str) -> TrainConfig:
-    """A config from a YAML-like mapping; unknown keys are errors with a suggestion."""
-    known = field_names()
-    for key in values:
-        if key not in known:
-            close = difflib.get_close_matches(key.replace("-", "_"), known, n=1)
+# ---------------------------------------------------------------------------------------------
+# Parsing: YAML mappings and flags through one parser
+
+#: Launch directives: what a command does, not what a run is. Never read from or written to a
+#: run's config.yaml, so that a saved config is a record and can never resume or overwrite.
+LAUNCH_FIELDS = ("config", "resume", "allow_change")
+#: Fields a resumed run may change: how long, how often to evaluate and save, how much to log,
+#: and where it runs. Anything else would make the rest of the run a different run.
+RESUMABLE_FIELDS = (
+    "steps", "eval_every", "eval_size", "eval_samples", "save_every", "keep_last",
+    "log_samples", "threads", "progress", "reward_timeout", "device",
+)  # fmt: skip
+
+Config = TypeVar("Config")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_plain_bool(annotation: Any) -> bool:
+    return annotation is bool
+
+
+def args_from_mapping(values: dict[str, Any], cls: type, *, source: str) -> list[str]:
+    """The command-line tokens that say what a YAML mapping says (see the module docstring).
+
+    Unknown keys are errors with a suggestion; launch directives (`resume`, `config`) are
+    ignored with a warning, so an earlier run's saved config can only ever start a new run.
+    """
+    known = field_names(cls)
+    hints = typing.get_type_hints(cls)
+    args: list[str] = []
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name in LAUNCH_FIELDS:
+            warnings.warn(
+                f"{source}: '{key}' ignored: a config file only describes a run; pass --{name} "
+                "on the command line",
+                stacklevel=2,
+            )
+            continue
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(known)}"
             raise UserError(f"unknown config key '{key}' in {source}{hint}")
-    values = dict(values)
-    for key in ("config", "output_dir", "resume"):
-        if values.get(key) is not None:
-            values[key] = Path(values[key])
-    if isinstance(values.get("adam_betas"), list):
-        values["adam_betas"] = tuple(values["adam_betas"])
-    return TrainConfig(**values)
+        flag = _flag(name)
+        if _is_plain_bool(hints[name]):
+            if not isinstance(value, bool):
+                raise UserError(f"{key} in {source} must be true or false, got {value!r}")
+            args.append(flag if value else "--no-" + flag[2:])
+        elif value is None:
+            args.append(f"{flag}=None")
+        elif isinstance(value, dict):
+            args += [flag, *(str(t) for kv in value.items() for t in kv)]
+        elif isinstance(value, (list, tuple)):
+            args += [flag, *(str(v) for v in value)] if value else [f"{flag}=None"]
+        else:
+            args.append(f"{flag}={value}")
+    return args
+
+
+def _expected(cls: type, name: str) -> str:
+    """What a field takes, in words, for error messages."""
+    annotation = typing.get_type_hints(cls).get(name)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = args[0] if len(args) == 1 else annotation
+    origin = typing.get_origin(base)
+    if base is int:
+        return "an integer"
+    if base is float:
+        return "a number"
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(base)))
+    if origin is tuple:
+        return f"{len(typing.get_args(base))} numbers"
+    if origin is dict:
+        return "NAME VALUE pairs"
+    if origin is list:
+        return "one or more values"
+    return "a value"
+
+
+def _one_line(event: Any, cls: type, source: str) -> UserError:
+    """A tyro parse error as one line naming the field, what it takes and where it came from."""
+    kind = type(event).__name__
+    argument = getattr(event, "argument", None)
+    flags = getattr(getattr(argument, "lowered", None), "name_or_flags", None) or ()
+    name = next((f[2:].replace("-", "_") for f in flags if f.startswith("--")), None)
+    where = f" in {source}" if source != "the command line" else ""
+    if kind == "UnrecognizedArgs":
+        tokens = list(getattr(event, "tokens", []))
+        first = tokens[0] if tokens else ""
+        if first.startswith("--"):
+            options = [_flag(n) for n in field_names(cls)]
+            close = difflib.get_close_matches(first.split("=")[0], options, n=1)
+            hint = f"; did you mean {close[0]}?" if close else "; see --help"
+            return UserError(f"unknown flag {first}{where}{hint}")
+        return UserError(f"unexpected value {first!r}{where}; a switch like --progress takes none")
+    if name is None:
+        return UserError(f"invalid arguments{where}; see --help")
+    label = name if source != "the command line" else _flag(name)
+    if kind == "InvalidChoice":
+        return UserError(f"{label}{where}: {event.value!r} is not {_expected(cls, name)}")
+    if kind == "BadValue":
+        return UserError(f"{label}{where} takes {_expected(cls, name)}")
+    detail = str(getattr(event, "message", "")).strip().splitlines()
+    readable = detail and len(detail[0]) < 80 and "type matching" not in detail[0]
+    got = f" ({detail[0]})" if readable else ""
+    return UserError(f"{label}{where} takes {_expected(cls, name)}{got}")
+
+
+def parse_args(cls: type[Config], args: Sequence[str], *, prog: str, source: str) -> Config:
+    """`cls` from command-line tokens with tyro; a bad value is one UserError line. `--help`
+    prints the help and exits (SystemExit 0) as usual."""
+    hook_api = getattr(getattr(tyro, "_errors", None), "on_parse_error", None)
+    if hook_api is None:  # pragma: no cover - tyro without parse-error hooks: its own message
+        return tyro.cli(cls, args=list(args), prog=prog)
+
+    def raise_one_line(event: Any) -> None:
+        raise _one_line(event, cls, source)
+
+    with hook_api(raise_one_line):
+        return tyro.cli(cls, args=list(args), prog=prog)
+
+
+def from_mapping(values: dict[str, Any], *, source: str, cls: type | None = None) -> Any:
+    """A config from a YAML-like mapping, parsed as the flags that say the same thing."""
+    cls = cls or TrainConfig
+    return parse_args(cls, args_from_mapping(values, cls, source=source), prog="grouprl", source=source)
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
@@ -310,13 +461,69 @@ def load_yaml(path: Path) -> dict[str, Any]:
 
 
 def to_yaml(cfg: TrainConfig) -> str:
-    values = dataclasses.asdict(cfg)
+    """The config a run records: every field but the launch directives."""
+    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in LAUNCH_FIELDS}
     for key, value in values.items():
         if isinstance(value, Path):
             values[key] = str(value)
         elif isinstance(value, tuple):
             values[key] = list(value)
     return yaml.safe_dump(values, sort_keys=False)
+
+
+def parse_train_args(argv: Sequence[str]) -> TrainConfig:
+    """`grouprl train`'s config from its flags, a `--config` file, or the run to `--resume`.
+
+    With `--resume RUN`, the run's saved config is the base and only RESUMABLE_FIELDS (and those
+    named by `--allow-change`) may differ from it; `--config` and `--output-dir` are refused
+    (the run's own directory and config are what continues).
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    for name in ("--config", "--resume", "--output-dir"):
+        pre.add_argument(name)
+    known, _ = pre.parse_known_args(list(argv))
+    if "-h" in argv or "--help" in argv:
+        return parse_args(TrainConfig, argv, prog="grouprl train", source="the command line")
+    if known.resume is not None:
+        for flag, value in (("--config", known.config), ("--output-dir", known.output_dir)):
+            if value is not None:
+                raise UserError(
+                    f"--resume continues a run in its own directory with its own config; drop "
+                    f"{flag} (to start a new run from its config: --config "
+                    f"{Path(known.resume) / 'config.yaml'} --output-dir NEW)"
+                )
+        saved_path = Path(known.resume) / "config.yaml"
+        if not saved_path.is_file():
+            raise UserError(
+                f"{known.resume} is not a run directory (no config.yaml); check --resume"
+            )
+        base = args_from_mapping(load_yaml(saved_path), TrainConfig, source=str(saved_path))
+        saved = parse_args(TrainConfig, base, prog="grouprl train", source=str(saved_path))
+        cfg = parse_args(TrainConfig, [*base, *argv], prog="grouprl train", source="the command line")
+        cfg = dataclasses.replace(cfg, output_dir=Path(known.resume))
+        _check_resume_changes(saved, cfg)
+        return cfg
+    base = []
+    if known.config is not None:
+        path = Path(known.config)
+        base = args_from_mapping(load_yaml(path), TrainConfig, source=str(path))
+        parse_args(TrainConfig, base, prog="grouprl train", source=str(path))  # name the file
+    return parse_args(TrainConfig, [*base, *argv], prog="grouprl train", source="the command line")
+
+
+def _check_resume_changes(saved: TrainConfig, cfg: TrainConfig) -> None:
+    allowed = {*RESUMABLE_FIELDS, *LAUNCH_FIELDS, "output_dir", *(cfg.allow_change or [])}
+    unknown = sorted(set(cfg.allow_change or []) - set(field_names()))
+    if unknown:
+        raise UserError(f"--allow-change names no field {unknown[0]!r}; see --help for fields")
+    for f in dataclasses.fields(TrainConfig):
+        before, after = getattr(saved, f.name), getattr(cfg, f.name)
+        if f.name not in allowed and before != after:
+            raise UserError(
+                f"--resume: {f.name} would change from {before!r} to {after!r}, which makes the "
+                f"rest of the run a different run; resume may change {', '.join(RESUMABLE_FIELDS)} "
+                f"(add --allow-change {f.name} if you mean it, or start a new run)"
+            )
 
 
 def check_data_options(opts: DataOptions) -> None:
@@ -390,6 +597,7 @@ def validate(cfg: TrainConfig) -> None:
         (0 < cfg.top_p <= 1, "top_p must lie in (0, 1]"),
         (cfg.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
         (cfg.lr > 0 and math.isfinite(cfg.lr), "lr must be a positive number"),
+        (0 <= cfg.weight_decay < math.inf, "weight_decay must be >= 0"),
         (cfg.warmup_steps >= 0, "warmup_steps must be >= 0"),
         (cfg.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 turns clipping off)"),
         (cfg.epochs >= 1, "epochs must be at least 1"),
@@ -429,7 +637,9 @@ def validate(cfg: TrainConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise UserError(f"invalid config: {message}")
-    # The Literal types are checked by the CLI parser; a YAML file bypasses it.
+    # Checked by the parser for flags and files; a TrainConfig built in Python bypasses it.
+    from grouprl.core import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, AGGREGATIONS, RATIO_LEVELS
+
     choices = {
         "ratio_level": RATIO_LEVELS,
         "loss_agg": AGGREGATIONS,

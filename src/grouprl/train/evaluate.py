@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -49,32 +49,7 @@ from grouprl.train.build import (
     rows_that_fit,
     stop_strings,
 )
-from grouprl.train.config import DataOptions, ModelOptions, check_data_options
-
-
-@dataclass
-class EvalConfig(DataOptions, ModelOptions):
-    """Measure pass@1 (sampled and greedy) and pass@k of a model on a task or dataset split."""
-
-    split: Literal["heldout", "train", "all"] = "heldout"
-    """Which rows to evaluate: the held-out rows `grouprl train` holds out (the same ones for
-    the same data options), the training rows, or all."""
-    samples: int = 8
-    """Completions sampled per problem (k of pass@k)."""
-    limit: int = 200
-    """Number of problems (the first LIMIT rows of the split)."""
-    temperature: float = 1.0
-    """Sampling temperature of the k samples (greedy pass@1 always uses temperature 0)."""
-    greedy: bool = True
-    """Also decode one greedy completion per problem for greedy pass@1."""
-    batch_prompts: int = 64
-    """Problems sampled together (each with SAMPLES completions)."""
-    seed: int = 0
-    """Sampling seed; the same seed gives the same numbers on the same machine."""
-    threads: int | None = None
-    """torch CPU threads. None: torch's default."""
-    json: bool = False
-    """Print one JSON object on stdout instead of a table."""
+from grouprl.train.config import EvalConfig, check_data_options
 
 
 @dataclass(frozen=True)
