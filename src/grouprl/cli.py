@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"grouprl: error: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
         return 2
+
     def show(message, category, filename, lineno, file=None, line=None):
         print(f"grouprl {name}: warning: {message}", file=sys.stderr)
 

@@ -151,8 +151,16 @@ def test_lora_trains_the_adapters_only(lora_runs):
         )
     moved = [p for n, p in policy.named_parameters() if "lora_B" in n]
     assert moved and all(p.abs().max() > 1e-4 for p in moved)  # B starts at zero
-    files = load_file(str(straight.run_dir / "checkpoints" / "step_000004" / "model.safetensors"))
+    step = straight.run_dir / "checkpoints" / "step_000004"
+    files = load_file(str(step / "adapter_model.safetensors"))
     assert files and all("lora_" in key for key in files)  # only the adapter is checkpointed
+    assert not (step / "model.safetensors").exists()
+    # a checkpoint is an adapter directory that names its base: it evaluates as a model
+    with torch.no_grad():
+        ids = torch.tensor([[1, 5, 6, 15]])
+        torch.testing.assert_close(
+            load_model(step)(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5, rtol=0
+        )
 
 
 def test_lora_final_directory_merged_and_adapter(lora_runs):

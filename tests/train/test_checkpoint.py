@@ -64,35 +64,120 @@ def test_round_trip_continues_identically(tmp_path):
         torch.testing.assert_close(value, expected[key], rtol=0, atol=0)
 
 
-def test_layout_is_safetensors_and_json_only(tmp_path):
+def _save(tmp_path, step, model, optimizer, scheduler, keep_last=2, **state):
+    return ckpt.save_checkpoint(
+        tmp_path, step, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
+        keep_last=keep_last,
+    )  # fmt: skip
+
+
+def test_a_checkpoint_is_a_verified_model_directory(tmp_path):
+    """save_pretrained files (they load with transformers, so an interrupted run can be evaluated
+    and forked), optimizer and RNG safetensors, state.json, and a manifest of sizes and
+    sha256; no pickle anywhere, no temporary directory left."""
+    import hashlib
+
+    from transformers import AutoModelForCausalLM
+
     model, optimizer, scheduler = _setup(0)
     _train_steps(model, optimizer, scheduler, 1)
-    path = ckpt.save_checkpoint(
-        tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler, state={}, keep_last=1
-    )
+    path = _save(tmp_path, 1, model, optimizer, scheduler, keep_last=1)
     names = sorted(p.name for p in path.iterdir())
-    assert names == ["model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
-    json.loads((path / "state.json").read_text())
+    assert names == [
+        "config.json", "generation_config.json", "manifest.json", "model.safetensors",
+        "optimizer.safetensors", "rng.safetensors", "state.json",
+    ]  # fmt: skip
+    manifest = json.loads((path / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == [n for n in names if n != "manifest.json"]
+    for name, entry in manifest.items():
+        data = (path / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
 def test_keeps_last_k_and_ignores_partial_writes(tmp_path):
     model, optimizer, scheduler = _setup(0)
     for step in (10, 20, 30):
-        ckpt.save_checkpoint(
-            tmp_path,
-            step,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            state={},
-            keep_last=2,
-        )
+        _save(tmp_path, step, model, optimizer, scheduler)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000020", "step_000030"]
-    # A crash mid-write leaves a temporary directory (and maybe a dir without state.json).
+    # A crash mid-write leaves a temporary directory; a directory without a manifest is not a
+    # checkpoint to trust.
     (tmp_path / "checkpoints" / ".tmp-step_000040").mkdir()
     (tmp_path / "checkpoints" / "step_000050").mkdir()
-    assert ckpt.latest_checkpoint(tmp_path).name == "step_000030"
+    warnings = []
+    assert ckpt.latest_checkpoint(tmp_path, warn=warnings.append).name == "step_000030"
+    assert warnings == [
+        "checkpoint step_000050 is damaged (no manifest.json (unfinished, or written by an "
+        "older grouprl)); resuming from step_000030 instead"
+    ]
+
+
+def _flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:-9]),
+         "model.safetensors has"),
+        (lambda p: (p / "state.json").write_text("{broken"), "state.json has 7 bytes"),
+        (lambda p: _flip_last_byte(p / "optimizer.safetensors"),
+         "optimizer.safetensors does not match its checksum"),
+        (lambda p: (p / "optimizer.safetensors").unlink(), "optimizer.safetensors is missing"),
+        (lambda p: (p / "manifest.json").write_text("[]"), "manifest.json is not valid"),
+    ],
+)  # fmt: skip
+def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, corrupt, reason):
+    model, optimizer, scheduler = _setup(0)
+    _save(tmp_path, 1, model, optimizer, scheduler)
+    _train_steps(model, optimizer, scheduler, 1)
+    newest = _save(tmp_path, 2, model, optimizer, scheduler)
+    corrupt(newest)
+    warnings = []
+    assert ckpt.latest_checkpoint(tmp_path, warn=warnings.append).name == "step_000001"
+    assert len(warnings) == 1 and reason in warnings[0]
+    corrupt(ckpt.checkpoint_dir(tmp_path) / "step_000001")
+    with pytest.raises(UserError, match="no intact checkpoint in"):
+        ckpt.latest_checkpoint(tmp_path)
+
+
+def test_saving_over_a_damaged_step_sets_it_aside(tmp_path):
+    model, optimizer, scheduler = _setup(0)
+    path = _save(tmp_path, 3, model, optimizer, scheduler)
+    (path / "rng.safetensors").unlink()
+    again = _save(tmp_path, 3, model, optimizer, scheduler)
+    assert again == path and ckpt.damage(path) is None
+    aside = [
+        p.name for p in ckpt.checkpoint_dir(tmp_path).iterdir() if p.name.startswith(".damaged")
+    ]
+    assert len(aside) == 1  # kept, not deleted
+
+
+def test_old_checkpoints_are_deleted_without_following_symlinks(tmp_path):
+    """A checkpoint slot that is a symlink to somewhere else is unlinked; what it points to
+    stays (deletion never leaves the run directory)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_text("keep me")
+    run = tmp_path / "run"
+    model, optimizer, scheduler = _setup(0)
+    first = _save(run, 1, model, optimizer, scheduler, keep_last=1)
+    for file in first.iterdir():
+        (elsewhere / file.name).write_bytes(file.read_bytes())
+    import shutil
+
+    shutil.rmtree(first)
+    first.symlink_to(elsewhere, target_is_directory=True)
+    assert ckpt.latest_checkpoint(run).name == "step_000001"  # intact through the link
+    _save(run, 2, model, optimizer, scheduler, keep_last=1)
+    assert not first.exists() and not first.is_symlink()
+    assert (elsewhere / "precious.txt").read_text() == "keep me"
 
 
 def test_wrong_model_is_rejected(tmp_path):

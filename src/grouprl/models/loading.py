@@ -14,7 +14,9 @@ same code path as a user's model. Code from a model repository runs only with
 
 from __future__ import annotations
 
+import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -60,11 +62,8 @@ def resolve_model_path(spec: str | Path) -> Path | str:
         return path
     path = Path(spec).expanduser()
     if path.exists():
-        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-            raise UserError(
-                f"{spec} holds a LoRA adapter, not a whole model; give the merged model beside "
-                f"it ({path.parent}, what grouprl train writes to final/) or the base model"
-            )
+        if is_adapter_dir(path):
+            return path
         if not path.is_dir() or not (path / "config.json").is_file():
             raise UserError(
                 f"model {spec!r} is not a Hugging Face model directory (no config.json); give a "
@@ -77,6 +76,22 @@ def resolve_model_path(spec: str | Path) -> Path | str:
         f"model {spec!r} is not a local directory; give a directory written by "
         "save_pretrained, a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or builtin:arith"
     )
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """A peft adapter directory (a LoRA run's checkpoint or final/adapter): it names its base."""
+    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+
+
+def adapter_base(path: Path) -> str:
+    """The base model an adapter directory names."""
+    try:
+        base = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    except (ValueError, KeyError, TypeError):
+        base = None
+    if not base:
+        raise UserError(f"{path}/adapter_config.json does not name its base model")
+    return str(base)
 
 
 def _one_line(err: Exception) -> str:
@@ -93,8 +108,13 @@ def _not_found(spec: str, what: str) -> UserError:
 
 
 def _from_pretrained(loader, source: Path | str, what: str, **kwargs):
-    """`loader.from_pretrained(source)` with every failure turned into one UserError line."""
+    """`loader.from_pretrained(source)` with every failure turned into one UserError line (and
+    transformers' own load report kept quiet: what matters is checked by the caller)."""
+    from transformers.utils import logging as hf_logging
+
     local = isinstance(source, Path)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         return loader.from_pretrained(source, local_files_only=local, **kwargs)
     except OSError as err:
@@ -110,6 +130,8 @@ def _from_pretrained(loader, source: Path | str, what: str, **kwargs):
         raise UserError(f"cannot load a {what} from {source}: {_one_line(err)}") from None
     except Exception as err:  # a broken user directory fails in many library-specific ways
         raise UserError(f"cannot load a {what} from {source}: {_one_line(err)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -142,15 +164,37 @@ def load_model(
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """A causal LM from a local directory, `builtin:NAME` or a hub id, in `dtype` on `device`,
-    in eval mode."""
+    in eval mode. A LoRA adapter directory loads its base with the adapter merged in."""
     source = resolve_model_path(spec)
-    model = _from_pretrained(
+    if isinstance(source, Path) and is_adapter_dir(source):
+        from peft import PeftModel
+
+        base = load_model(
+            adapter_base(source), dtype=dtype, device=device, trust_remote_code=trust_remote_code
+        )
+        with warnings.catch_warnings():  # peft reads attributes transformers 5 deprecates
+            warnings.simplefilter("ignore", FutureWarning)
+            return PeftModel.from_pretrained(base, source).merge_and_unload().eval()
+    model, info = _from_pretrained(
         AutoModelForCausalLM,
         source,
         "causal LM",
         dtype=dtype,
         trust_remote_code=trust_remote_code,
+        output_loading_info=True,
     )
+    fresh = sorted(
+        {
+            *info.get("missing_keys", ()),
+            *(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ())),
+        }
+    )
+    if fresh:
+        raise UserError(
+            f"{spec} is not a causal LM whose weights are all there: {len(fresh)} weights would "
+            f"start random ({', '.join(fresh[:3])}{', ...' if len(fresh) > 3 else ''}), e.g. a "
+            f"{type(model).__name__} head on an encoder; give a model saved as ...ForCausalLM"
+        )
     return model.to(device).eval()
 
 
@@ -161,6 +205,9 @@ def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False) -> PreT
     vocabulary the model sees is unchanged (padded positions are masked everywhere).
     """
     source = resolve_model_path(spec)
+    adapter = isinstance(source, Path) and is_adapter_dir(source)
+    if adapter and not (source / "tokenizer_config.json").is_file():  # none saved: the base's
+        return load_tokenizer(adapter_base(source), trust_remote_code=trust_remote_code)
     tokenizer = _from_pretrained(
         AutoTokenizer, source, "tokenizer", trust_remote_code=trust_remote_code
     )

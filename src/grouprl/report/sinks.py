@@ -47,7 +47,9 @@ def truncate_jsonl(path: Path, *, keep_through_step: int) -> None:
 class MetricSinks:
     """metrics.jsonl, eval.jsonl, samples.jsonl and TensorBoard event files in a run directory."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, purge_step: int | None = None):
+        """purge_step: on a resumed run, TensorBoard drops what it logged at this step and after
+        (the steps the run replays)."""
         self.run_dir = Path(run_dir)
         self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl")
         self.evals = JsonlWriter(self.run_dir / "eval.jsonl")
@@ -56,7 +58,9 @@ class MetricSinks:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(
+                log_dir=str(self.run_dir / "tensorboard"), purge_step=purge_step
+            )
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         self.metrics.write({"step": step, **metrics})

@@ -23,6 +23,9 @@ test per line in tests/tasks/test_math_rewards.py:
   and each completion gets `SECONDS_PER_COMPLETION` of parsing and comparison before it scores
   0. math-verify's own timeouts are switched off: they use `signal.alarm`, which would cancel
   the run's reward deadline (`--reward-timeout`); grouprl's nested time limits replace them.
+- Model output is never evaluated: answers are read with math-verify's LaTeX grammar (its
+  plain-expression reader would `eval` them), and text that can only be Python (dunder names,
+  attribute access, quotes, `lambda`/`import`) scores 0 unparsed.
 
 `think_format` scores 1.0 when the completion (surrounding whitespace aside) is one
 ``<think>…</think>`` block with non-blank reasoning, followed by a non-blank answer; if the
@@ -57,6 +60,9 @@ _EXPLOSIVE = [
     re.compile(r"(?:\d{4,}|[)}])\s*!|!\s*!"),  # 10000!, (10^10)!, 5!!
     re.compile(r"\\(?:binom|dbinom|tbinom|choose)\s*\{?\s*\d{4,}"),
 ]
+#: Text that can only mean Python, never mathematics (dunder names, attribute access, quotes,
+#: keywords): such an answer scores 0 without reaching the parser.
+_NOT_MATH = re.compile(r"__|\.\s*[A-Za-z_]|['\"`]|\b(?:lambda|import|exec|eval)\b")
 _THINK = re.compile(r"<think>(?P<think>.*?)</think>(?P<answer>.*)", re.DOTALL)
 
 
@@ -101,19 +107,22 @@ def _explosive(answer: str) -> bool:
 
 
 def _math_verify():
-    """math-verify's parse/verify and extraction configs, imported once, its timeout warnings
-    silenced (grouprl bounds the time itself)."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    """math-verify's parse/verify and extraction config, imported once, its timeout warnings
+    silenced (grouprl bounds the time itself).
+
+    LaTeX extraction only: math-verify's plain-expression extraction hands the matched text to
+    sympy's `parse_expr`, which runs it through `eval`; LaTeX goes through a grammar instead.
+    """
+    from math_verify import LatexExtractionConfig, parse, verify
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    configs = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    return parse, verify, configs
+    return parse, verify, [LatexExtractionConfig(boxed_match_priority=0)]
 
 
 def _parse(text: str) -> list | None:
     """math-verify's reading of an answer, or None when it finds nothing (or would explode)."""
     text = _THOUSANDS.sub("", text.strip().rstrip("."))
-    if not text or len(text) > MAX_ANSWER_CHARS or _explosive(text):
+    if not text or len(text) > MAX_ANSWER_CHARS or _explosive(text) or _NOT_MATH.search(text):
         return None
     parse, _, configs = _math_verify()
     wrapped = text if ("$" in text or "\\boxed" in text) else f"${text}$"

@@ -1,32 +1,43 @@
-"""Atomic, pickle-free training checkpoints.
+"""Atomic, verified, pickle-free training checkpoints that are also model directories.
 
 A checkpoint is a directory `checkpoints/step_000120/` holding
-  model.safetensors      the policy's trainable parameters: all of them, or a LoRA adapter's
-                         (the frozen base is the model the run started from)
+  the policy as `save_pretrained` writes it: config.json and model*.safetensors for full
+      fine-tuning; for LoRA a peft adapter directory (adapter_config.json, which names the base
+      model, and adapter_model.safetensors); with the tokenizer's files, so that
+      `grouprl eval --model RUN/checkpoints/step_000120` evaluates it and `grouprl train --model
+      ...` forks from it
   optimizer.safetensors  the optimizer's per-parameter state tensors
   rng.safetensors        torch's CPU random state
   state.json             step, data position, scheduler step, optimizer hyper-parameters,
-                         Python's random state, and whatever else the trainer records.
-It is written under a temporary name, every file fsync'ed, then renamed into place, so a crash
-leaves either the old set of checkpoints or the new one, never a half-written directory. Loading
-reads only safetensors and JSON: nothing is unpickled.
+                         Python's random state, and whatever else the trainer records
+  manifest.json          every other file's size and sha256
+It is written under a temporary name, every file fsync'ed, re-read and checked against its
+manifest, then renamed into place; only then are older checkpoints deleted. A crash leaves the
+old set or the new one, never a half-written checkpoint. Loading checks the manifest first and
+falls back to the newest intact checkpoint (with a warning) when a file was truncated, changed or
+lost. Loading reads only safetensors and JSON: nothing is unpickled.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, save_file
 
 from grouprl.errors import UserError
 
 PREFIX = "step_"
+MANIFEST = "manifest.json"
+FORMAT = 2
 _KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
@@ -34,18 +45,79 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX) :])
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary directories are ignored)."""
+    """Checkpoint directories (complete or not, verified or not), oldest first; temporary and
+    set-aside directories are not listed."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "state.json").is_file()]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
+    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and p.name[5:].isdigit()]
+    return sorted(found, key=step_of)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest(directory: Path) -> dict[str, Any]:
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    return {
+        "format": FORMAT,
+        "files": {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+    }
+
+
+def damage(path: Path, *, checksums: bool = True) -> str | None:
+    """Why checkpoint `path` cannot be trusted, or None when every file matches its manifest
+    (sizes only with `checksums=False`: a quick look that reads no file)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return "no manifest.json (unfinished, or written by an older grouprl)"
+    except (ValueError, KeyError, TypeError):
+        return "manifest.json is not valid"
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != expected["size"]:
+            return f"{name} has {file.stat().st_size} bytes, not {expected['size']}"
+        if checksums and _sha256(file) != expected["sha256"]:
+            return f"{name} does not match its checksum"
+    if "state.json" not in files:
+        return "state.json is missing"
+    return None
+
+
+def latest_checkpoint(run_dir: Path, *, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest intact checkpoint. Damaged ones newer than it are reported through `warn`.
+
+    None when the run has no checkpoint at all; UserError when it has some and none is intact.
+    """
     found = list_checkpoints(run_dir)
-    return found[-1] if found else None
+    problems = []
+    for path in reversed(found):
+        reason = damage(path)
+        if reason is None:
+            for problem in problems:
+                if warn is not None:
+                    warn(f"{problem}; resuming from {path.name} instead")
+            return path
+        problems.append(f"checkpoint {path.name} is damaged ({reason})")
+    if found:
+        raise UserError(
+            f"no intact checkpoint in {run_dir}: {'; '.join(problems)}; start a new run"
+        )
+    return None
 
 
 def _fsync(path: Path) -> None:
@@ -87,77 +159,57 @@ def _optimizer_from_files(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The trainable parameters by name when only some are (LoRA); None when all are."""
-    named = dict(model.named_parameters())
-    trained = {name: p for name, p in named.items() if p.requires_grad}
-    return None if len(trained) == len(named) else trained
+def _is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def _save_trainable(model: torch.nn.Module, file: Path) -> None:
-    trained = _trainable(model)
-    if trained is None:
-        save_model(model, str(file))  # handles tied weights
-    else:
-        save_file({k: v.detach().contiguous() for k, v in trained.items()}, str(file))
+def _mismatch(path: Path) -> UserError:
+    return UserError(
+        f"checkpoint {path} holds other trainable parameters than this model has (a different "
+        "model, or other --lora-r / --lora-target-modules than the run used); resume with the "
+        "run's own settings"
+    )
 
 
-def _load_trainable(model: torch.nn.Module, file: Path) -> None:
-    """Restore the trainable parameters; UserError when the checkpoint holds other ones (the
-    model, or its LoRA settings, changed since the run started)."""
-    saved = load_file(str(file))
-    trained = _trainable(model)
-    if trained is None:  # full fine-tuning: tied weights are saved once, under either name
-        expected = dict(model.state_dict())
-        mismatch = not set(saved) <= set(expected) or any(
-            expected[name].shape != tensor.shape for name, tensor in saved.items()
-        )
-    else:
-        expected = trained
-        mismatch = saved.keys() != trained.keys() or any(
-            trained[name].shape != tensor.shape for name, tensor in saved.items()
-        )
-    if mismatch:
-        raise UserError(
-            f"checkpoint {file.parent} holds other trainable parameters than this model has "
-            "(a different model, or other --lora-r / --lora-target-modules than the run used); "
-            "resume with the run's own settings"
-        )
-    if trained is None:
-        missing, unexpected = load_model(model, str(file), strict=True)
-        assert not missing and not unexpected, (missing, unexpected)
+def _load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Restore the trainable weights from a checkpoint directory: the adapter of a LoRA model,
+    or every parameter of a fully trained one (tied weights are stored once)."""
+    if _is_peft(model):
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        file = path / "adapter_model.safetensors"
+        if not file.is_file():
+            raise _mismatch(path)
+        saved = load_file(str(file))
+        expected = get_peft_model_state_dict(model)
+        if saved.keys() != expected.keys() or any(
+            saved[k].shape != expected[k].shape for k in saved
+        ):
+            raise _mismatch(path)
+        set_peft_model_state_dict(model, saved)
         return
+    shards = [p for p in path.glob("model*.safetensors")]
+    if not shards:
+        raise _mismatch(path)
+    saved = {k: v for shard in shards for k, v in load_file(str(shard)).items()}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
+    if any(k not in params and k not in buffers for k in saved) or any(
+        (params.get(k, buffers.get(k))).shape != v.shape for k, v in saved.items()
+    ):
+        raise _mismatch(path)
+    loaded = {id(params[k]) for k in saved if k in params}
+    if any(id(p) not in loaded for p in params.values()):  # a parameter no file restores
+        raise _mismatch(path)
     with torch.no_grad():
-        for name, param in trained.items():
-            param.copy_(saved[name])
+        for name, tensor in saved.items():
+            (params.get(name) if name in params else buffers[name]).copy_(tensor)
 
 
-def save_checkpoint(
-    run_dir: Path,
-    step: int,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    state: dict[str, Any],
-    keep_last: int,
-) -> Path:
-    """Write checkpoint `step` atomically and delete all but the newest `keep_last`.
-
-    A step's checkpoint is written once: saving a step that already has a complete checkpoint
-    (Ctrl-C right after a periodic save, resuming a finished run) returns the existing one, so no
-    moment exists in which that step's only checkpoint is being replaced.
-    """
-    root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:06d}"
-    if (final / "state.json").is_file():
-        return final
-    tmp = root / f".tmp-{PREFIX}{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-
-    _save_trainable(model, tmp / "model.safetensors")
+def _write(tmp: Path, step: int, model, tokenizer, optimizer, scheduler, state) -> None:
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
     opt_tensors, opt_meta = _optimizer_to_files(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
@@ -170,17 +222,70 @@ def save_checkpoint(
         "python_random": [version, list(internal), gauss],
     }
     (tmp / "state.json").write_text(json.dumps(meta, indent=1))
+    (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1))
     for file in tmp.iterdir():
         _fsync(file)
     _fsync(tmp)
 
-    if final.exists():  # an incomplete directory left by a crash: not a checkpoint
-        shutil.rmtree(final)
+
+def _set_aside(path: Path, why: str) -> Path:
+    """Move a directory out of the way under a name nothing lists; nothing is deleted."""
+    target = path.with_name(f".{why}-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.replace(path, target)
+    return target
+
+
+def _remove_checkpoint(path: Path, root: Path) -> None:
+    """Delete an old checkpoint, only inside `root`, never following a symlink out of it."""
+    if path.parent != root or not path.name.startswith(PREFIX):
+        raise ValueError(f"refusing to delete {path}: not a checkpoint of {root}")
+    if path.is_symlink():
+        path.unlink()  # the link only, never what it points to
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: dict[str, Any],
+    keep_last: int,
+    tokenizer: Any = None,
+) -> Path:
+    """Write checkpoint `step` atomically, verify it, then delete all but the newest `keep_last`.
+
+    A step's checkpoint is written once: saving a step that already has an intact checkpoint
+    (Ctrl-C right after a periodic save, resuming a finished run) returns it, so there is no
+    moment in which that step's only checkpoint is being replaced. A damaged directory of the
+    same name is set aside (renamed), not deleted.
+    """
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:06d}"
+    if final.exists():
+        if damage(final) is None:
+            return final
+        _set_aside(final, "damaged")
+    tmp = root / f".tmp-{PREFIX}{step:06d}"
+    if tmp.is_symlink():
+        tmp.unlink()
+    shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from a crash mid-write
+    tmp.mkdir()
+    _write(tmp, step, model, tokenizer, optimizer, scheduler, state)
+    reason = damage(tmp)  # re-read from disk before anything older goes
+    if reason is not None:
+        raise OSError(f"checkpoint {final.name} did not verify after writing: {reason}")
     os.replace(tmp, final)
     _fsync(root)
-
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    intact = [
+        p for p in list_checkpoints(run_dir) if p == final or damage(p, checksums=False) is None
+    ]
+    for old in intact[:-keep_last]:
+        _remove_checkpoint(old, root)
     return final
 
 
@@ -191,9 +296,11 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and random states in place; return state.json."""
+    """Restore model, optimizer, scheduler and random states in place; return state.json.
+
+    UserError when the checkpoint holds other parameters than `model` trains."""
     meta = json.loads((path / "state.json").read_text())
-    _load_trainable(model, path / "model.safetensors")
+    _load_weights(model, path)
     _optimizer_from_files(
         optimizer, load_file(str(path / "optimizer.safetensors")), meta["optimizer"]
     )

@@ -442,7 +442,9 @@ def parse_args(cls: type[Config], args: Sequence[str], *, prog: str, source: str
 def from_mapping(values: dict[str, Any], *, source: str, cls: type | None = None) -> Any:
     """A config from a YAML-like mapping, parsed as the flags that say the same thing."""
     cls = cls or TrainConfig
-    return parse_args(cls, args_from_mapping(values, cls, source=source), prog="grouprl", source=source)
+    return parse_args(
+        cls, args_from_mapping(values, cls, source=source), prog="grouprl", source=source
+    )
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
@@ -499,7 +501,9 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
             )
         base = args_from_mapping(load_yaml(saved_path), TrainConfig, source=str(saved_path))
         saved = parse_args(TrainConfig, base, prog="grouprl train", source=str(saved_path))
-        cfg = parse_args(TrainConfig, [*base, *argv], prog="grouprl train", source="the command line")
+        cfg = parse_args(
+            TrainConfig, [*base, *argv], prog="grouprl train", source="the command line"
+        )
         cfg = dataclasses.replace(cfg, output_dir=Path(known.resume))
         _check_resume_changes(saved, cfg)
         return cfg

@@ -30,7 +30,9 @@ asks for it, and then the trainer recomputes `old_logp` itself (the sampler's ro
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -86,6 +88,7 @@ class TrainSummary:
     initial_eval: dict[str, float] | None
     final_eval: dict[str, float] | None
     interrupted: bool = False
+    stopped_by: str | None = None  # "SIGINT" or "SIGTERM" when a signal stopped the run
 
 
 @dataclass
@@ -268,28 +271,29 @@ def run_eval(
 
 
 class _StopFlag:
-    """The first Ctrl-C asks the loop to save and stop after the current step; a second one
-    interrupts at once."""
+    """The first Ctrl-C (SIGINT) or SIGTERM (what cluster schedulers send on preemption) asks
+    the loop to save and stop after the current step; a second Ctrl-C interrupts at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.requested = False
-        self._previous = None
+        self.requested: int | None = None  # the signal that asked
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: leave signals alone
-            self._previous = None
+        for signum in self.SIGNALS:
+            with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        if self.requested:
+        if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested = self.requested or signum
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -303,21 +307,35 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
-    """The run directory, checked before anything is written: an earlier run is never touched."""
+    """The run directory, checked before anything is written: an earlier run is never touched,
+    and a directory that cannot be written is found before the model loads."""
     if cfg.resume is not None:
         run_dir = Path(cfg.resume)
-        if ckpt.latest_checkpoint(run_dir) is None:
+    else:
+        run_dir = Path(
+            cfg.output_dir or Path("runs") / f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        if (run_dir / "config.yaml").exists():
             raise UserError(
-                f"{run_dir} holds no checkpoint to resume from; start a new run instead"
+                f"{run_dir} already holds a run; pass --resume {run_dir} to continue it "
+                "or choose another --output-dir"
             )
-        return run_dir
-    run_dir = Path(cfg.output_dir or Path("runs") / f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if (run_dir / "config.yaml").exists():
+    probe = run_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"cannot create the run directory {run_dir}: {probe} is a file")
+    if not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(
-            f"{run_dir} already holds a run; pass --resume {run_dir} to continue it "
-            "or choose another --output-dir"
+            f"cannot write the run directory {run_dir}: {probe} is not writable (permissions or "
+            "a read-only file system); choose another --output-dir"
         )
     return run_dir
+
+
+def _finished(run_dir: Path) -> bool:
+    final = run_dir / "final"
+    return (final / "config.json").is_file() or (final / "adapter_config.json").is_file()
 
 
 def _count(n: int) -> str:
@@ -373,31 +391,43 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
 
     state: dict[str, Any] = {"data_position": 0, "initial_eval": None}
     start = 0
-    if cfg.resume is not None:
+    checkpoint = ckpt.latest_checkpoint(run_dir, warn=warn) if cfg.resume is not None else None
+    if checkpoint is not None:
         meta = ckpt.load_checkpoint(
-            ckpt.latest_checkpoint(run_dir), model=policy, optimizer=optimizer, scheduler=scheduler
+            checkpoint, model=policy, optimizer=optimizer, scheduler=scheduler
         )
         start = meta["step"]
         state = {key: meta[key] for key in state}
         if scaler is not None and meta.get("grad_scaler"):
             scaler.load_state_dict(meta["grad_scaler"])
-        for name in ("metrics.jsonl", "eval.jsonl", "samples.jsonl"):
-            truncate_jsonl(run_dir / name, keep_through_step=start)
+        if start >= cfg.steps and _finished(run_dir):
+            console.print(
+                f"{run_dir} already finished at step {start} (steps {cfg.steps}); nothing to "
+                f"do. To train longer: grouprl train --resume {run_dir} --steps N"
+            )
+            return TrainSummary(run_dir, start, state["initial_eval"], None)
         console.print(f"resuming {run_dir} from step {start}")
+    if cfg.resume is not None:  # rows after the checkpoint are replayed (initial eval included)
+        last_kept = start if state["initial_eval"] is not None else -1
+        for name in ("metrics.jsonl", "eval.jsonl", "samples.jsonl"):
+            truncate_jsonl(run_dir / name, keep_through_step=last_kept)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     sampler.stream.position = state["data_position"]
-    sinks = MetricSinks(run_dir)
+    # TensorBoard forgets what the replayed steps logged before (JSONL was truncated above)
+    sinks = MetricSinks(run_dir, purge_step=last_kept + 1 if cfg.resume is not None else None)
     interactive = cfg.progress and console.is_terminal
+    done = {"step": start, "position": state["data_position"]}  # the last completed step
 
     def save(step: int) -> Path:
-        state.update(data_position=sampler.stream.position)
+        state.update(data_position=done["position"])
         if scaler is not None:
             state.update(grad_scaler=scaler.state_dict())
         return ckpt.save_checkpoint(
             run_dir,
             step,
             model=policy,
+            tokenizer=tokenizer,
             optimizer=optimizer,
             scheduler=scheduler,
             state=state,
@@ -411,6 +441,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         console.print(f"step {step:>5}  held-out  {line}")
         return result
 
+    save(start)  # a run directory always holds a checkpoint to resume from
     if state["initial_eval"] is None:
         console.print(f"run directory: {run_dir}")
         weights = ", ".join(f"{n} x{w:g}" for n, w in rewards.weights.items())
@@ -423,67 +454,81 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         state["initial_eval"] = evaluate_at(0)
     latest_eval = None
     step = start
-    with _StopFlag() as stop, _progress(console, interactive) as bar:
-        task_id = bar.add_task("train", total=cfg.steps, completed=start, info="")
-        while step < cfg.steps and not stop.requested:
-            t0 = time.perf_counter()
-            batch, stats = collect_batch(cfg, step, sampler)
-            t_rollout = time.perf_counter() - t0
-            metrics: dict[str, float] = {**stats}
-            if batch is not None:
-                B, G = len(batch.rows), cfg.group_size
-                advantages = group_advantages(
-                    batch.rewards.view(B, G),
-                    scale=cfg.adv_scale,
-                    estimator=cfg.adv_estimator,
-                    eps=cfg.adv_eps,
-                    unbiased_std=cfg.unbiased_std,
-                ).reshape(-1)  # (N,)
-                ref_logp = None
-                if cfg.beta > 0:  # the initial policy: a frozen copy, or LoRA's base model
-                    with base_model_context(policy):
-                        ref_logp = no_grad_logprobs(
-                            cfg, reference or policy, batch.rollout, sampler.dtype
-                        )  # (N, T)
+    updating = False
+    try:
+        with _StopFlag() as stop, _progress(console, interactive) as bar:
+            task_id = bar.add_task("train", total=cfg.steps, completed=start, info="")
+            while step < cfg.steps and stop.requested is None:
+                t0 = time.perf_counter()
+                batch, stats = collect_batch(cfg, step, sampler)
+                t_rollout = time.perf_counter() - t0
+                metrics: dict[str, float] = {**stats}
+                updating = True
+                if batch is not None:
+                    B, G = len(batch.rows), cfg.group_size
+                    advantages = group_advantages(
+                        batch.rewards.view(B, G),
+                        scale=cfg.adv_scale,
+                        estimator=cfg.adv_estimator,
+                        eps=cfg.adv_eps,
+                        unbiased_std=cfg.unbiased_std,
+                    ).reshape(-1)  # (N,)
+                    ref_logp = None
+                    if cfg.beta > 0:  # the initial policy: a frozen copy, or LoRA's base model
+                        with base_model_context(policy):
+                            ref_logp = no_grad_logprobs(
+                                cfg, reference or policy, batch.rollout, sampler.dtype
+                            )  # (N, T)
+                    metrics.update(
+                        update(cfg, policy, optimizer, batch, advantages, ref_logp, scaler=scaler)
+                    )
+                    metrics.update(_batch_metrics(batch))
+                    sinks.log_samples(step + 1, _samples(batch, advantages, cfg.log_samples))
+                lr = optimizer.param_groups[0]["lr"]  # the rate this step's updates used
+                scheduler.step()
+                step += 1
+                done.update(step=step, position=sampler.stream.position)
+                updating = False
+                seconds = time.perf_counter() - t0
+                generated = int(batch.rollout.lengths.sum()) if batch is not None else 0
                 metrics.update(
-                    update(cfg, policy, optimizer, batch, advantages, ref_logp, scaler=scaler)
+                    step_seconds=seconds,
+                    rollout_seconds=t_rollout,
+                    tokens_per_s=generated / seconds,
+                    lr=lr,
                 )
-                metrics.update(_batch_metrics(batch))
-                sinks.log_samples(step + 1, _samples(batch, advantages, cfg.log_samples))
-            lr = optimizer.param_groups[0]["lr"]  # the rate this step's updates used
-            scheduler.step()
-            step += 1
-            seconds = time.perf_counter() - t0
-            generated = int(batch.rollout.lengths.sum()) if batch is not None else 0
-            metrics.update(
-                step_seconds=seconds,
-                rollout_seconds=t_rollout,
-                tokens_per_s=generated / seconds,
-                lr=lr,
-            )
-            sinks.log_step(step, metrics)
-            info = (
-                f"reward {metrics.get('reward_mean', math.nan):.3f}  "
-                f"acc {metrics.get('accuracy', math.nan):.3f}  "
-                f"{metrics['tokens_per_s']:.0f} tok/s"
-            )
-            bar.update(task_id, completed=step, info=info)
-            if not interactive and (step % max(1, cfg.steps // 20) == 0 or step == cfg.steps):
-                console.print(f"step {step:>5}/{cfg.steps}  {info}")
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                latest_eval = evaluate_at(step)
-            if step % cfg.save_every == 0 and step < cfg.steps:
-                save(step)
-
-    interrupted = step < cfg.steps
-    save(step)
-    if interrupted:
+                sinks.log_step(step, metrics)
+                info = (
+                    f"reward {metrics.get('reward_mean', math.nan):.3f}  "
+                    f"acc {metrics.get('accuracy', math.nan):.3f}  "
+                    f"{metrics['tokens_per_s']:.0f} tok/s"
+                )
+                bar.update(task_id, completed=step, info=info)
+                if not interactive and (step % max(1, cfg.steps // 20) == 0 or step == cfg.steps):
+                    console.print(f"step {step:>5}/{cfg.steps}  {info}")
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                    latest_eval = evaluate_at(step)
+                if step % cfg.save_every == 0 and step < cfg.steps:
+                    save(step)
+    except UserError:
+        # A user's mistake mid-run (a reward that raises): keep the last completed step, unless
+        # the error came from inside an update, whose weights would be half a step.
+        if not updating:
+            save(done["step"])
         sinks.close()
+        raise
+
+    save(step)
+    if stop.requested is not None:
+        sinks.close()
+        name = signal.Signals(stop.requested).name
         console.print(
-            f"interrupted: saved a checkpoint at step {step}; "
+            f"stopped by {name}: saved a checkpoint at step {step}; "
             f"continue with: grouprl train --resume {run_dir}"
         )
-        return TrainSummary(run_dir, step, state["initial_eval"], latest_eval, interrupted=True)
+        return TrainSummary(
+            run_dir, step, state["initial_eval"], latest_eval, interrupted=True, stopped_by=name
+        )
 
     final_eval = evaluate_at(step)
     sinks.close()
@@ -566,9 +611,13 @@ def _print_summary(console: Console, before: dict | None, after: dict) -> None:
     console.print(table)
 
 
+#: Exit statuses of a run a signal stopped (128 + the signal number, as shells report them).
+EXIT_STATUS = {"SIGINT": 130, "SIGTERM": 143}
+
+
 def main(cfg: TrainConfig) -> int:
     summary = train(cfg)
-    return 130 if summary.interrupted else 0
+    return EXIT_STATUS.get(summary.stopped_by, 130) if summary.interrupted else 0
 
 
 if __name__ == "__main__":  # pragma: no cover
