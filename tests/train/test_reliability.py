@@ -1,0 +1,170 @@
+"""Nothing lost, nothing silent: every run directory can be resumed, signals and user errors
+save, finished runs stay finished, and preconditions fail before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from grouprl.cli import main
+from grouprl.train import checkpoint as ckpt
+from grouprl.train import loop
+
+TINY = ["--prompts-per-step", "4", "--group-size", "2", "--eval-size", "2", "--eval-samples",
+        "1", "--threads", "1", "--no-progress", "--save-every", "100"]  # fmt: skip
+
+
+def rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def snapshot(path):
+    return {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_stop_during_the_first_evaluation_leaves_a_resumable_run(tmp_path, monkeypatch):
+    """step_000000 is written before the first evaluation, so Ctrl-C there (or a kill) leaves
+    a run that --resume continues to the same end as a run never stopped."""
+    straight = tmp_path / "straight"
+    assert main(["train", "--steps", "2", "--output-dir", str(straight), *TINY]) == 0
+    original = loop.run_eval
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "run_eval", interrupted)
+    broken = tmp_path / "broken"
+    assert main(["train", "--steps", "2", "--output-dir", str(broken), *TINY]) == 130
+    assert [p.name for p in ckpt.list_checkpoints(broken)] == ["step_000000"]
+    monkeypatch.setattr(loop, "run_eval", original)
+    assert main(["train", "--resume", str(broken)]) == 0
+    assert (
+        rows(broken / "metrics.jsonl")[-1]["loss"] == rows(straight / "metrics.jsonl")[-1]["loss"]
+    )
+    assert rows(broken / "eval.jsonl") == rows(straight / "eval.jsonl")
+    a = load_file(str(straight / "final" / "model.safetensors"))
+    b = load_file(str(broken / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_saves_and_exits_143(tmp_path, monkeypatch, capsys):
+    original = loop.collect_batch
+
+    def preempted(cfg, step, *args):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(cfg, step, *args)
+
+    monkeypatch.setattr(loop, "collect_batch", preempted)
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--output-dir", str(run), *TINY]) == 143
+    err = " ".join(capsys.readouterr().err.split())
+    assert "stopped by SIGTERM: saved a checkpoint at step 2" in err
+    assert ckpt.latest_checkpoint(run).name == "step_000002"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler given back
+
+
+def test_a_reward_that_raises_mid_run_saves_the_last_completed_step(tmp_path, monkeypatch):
+    """The user's error ends the run with one line, after the last completed step is saved;
+    fixed, the run resumes and ends exactly like one that never failed."""
+    straight = tmp_path / "straight"
+    assert main(["train", "--steps", "3", "--output-dir", str(straight), *TINY]) == 0
+    from grouprl.errors import UserError
+
+    original = loop.collect_batch
+
+    def reward_fails_in_step_3(cfg, step, *args):
+        if step == 2:
+            raise UserError("reward function 'x' raised ValueError: boom")
+        return original(cfg, step, *args)
+
+    monkeypatch.setattr(loop, "collect_batch", reward_fails_in_step_3)
+    broken = tmp_path / "broken"
+    assert main(["train", "--steps", "3", "--output-dir", str(broken), *TINY]) == 2
+    assert ckpt.latest_checkpoint(broken).name == "step_000002"
+    monkeypatch.setattr(loop, "collect_batch", original)
+    assert main(["train", "--resume", str(broken)]) == 0
+    drop = {"step_seconds", "rollout_seconds", "tokens_per_s"}
+
+    def comparable(run):
+        return [{k: v for k, v in r.items() if k not in drop} for r in rows(run / "metrics.jsonl")]
+
+    assert comparable(broken) == comparable(straight)
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "1", "--output-dir", str(run), *TINY]) == 0
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0
+    assert "already finished at step 1" in " ".join(capsys.readouterr().err.split())
+    assert snapshot(run) == before
+
+
+def test_tensorboard_replays_nothing_twice_after_a_resume(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    original = loop.collect_batch
+
+    def interrupt_at_step_2(cfg, step, *args):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(cfg, step, *args)
+
+    monkeypatch.setattr(loop, "collect_batch", interrupt_at_step_2)
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--save-every", "1", "--output-dir", str(run),
+                 *TINY[:-2]]) == 130  # fmt: skip
+    monkeypatch.setattr(loop, "collect_batch", original)
+    assert main(["train", "--resume", str(run)]) == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_preconditions_fail_before_anything_is_written(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    bert = tmp_path / "bert"
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32)).save_pretrained(bert)  # fmt: skip
+    from grouprl.models import build_char_tokenizer
+
+    build_char_tokenizer().save_pretrained(bert)
+    cases = [
+        (["--output-dir", str(a_file / "run")], f"{a_file} is a file"),
+        (["--model", str(bert), "--output-dir", str(tmp_path / "b")],
+         "is not a causal LM whose weights are all there"),
+        (["--max-new-tokens", "100000", "--output-dir", str(tmp_path / "c")],
+         "max_new_tokens (100000) leaves no room for a prompt in the model's context of 256"),
+    ]  # fmt: skip
+    for flags, message in cases:
+        assert main(["train", *flags, "--steps", "1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_an_unwritable_output_directory_is_found_first(tmp_path, capsys, monkeypatch):
+    """A read-only file system (simulated: access(2) says EROFS for it, as it would even for
+    root) is reported before the model loads, and nothing is created."""
+    locked = tmp_path / "readonly_mount"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: False if Path(path) == locked else real_access(path, mode)
+    )
+    loaded = []
+    monkeypatch.setattr(loop, "load_policy", lambda *a: loaded.append(1))
+    assert main(["train", "--output-dir", str(locked / "run"), "--steps", "1"]) == 2
+    assert "is not writable (permissions or a read-only file system)" in capsys.readouterr().err
+    assert not loaded and not (locked / "run").exists()
