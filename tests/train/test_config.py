@@ -60,6 +60,8 @@ def test_impossible_settings_are_rejected(override, message):
 def test_dubious_setting_warns():
     with pytest.warns(UserWarning, match="weights each completion by its length"):
         _resolve(algo="gspo", loss_agg="token_mean")
+    with pytest.warns(UserWarning, match="biases every sequence ratio"):
+        _resolve(algo="gspo", top_p=0.9)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _resolve(algo="gspo")

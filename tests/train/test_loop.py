@@ -431,3 +431,106 @@ def test_gradient_checkpointing_takes_effect_in_eval_mode():
     for name in grads:  # float rounding of two summation orders, relative to the gradient
         scale = float(plain_grads[name].abs().max())
         torch.testing.assert_close(grads[name], plain_grads[name], rtol=0, atol=1e-5 * scale)
+
+
+def test_dynamic_sampling_filters_on_the_pass_reward_and_logs_everything_sampled():
+    """DAPO drops groups whose completions all pass or all fail, judged by the pass reward, not
+    the shaped total: an all-correct group whose lengths differ only in the overlong penalty
+    is dropped. The step's metrics describe everything sampled; `*_kept` what was trained."""
+    from grouprl.tasks.data import PromptStream
+    from grouprl.tasks.scoring import build_reward_set
+    from grouprl.train.config import resolve
+
+    G, T = 4, 8
+
+    class ScriptedEngine:
+        def sample(self, prompts, *, group_size, max_new_tokens, **kwargs):
+            b = len(prompts)
+            lengths = torch.tensor([8, 2, 3, 2] * b)  # 8: in the overlong zone (penalty -1)
+            mask = torch.arange(T)[None, :] < lengths[:, None]
+            return Rollout(
+                prompt_ids=torch.ones(b, 1, dtype=torch.long),
+                prompt_mask=torch.ones(b, 1, dtype=torch.bool),
+                completion_ids=torch.ones(b * G, T, dtype=torch.long),
+                mask=mask,
+                old_logp=torch.zeros(b * G, T),
+                truncated=lengths == T,
+                texts=["x"] * (b * G),
+                prompts=list(map(str, prompts)),
+                group_size=G,
+                temperature=1.0,
+            )
+
+    # prompt "a": every completion right; prompt "b": half right
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "0"}]
+    verdict = {"1": [1.0] * G, "0": [1.0, 0.0, 1.0, 0.0]}
+
+    def right(completions, answer, **kwargs):
+        return [v for a in answer[::G] for v in verdict[a]]
+
+    rewards = build_reward_set({"right": 1.0}, None, loader=lambda s, t, device: (s, right))
+    cfg = resolve(
+        TrainConfig(algo="dapo", prompts_per_step=2, group_size=G, max_new_tokens=T,
+                    overlong_cache=4, max_resample_rounds=0),
+        task_max_new_tokens=T,
+    )  # fmt: skip
+    sampler = loop.Sampler(
+        engine=ScriptedEngine(), tokenizer=None, stream=PromptStream(rows, seed=0),
+        rewards=rewards, stop=None, budget=None, dtype=None, device=torch.device("cpu"),
+    )  # fmt: skip
+    from grouprl.train import build
+
+    original = build.prompt_ids
+    loop.prompt_ids = lambda tokenizer, prompt: [1]
+    try:
+        kept, stats, sampled = loop.collect_batch(cfg, 0, sampler)
+    finally:
+        loop.prompt_ids = original
+    assert sampled.rollout.num_prompts == 2
+    assert [r["prompt"] for r in kept.rows] == ["b"]  # "a" all pass despite its penalties
+    assert stats["groups"] == 1 and stats["frac_zero_std"] == 0.0  # both had reward variance
+    metrics = loop._batch_metrics(sampled)
+    assert metrics["accuracy"] == pytest.approx(6 / 8)
+    assert loop._batch_metrics(kept)["accuracy"] == pytest.approx(2 / 4)
+
+
+def test_non_finite_updates_are_skipped_and_a_run_of_them_stops(tmp_path, monkeypatch, capsys):
+    """A step whose loss is NaN skips its optimizer step (the weights stay as they were); the
+    run stops with one line after max_nonfinite_steps such steps in a row."""
+    from grouprl.cli import main
+
+    original = train_update.policy_loss
+    bad_steps = set()
+
+    def sometimes_nan(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if calls.append(1) or len(calls) in bad_steps:
+            return dataclasses.replace(out, loss=out.loss * math.nan)
+        return out
+
+    calls = []
+    monkeypatch.setattr(train_update, "policy_loss", sometimes_nan)
+    flags = ["--algo", "grpo", "--prompts-per-step", "4", "--group-size", "4", "--eval-size",
+             "2", "--eval-samples", "1", "--threads", "1", "--no-progress", "--save-every", "1",
+             "--lr", "1e-3", "--warmup-steps", "0", "--keep-last", "10"]  # fmt: skip
+    bad_steps.update({2})
+    run = tmp_path / "one_bad"
+    assert main(["train", "--steps", "3", "--output-dir", str(run), *flags]) == 0
+    records = _metrics(run)
+    assert [r["nonfinite_updates"] for r in records] == [0, 1, 0]
+    assert "step 2: non-finite loss or gradient; 1 update(s) skipped" in " ".join(
+        capsys.readouterr().err.split()
+    )
+    w1 = load_file(str(run / "checkpoints" / "step_000001" / "model.safetensors"))
+    w2 = load_file(str(run / "checkpoints" / "step_000002" / "model.safetensors"))
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)  # the NaN step changed nothing
+    calls.clear()
+    bad_steps.clear()
+    bad_steps.update({2, 3, 4})
+    run = tmp_path / "three_bad"
+    assert main(["train", "--steps", "6", "--max-nonfinite-steps", "3", "--output-dir", str(run),
+                 *flags]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "3 steps in a row (to step 4) had a non-finite loss or gradient" in err[-1]
+    final = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert all(torch.isfinite(v).all() for v in final.values())

@@ -179,6 +179,9 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Policy updates over each rollout batch (mu in the GRPO paper)."""
     minibatches: int | None = None
     """Minibatches per epoch, each one optimizer step; must divide prompts_per_step. None: preset."""
+    max_nonfinite_steps: int = 3
+    """Steps in a row whose loss or gradient is NaN/inf (their updates are skipped) after which
+    the run stops with one line; the last good checkpoint is kept."""
     skip_zero_advantage: bool = True
     """Leave groups whose advantages are all 0 out of the forward/backward: the same update to
     float rounding. Ignored when beta > 0 (the KL term has a gradient): every group is trained."""
@@ -637,6 +640,7 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.lora_r is None or cfg.lora_r >= 1, "lora_r must be at least 1 (or unset)"),
         (cfg.lora_alpha is None or cfg.lora_alpha > 0, "lora_alpha must be > 0"),
         (0 <= cfg.lora_dropout < 1, "lora_dropout must lie in [0, 1)"),
+        (cfg.max_nonfinite_steps >= 1, "max_nonfinite_steps must be at least 1"),
     ]
     for ok, message in checks:
         if not ok:
@@ -668,6 +672,13 @@ def validate(cfg: TrainConfig) -> None:
         warnings.warn(
             "base_dtype sets the dtype of frozen weights (a LoRA base, a reference model); with "
             "full fine-tuning and beta = 0 there are none, so it changes nothing",
+            stacklevel=2,
+        )
+    if cfg.ratio_level != "token" and (cfg.top_k > 0 or cfg.top_p < 1):
+        warnings.warn(
+            "top_k/top_p with a sequence-level ratio: completions come from the truncated "
+            "distribution while old_logp is the full one's, which biases every sequence ratio "
+            "(about 0.989 at top-p 0.9, far outside GSPO's clip range); leave them off for GSPO",
             stacklevel=2,
         )
     if cfg.ratio_level != "token" and cfg.loss_agg == "token_mean":

@@ -144,14 +144,21 @@ def draw_prompts(sampler: Sampler, k: int) -> tuple[list[dict], list[list[int]]]
 
 def collect_batch(
     cfg: TrainConfig, step: int, sampler: Sampler
-) -> tuple[Batch | None, dict[str, float]]:
+) -> tuple[Batch | None, dict[str, float], Batch]:
     """Sample and score B groups; with dynamic sampling keep only groups that teach something.
 
-    Returns the batch (None when dynamic sampling kept no group at all) and sampling statistics
-    (plus whatever reward functions logged with `log_metric`).
+    Dynamic sampling (DAPO, arXiv 2503.14476) drops a group when all of its completions pass or
+    all fail (by the pass reward, not the shaped total: groups that differ only in an overlong
+    penalty or a format bonus are not worth a step), and samples more prompts, up to
+    `max_resample_rounds` extra rounds.
+
+    Returns the kept batch (None when no group was kept), sampling statistics (plus whatever
+    reward functions logged with `log_metric`), and everything sampled, kept or not, which the
+    step's reward, accuracy and length metrics describe.
     """
     B, G = cfg.prompts_per_step, cfg.group_size
     parts: list[Batch] = []
+    sampled: list[Batch] = []
     n_kept = n_sampled = n_zero = 0
     skipped_before = sampler.skipped
     logged: dict[str, float] = {}
@@ -184,11 +191,14 @@ def collect_batch(
                 rollout.lengths, max_len=cfg.max_new_tokens, cache_len=cfg.overlong_cache
             )
             rewards = rewards + penalty.to(device="cpu", dtype=rewards.dtype)
+        part = Batch(rollout, rows, rewards, scores.by_function, scores.passed, scores.extra)
+        sampled.append(part)
         zero = zero_variance_groups(rewards.view(-1, G))  # (B_round,)
         n_sampled, n_zero = n_sampled + len(rows), n_zero + int(zero.sum())
-        keep = [g for g in range(len(rows)) if not (cfg.dynamic_sampling and zero[g])]
+        passes = scores.passed.view(-1, G)  # (B_round, G)
+        decided = passes.all(-1) | ~passes.any(-1)  # (B_round,) all pass or all fail
+        keep = [g for g in range(len(rows)) if not (cfg.dynamic_sampling and decided[g])]
         if keep:
-            part = Batch(rollout, rows, rewards, scores.by_function, scores.passed, scores.extra)
             parts.append(part if len(keep) == len(rows) else part.select_groups(keep))
             n_kept += len(keep)
         if n_kept >= B:
@@ -202,10 +212,12 @@ def collect_batch(
     # Short of B groups after the last round: train on a multiple of the minibatch count.
     usable = n_kept - n_kept % cfg.minibatches
     stats["groups"] = usable
+    everything = Batch.concat(sampled)
     if usable == 0:
-        return None, stats
+        return None, stats, everything
     batch = Batch.concat(parts)
-    return (batch if usable == n_kept else batch.select_groups(list(range(usable)))), stats
+    kept = batch if usable == n_kept else batch.select_groups(list(range(usable)))
+    return kept, stats, everything
 
 
 def evaluation_rows(
@@ -455,12 +467,13 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
     latest_eval = None
     step = start
     updating = False
+    nonfinite_in_a_row = 0
     try:
         with _StopFlag() as stop, _progress(console, interactive) as bar:
             task_id = bar.add_task("train", total=cfg.steps, completed=start, info="")
             while step < cfg.steps and stop.requested is None:
                 t0 = time.perf_counter()
-                batch, stats = collect_batch(cfg, step, sampler)
+                batch, stats, sampled = collect_batch(cfg, step, sampler)
                 t_rollout = time.perf_counter() - t0
                 metrics: dict[str, float] = {**stats}
                 updating = True
@@ -482,15 +495,25 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                     metrics.update(
                         update(cfg, policy, optimizer, batch, advantages, ref_logp, scaler=scaler)
                     )
-                    metrics.update(_batch_metrics(batch))
+                    nonfinite_in_a_row = (
+                        (nonfinite_in_a_row + 1) if metrics["nonfinite_updates"] else 0
+                    )
+                    if nonfinite_in_a_row:
+                        warn(
+                            f"step {step + 1}: non-finite loss or gradient; "
+                            f"{metrics['nonfinite_updates']} update(s) skipped"
+                        )
                     sinks.log_samples(step + 1, _samples(batch, advantages, cfg.log_samples))
+                metrics.update(_batch_metrics(sampled))  # everything sampled, kept or not
+                if batch is not sampled and batch is not None:  # what dynamic sampling kept
+                    metrics.update({f"{k}_kept": v for k, v in _batch_metrics(batch).items()})
                 lr = optimizer.param_groups[0]["lr"]  # the rate this step's updates used
                 scheduler.step()
                 step += 1
                 done.update(step=step, position=sampler.stream.position)
                 updating = False
                 seconds = time.perf_counter() - t0
-                generated = int(batch.rollout.lengths.sum()) if batch is not None else 0
+                generated = int(sampled.rollout.lengths.sum())  # every token sampled
                 metrics.update(
                     step_seconds=seconds,
                     rollout_seconds=t_rollout,
@@ -510,6 +533,13 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                     latest_eval = evaluate_at(step)
                 if step % cfg.save_every == 0 and step < cfg.steps:
                     save(step)
+                if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+                    raise UserError(
+                        f"{nonfinite_in_a_row} steps in a row (to step {step}) had a non-finite "
+                        "loss or gradient, so their updates were skipped; the weights are those "
+                        "of the last finite update. Lower --lr, check the rewards for NaN, or "
+                        "raise --max-nonfinite-steps"
+                    )
     except UserError:
         # A user's mistake mid-run (a reward that raises): keep the last completed step, unless
         # the error came from inside an update, whose weights would be half a step.

@@ -184,6 +184,10 @@ def update(
     clip fractions are those of the full computation; ratio statistics and approx_kl describe
     the trained completions (NaN when none was); `trained_frac` is the fraction trained.
 
+    An optimizer step whose loss or gradient norm is NaN or inf is skipped (counted in
+    `nonfinite_updates`; the trainer stops the run after `max_nonfinite_steps` such steps in a
+    row), so a bad batch never writes NaN into the weights or AdamW's moments.
+
     Micro-batching: a minibatch's forward/backward runs in chunks of at most
     `micro_batch_size` completions whose gradients accumulate; every chunk's loss divides by the
     whole minibatch's counts, so the sum is the minibatch's loss and the update is the same.
@@ -200,7 +204,7 @@ def update(
         plans = trainer_old_logp(cfg, policy, plans)
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
     totals: dict[str, float] = {}
-    n_updates = n_trained_updates = 0
+    n_updates = n_trained_updates = nonfinite = 0
     for _ in range(cfg.epochs):
         for plan in plans:
             optimizer.zero_grad(set_to_none=True)
@@ -249,11 +253,17 @@ def update(
             if scaler is not None:
                 scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            if scaler is None:
-                optimizer.step()
-            else:  # skips the step when the scaled gradients overflowed, then adapts the scale
-                scaler.step(optimizer)
+            finite = math.isfinite(float(grad_norm)) and math.isfinite(diagnostics["loss"])
+            if scaler is not None:  # skips the step itself when the scaled gradients overflowed
+                scaler.step(optimizer)  # (an overflow is how the scale finds its level: no alarm)
                 scaler.update()
+            elif finite:
+                optimizer.step()
+            else:  # a NaN or inf never reaches the weights, nor AdamW's moments
+                nonfinite += 1
+                n_trained_updates -= 1 if plan.chunks else 0
+                diagnostics = dict.fromkeys(_EXACT_DIAGNOSTICS, 0.0)
+                grad_norm = torch.zeros(())
             diagnostics["grad_norm"] = float(grad_norm)
             for key, value in diagnostics.items():
                 totals[key] = totals.get(key, 0.0) + value
@@ -265,6 +275,7 @@ def update(
     for key in _TRAINED_DIAGNOSTICS:
         result.setdefault(key, math.nan)
     result["trained_frac"] = sum(len(plan.rows) for plan in plans) / len(rollout.texts)
+    result["nonfinite_updates"] = nonfinite
     return result
 
 
