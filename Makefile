@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test test-faults lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
+
+# Runs stopped by SIGKILL and SIGTERM at 20 random points each must resume to the same end.
+test-faults: $(STAMP)
+	FAULT_TRIALS=20 FAULT_SIGNALS=KILL,TERM $(BIN)/python -m pytest tests/test_faults.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grouprl.errors import UserError
+from grouprl.faults import fault
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -210,6 +211,7 @@ def _write(tmp: Path, step: int, model, tokenizer, optimizer, scheduler, state) 
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    fault("checkpoint")  # half written: the model files are there, the rest is not
     opt_tensors, opt_meta = _optimizer_to_files(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))

@@ -54,6 +54,7 @@ from grouprl.core import (
     zero_variance_groups,
 )
 from grouprl.errors import UserError
+from grouprl.faults import fault
 from grouprl.models.loading import resolve_device
 from grouprl.models.lora import base_model_context, save_final
 from grouprl.report import MetricSinks, plot_run
@@ -176,6 +177,7 @@ def collect_batch(
                 stop=sampler.stop,
                 seed=cfg.seed * 1_000_003 + step * 97 + round_,
             )
+        fault("sample")
         scores = sampler.rewards.score(
             rollout.texts,
             rows,
@@ -447,126 +449,135 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         )
 
     def evaluate_at(step: int) -> dict[str, float]:
+        fault("eval")
         result = run_eval(cfg, policy, sampler, eval_rows, step, progress=False)
         sinks.log_eval(step, result)
         line = "  ".join(f"{k} {v:.3f}" for k, v in result.items())
         console.print(f"step {step:>5}  held-out  {line}")
         return result
 
-    save(start)  # a run directory always holds a checkpoint to resume from
-    if state["initial_eval"] is None:
-        console.print(f"run directory: {run_dir}")
-        weights = ", ".join(f"{n} x{w:g}" for n, w in rewards.weights.items())
-        console.print(f"policy:  {cfg.model} ({_describe(policy)}) on {device}")
-        console.print(
-            f"data:    {task.name} ({len(task.train)} train rows, {len(eval_rows)} held-out "
-            "rows evaluated)"
-        )
-        console.print(f"rewards: {weights}; pass reward: {rewards.pass_reward}")
-        state["initial_eval"] = evaluate_at(0)
-    latest_eval = None
-    step = start
-    updating = False
-    nonfinite_in_a_row = 0
-    try:
-        with _StopFlag() as stop, _progress(console, interactive) as bar:
-            task_id = bar.add_task("train", total=cfg.steps, completed=start, info="")
-            while step < cfg.steps and stop.requested is None:
-                t0 = time.perf_counter()
-                batch, stats, sampled = collect_batch(cfg, step, sampler)
-                t_rollout = time.perf_counter() - t0
-                metrics: dict[str, float] = {**stats}
-                updating = True
-                if batch is not None:
-                    B, G = len(batch.rows), cfg.group_size
-                    advantages = group_advantages(
-                        batch.rewards.view(B, G),
-                        scale=cfg.adv_scale,
-                        estimator=cfg.adv_estimator,
-                        eps=cfg.adv_eps,
-                        unbiased_std=cfg.unbiased_std,
-                    ).reshape(-1)  # (N,)
-                    ref_logp = None
-                    if cfg.beta > 0:  # the initial policy: a frozen copy, or LoRA's base model
-                        with base_model_context(policy):
-                            ref_logp = no_grad_logprobs(
-                                cfg, reference or policy, batch.rollout, sampler.dtype
-                            )  # (N, T)
-                    metrics.update(
-                        update(cfg, policy, optimizer, batch, advantages, ref_logp, scaler=scaler)
-                    )
-                    nonfinite_in_a_row = (
-                        (nonfinite_in_a_row + 1) if metrics["nonfinite_updates"] else 0
-                    )
-                    if nonfinite_in_a_row:
-                        warn(
-                            f"step {step + 1}: non-finite loss or gradient; "
-                            f"{metrics['nonfinite_updates']} update(s) skipped"
+    # From the first checkpoint on, SIGINT/SIGTERM finish the current step, save and stop.
+    with _StopFlag() as stop:
+        save(start)  # a run directory always holds a checkpoint to resume from
+        if state["initial_eval"] is None:
+            console.print(f"run directory: {run_dir}")
+            weights = ", ".join(f"{n} x{w:g}" for n, w in rewards.weights.items())
+            console.print(f"policy:  {cfg.model} ({_describe(policy)}) on {device}")
+            console.print(
+                f"data:    {task.name} ({len(task.train)} train rows, {len(eval_rows)} held-out "
+                "rows evaluated)"
+            )
+            console.print(f"rewards: {weights}; pass reward: {rewards.pass_reward}")
+            state["initial_eval"] = evaluate_at(0)
+        latest_eval = None
+        step = start
+        updating = False
+        nonfinite_in_a_row = 0
+        try:
+            with _progress(console, interactive) as bar:
+                task_id = bar.add_task("train", total=cfg.steps, completed=start, info="")
+                while step < cfg.steps and stop.requested is None:
+                    t0 = time.perf_counter()
+                    batch, stats, sampled = collect_batch(cfg, step, sampler)
+                    t_rollout = time.perf_counter() - t0
+                    metrics: dict[str, float] = {**stats}
+                    updating = True
+                    if batch is not None:
+                        B, G = len(batch.rows), cfg.group_size
+                        advantages = group_advantages(
+                            batch.rewards.view(B, G),
+                            scale=cfg.adv_scale,
+                            estimator=cfg.adv_estimator,
+                            eps=cfg.adv_eps,
+                            unbiased_std=cfg.unbiased_std,
+                        ).reshape(-1)  # (N,)
+                        ref_logp = None
+                        if cfg.beta > 0:  # the initial policy: a frozen copy, or LoRA's base model
+                            with base_model_context(policy):
+                                ref_logp = no_grad_logprobs(
+                                    cfg, reference or policy, batch.rollout, sampler.dtype
+                                )  # (N, T)
+                        metrics.update(
+                            update(
+                                cfg, policy, optimizer, batch, advantages, ref_logp, scaler=scaler
+                            )
                         )
-                    sinks.log_samples(step + 1, _samples(batch, advantages, cfg.log_samples))
-                metrics.update(_batch_metrics(sampled))  # everything sampled, kept or not
-                if batch is not sampled and batch is not None:  # what dynamic sampling kept
-                    metrics.update({f"{k}_kept": v for k, v in _batch_metrics(batch).items()})
-                lr = optimizer.param_groups[0]["lr"]  # the rate this step's updates used
-                scheduler.step()
-                step += 1
-                done.update(step=step, position=sampler.stream.position)
-                updating = False
-                seconds = time.perf_counter() - t0
-                generated = int(sampled.rollout.lengths.sum())  # every token sampled
-                metrics.update(
-                    step_seconds=seconds,
-                    rollout_seconds=t_rollout,
-                    tokens_per_s=generated / seconds,
-                    lr=lr,
-                )
-                sinks.log_step(step, metrics)
-                info = (
-                    f"reward {metrics.get('reward_mean', math.nan):.3f}  "
-                    f"acc {metrics.get('accuracy', math.nan):.3f}  "
-                    f"{metrics['tokens_per_s']:.0f} tok/s"
-                )
-                bar.update(task_id, completed=step, info=info)
-                if not interactive and (step % max(1, cfg.steps // 20) == 0 or step == cfg.steps):
-                    console.print(f"step {step:>5}/{cfg.steps}  {info}")
-                if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                    latest_eval = evaluate_at(step)
-                if step % cfg.save_every == 0 and step < cfg.steps:
-                    save(step)
-                if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
-                    raise UserError(
-                        f"{nonfinite_in_a_row} steps in a row (to step {step}) had a non-finite "
-                        "loss or gradient, so their updates were skipped; the weights are those "
-                        "of the last finite update. Lower --lr, check the rewards for NaN, or "
-                        "raise --max-nonfinite-steps"
+                        nonfinite_in_a_row = (
+                            (nonfinite_in_a_row + 1) if metrics["nonfinite_updates"] else 0
+                        )
+                        if nonfinite_in_a_row:
+                            warn(
+                                f"step {step + 1}: non-finite loss or gradient; "
+                                f"{metrics['nonfinite_updates']} update(s) skipped"
+                            )
+                        sinks.log_samples(step + 1, _samples(batch, advantages, cfg.log_samples))
+                    metrics.update(_batch_metrics(sampled))  # everything sampled, kept or not
+                    if batch is not sampled and batch is not None:  # what dynamic sampling kept
+                        metrics.update({f"{k}_kept": v for k, v in _batch_metrics(batch).items()})
+                    lr = optimizer.param_groups[0]["lr"]  # the rate this step's updates used
+                    scheduler.step()
+                    step += 1
+                    done.update(step=step, position=sampler.stream.position)
+                    updating = False
+                    seconds = time.perf_counter() - t0
+                    generated = int(sampled.rollout.lengths.sum())  # every token sampled
+                    metrics.update(
+                        step_seconds=seconds,
+                        rollout_seconds=t_rollout,
+                        tokens_per_s=generated / seconds,
+                        lr=lr,
                     )
-    except UserError:
-        # A user's mistake mid-run (a reward that raises): keep the last completed step, unless
-        # the error came from inside an update, whose weights would be half a step.
-        if not updating:
-            save(done["step"])
-        sinks.close()
-        raise
+                    sinks.log_step(step, metrics)
+                    info = (
+                        f"reward {metrics.get('reward_mean', math.nan):.3f}  "
+                        f"acc {metrics.get('accuracy', math.nan):.3f}  "
+                        f"{metrics['tokens_per_s']:.0f} tok/s"
+                    )
+                    bar.update(task_id, completed=step, info=info)
+                    if not interactive and (
+                        step % max(1, cfg.steps // 20) == 0 or step == cfg.steps
+                    ):
+                        console.print(f"step {step:>5}/{cfg.steps}  {info}")
+                    if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                        latest_eval = evaluate_at(step)
+                    if step % cfg.save_every == 0 and step < cfg.steps:
+                        save(step)
+                    if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+                        raise UserError(
+                            f"{nonfinite_in_a_row} steps in a row (to step {step}) had a non-finite "
+                            "loss or gradient, so their updates were skipped; the weights are those "
+                            "of the last finite update. Lower --lr, check the rewards for NaN, or "
+                            "raise --max-nonfinite-steps"
+                        )
+        except UserError:
+            # A user's mistake mid-run (a reward that raises): keep the last completed step, unless
+            # the error came from inside an update, whose weights would be half a step.
+            if not updating:
+                save(done["step"])
+            sinks.close()
+            raise
 
-    save(step)
-    if stop.requested is not None:
+        save(step)
+        if stop.requested is not None:
+            sinks.close()
+            name = signal.Signals(stop.requested).name
+            console.print(
+                f"stopped by {name}: saved a checkpoint at step {step}; "
+                f"continue with: grouprl train --resume {run_dir}"
+            )
+            return TrainSummary(
+                run_dir, step, state["initial_eval"], latest_eval, interrupted=True, stopped_by=name
+            )
+
+        final_eval = evaluate_at(step)
         sinks.close()
-        name = signal.Signals(stop.requested).name
+        save_final(policy, tokenizer, run_dir / "final")
+        plots = plot_run(run_dir)
+        _print_summary(console, state["initial_eval"], final_eval)
         console.print(
-            f"stopped by {name}: saved a checkpoint at step {step}; "
-            f"continue with: grouprl train --resume {run_dir}"
+            f"final policy: {run_dir / 'final'}   plots: {plots[0].parent if plots else '-'}"
         )
-        return TrainSummary(
-            run_dir, step, state["initial_eval"], latest_eval, interrupted=True, stopped_by=name
-        )
-
-    final_eval = evaluate_at(step)
-    sinks.close()
-    save_final(policy, tokenizer, run_dir / "final")
-    plots = plot_run(run_dir)
-    _print_summary(console, state["initial_eval"], final_eval)
-    console.print(f"final policy: {run_dir / 'final'}   plots: {plots[0].parent if plots else '-'}")
-    return TrainSummary(run_dir, step, state["initial_eval"], final_eval)
+        return TrainSummary(run_dir, step, state["initial_eval"], final_eval)
 
 
 def _progress(console: Console, interactive: bool) -> Progress:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from grouprl.core import PolicyLoss, policy_loss
+from grouprl.faults import fault
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models.lora import adapter_dropout
 from grouprl.rollout import Rollout, completion_logprobs
@@ -264,6 +265,7 @@ def update(
                 n_trained_updates -= 1 if plan.chunks else 0
                 diagnostics = dict.fromkeys(_EXACT_DIAGNOSTICS, 0.0)
                 grad_norm = torch.zeros(())
+            fault("update")
             diagnostics["grad_norm"] = float(grad_norm)
             for key, value in diagnostics.items():
                 totals[key] = totals.get(key, 0.0) + value
