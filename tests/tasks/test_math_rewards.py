@@ -4,6 +4,8 @@ completions included; neither ever raises on a completion."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from grouprl.tasks.base import time_limit
 from grouprl.tasks.math_rewards import (
@@ -118,3 +120,21 @@ def test_reference_answer_of_a_gsm8k_solution():
 )
 def test_think_format(completion, expected):
     assert think_format([completion]) == [expected]
+
+
+math_text = st.one_of(
+    st.text(max_size=60),
+    st.text(alphabet="0123456789+-*/^{}()\\boxed frac#<>answer/think ,.$!", max_size=60),
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(math_text, st.one_of(st.none(), st.integers(), math_text))
+def test_the_math_rewards_never_raise(completion, answer):
+    """Any completion against any reference: a score in {0, 1} or None, never an exception."""
+    with time_limit(60):
+        (score,) = accuracy([completion], answer=[answer])
+        assert score in (0.0, 1.0, None)
+        assert think_format([completion]) in ([0.0], [1.0])
+        region = final_answer(completion)
+        assert region is None or isinstance(region, str)

@@ -361,7 +361,7 @@ def args_from_mapping(values: dict[str, Any], cls: type, *, source: str) -> list
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(known)}"
-            raise UserError(f"unknown config key '{key}' in {source}{hint}")
+            raise UserError(f"unknown config key {key!r} in {source}{hint}")
         flag = _flag(name)
         if _is_plain_bool(hints[name]):
             if not isinstance(value, bool):
