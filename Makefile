@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-faults lint format bench clean
+.PHONY: demo test test-faults test-compat lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,14 @@ test: $(STAMP)
 test-faults: $(STAMP)
 	FAULT_TRIALS=20 FAULT_SIGNALS=KILL,TERM $(BIN)/python -m pytest tests/test_faults.py
 
+# The suite on the lowest versions pyproject.toml allows, in a second environment.
+COMPAT := .venv-compat
+test-compat:
+	$(PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/pip install --quiet --upgrade pip
+	$(COMPAT)/bin/pip install --quiet -c compat/lowest.txt -e ".[dev]"
+	$(COMPAT)/bin/python -m pytest -p no:cacheprovider
+
 lint: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
@@ -44,4 +52,4 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/vs_trl.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT) build dist src/*.egg-info .pytest_cache .ruff_cache
