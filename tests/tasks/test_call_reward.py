@@ -29,6 +29,8 @@ def test_columns_are_repeated_per_completion_and_none_is_nan():
         (lambda completions, **kw: [1.0], "returned 1 values for 4 completions"),
         (lambda completions, **kw: "oops", "returned str values"),
         (lambda completions, **kw: ["x"] * 4, "neither a number nor None"),
+        (lambda completions, **kw: [1.0, float("nan"), 0.0, None], "returned nan; return a finite"),
+        (lambda completions, **kw: [float("-inf")] * 4, "returned -inf; return a finite number"),
     ],
 )
 def test_broken_functions_are_user_errors(fn, message):

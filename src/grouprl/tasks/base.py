@@ -241,11 +241,18 @@ def _check_values(name: str, values: Any, n: int) -> list[float]:
             "completions; it must return a list with one float or None per completion"
         )
     try:
-        return [math.nan if v is None else float(v) for v in values]
+        scores = [float(v) for v in values if v is not None]
     except (TypeError, ValueError):
         raise UserError(
             f"reward function '{name}' returned a value that is neither a number nor None"
         ) from None
+    bad = next((v for v in scores if not math.isfinite(v)), None)
+    if bad is not None:  # NaN would silently read as "unscored", inf would poison the advantages
+        raise UserError(
+            f"reward function '{name}' returned {bad}; return a finite number, or None for a "
+            "completion the function does not apply to"
+        )
+    return [math.nan if v is None else float(v) for v in values]
 
 
 def _raised(name: str, err: BaseException) -> UserError:
