@@ -239,3 +239,16 @@ def test_resume_keeps_the_current_optimizer_kernel_and_the_saved_hyperparameters
     first = next(iter(fused.state.values()))
     assert int(first["step"]) == 2 and first["exp_avg"].abs().sum() > 0
     _train_steps(model2, fused, scheduler2, 1)  # and it steps
+
+
+def test_after_falling_back_the_damaged_newer_checkpoint_cannot_outlive_the_new_ones(tmp_path):
+    """Resume falls back from a damaged step 100 to step 50 and sets 100 aside; the next save
+    (step 75, keep_last 1) keeps itself rather than deleting everything but the damaged one."""
+    model, optimizer, scheduler = _setup(0)
+    _save(tmp_path, 50, model, optimizer, scheduler, keep_last=2)
+    newest = _save(tmp_path, 100, model, optimizer, scheduler, keep_last=2)
+    _flip_last_byte(newest / "model.safetensors")  # same size: only the checksum tells
+    assert ckpt.latest_checkpoint(tmp_path, set_aside=True).name == "step_000050"
+    _save(tmp_path, 75, model, optimizer, scheduler, keep_last=1)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000075"]
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000075"

@@ -1,6 +1,7 @@
 """Config: presets, overrides, validation (one line each), YAML files and the CLI's errors."""
 
 import dataclasses
+import os
 import re
 import warnings
 
@@ -222,10 +223,17 @@ def test_resume_changes_only_what_may_change(tmp_path, capsys):
     assert _snapshot(run) == before
     assert main(["train", "--resume", str(run), "--steps", "2", "--lr", "1e-4",
                  "--allow-change", "lr", "--eval-size", "3"]) == 0  # fmt: skip
+    import json
+
     import yaml
 
     recorded = yaml.safe_load((run / "config.yaml").read_text())
     assert (recorded["steps"], recorded["lr"], recorded["eval_size"]) == (2, 1e-4, 3)
+    from grouprl.train.config import TrainConfig as Config
+    from grouprl.train.loop import lr_factor
+
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["lr"] == pytest.approx(1e-4 * lr_factor(Config(steps=2), 1))  # the new lr ran
 
 
 def test_help_and_version_need_no_torch():
@@ -246,3 +254,40 @@ def test_help_and_version_need_no_torch():
         [sys.executable, "-m", "grouprl", "--version"], capture_output=True, text=True, check=True
     )
     assert version.stdout.startswith("grouprl 0.")
+
+
+def test_text_values_stay_text(tmp_path):
+    """Strings that look like flags or like None stay strings, through a saved config too."""
+    from grouprl.train.config import to_yaml
+
+    cfg = from_mapping(
+        {"stop": ["-x", "None", "--help"], "system_prompt": "None", "model": "-m"}, source="f"
+    )
+    assert cfg.stop == ["-x", "None", "--help"] and cfg.system_prompt == "None"
+    import yaml
+
+    again = from_mapping(yaml.safe_load(to_yaml(cfg)), source="saved")
+    assert again.stop == cfg.stop and again.system_prompt == "None" and again.model == "-m"
+    assert "output_dir" not in yaml.safe_load(to_yaml(cfg))
+    with pytest.raises(UserError, match="stop in f takes a list of strings"):
+        from_mapping({"stop": [{"a": 1}]}, source="f")
+
+
+def test_a_flag_without_its_value_is_one_line(capsys):
+    for flags in (["--config"], ["--resume"]):
+        assert main(["train", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "expected one argument" in err[0], err
+
+
+def test_the_same_model_path_written_another_way_is_no_change(tmp_path, monkeypatch):
+    """A run records local paths absolute; resuming with the same path written relative (or
+    through another directory) is the same run."""
+    from grouprl.models.loading import BUILTIN_DIR
+
+    monkeypatch.chdir(tmp_path)
+    model = BUILTIN_DIR / "arith"
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(model), "--output-dir", str(run), *TINY]) == 0
+    relative = os.path.relpath(model, tmp_path)
+    assert main(["train", "--resume", str(run), "--steps", "2", "--model", relative]) == 0

@@ -492,6 +492,17 @@ def test_dynamic_sampling_filters_on_the_pass_reward_and_logs_everything_sampled
     metrics = loop._batch_metrics(sampled)
     assert metrics["accuracy"] == pytest.approx(6 / 8)
     assert loop._batch_metrics(kept)["accuracy"] == pytest.approx(2 / 4)
+    # a step where every group is decided keeps nothing, and says why, once
+    warnings = []
+    sampler.warn, sampler.stream = warnings.append, PromptStream(rows[:1], seed=0)
+    loop.prompt_ids = lambda tokenizer, prompt: [1]
+    try:
+        for step in (1, 2):
+            kept, stats, _ = loop.collect_batch(cfg, step, sampler)
+            assert kept is None and stats["groups"] == 0
+    finally:
+        loop.prompt_ids = original
+    assert len(warnings) == 1 and "dynamic sampling kept no group at step 2" in warnings[0]
 
 
 def test_non_finite_updates_are_skipped_and_a_run_of_them_stops(tmp_path, monkeypatch, capsys):

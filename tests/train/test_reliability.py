@@ -168,3 +168,34 @@ def test_an_unwritable_output_directory_is_found_first(tmp_path, capsys, monkeyp
     assert main(["train", "--output-dir", str(locked / "run"), "--steps", "1"]) == 2
     assert "is not writable (permissions or a read-only file system)" in capsys.readouterr().err
     assert not loaded and not (locked / "run").exists()
+
+
+def test_a_run_killed_in_its_final_evaluation_is_not_taken_for_finished(tmp_path, monkeypatch):
+    """A run extended past an earlier end and stopped in its final evaluation still holds the
+    old final/: the resume finishes it (final/ from the new end, its evaluation logged once)."""
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "1", "--output-dir", str(run), *TINY]) == 0
+    original = loop.run_eval
+
+    def dies_in_the_final_evaluation(cfg, policy, sampler, rows, step, **kwargs):
+        if step == 2:
+            raise KeyboardInterrupt  # as good as a kill: nothing after this point runs
+        return original(cfg, policy, sampler, rows, step, **kwargs)
+
+    monkeypatch.setattr(loop, "run_eval", dies_in_the_final_evaluation)
+    assert main(["train", "--resume", str(run), "--steps", "2"]) == 130
+    assert loop._finished_at(run) == 1  # the old final/ is still there
+    monkeypatch.setattr(loop, "run_eval", original)
+    assert main(["train", "--resume", str(run), "--steps", "2"]) == 0
+    assert loop._finished_at(run) == 2
+    assert [r["step"] for r in rows(run / "eval.jsonl")] == [0, 1, 2]
+
+
+def test_a_half_written_log_line_does_not_block_a_resume(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "1", "--output-dir", str(run), *TINY]) == 0
+    with (run / "samples.jsonl").open("a") as f:
+        f.write('{"step": 2, "completion": "abc')  # killed mid-write
+    assert main(["train", "--resume", str(run), "--steps", "2"]) == 0
+    assert "samples.jsonl: dropped a half-written line" in " ".join(capsys.readouterr().err.split())
+    assert all(isinstance(r, dict) for r in rows(run / "samples.jsonl"))

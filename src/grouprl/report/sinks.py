@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +32,28 @@ class JsonlWriter:
         self._file.close()
 
 
-def truncate_jsonl(path: Path, *, keep_through_step: int) -> None:
-    """Drop records after `keep_through_step`, so a resumed run does not log a step twice."""
+def truncate_jsonl(path: Path, *, keep_through_step: int) -> int:
+    """Drop records after `keep_through_step`, so a resumed run does not log a step twice, and
+    any line that is not a whole JSON object (the half-written last line of a killed process).
+    Returns how many unreadable lines were dropped."""
     path = Path(path)
     if not path.exists():
-        return
-    kept = [
-        line
-        for line in path.read_text(encoding="utf-8").splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= keep_through_step
-    ]
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        return 0
+    kept, broken = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            broken += 1
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= keep_through_step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return broken
 
 
 class MetricSinks:

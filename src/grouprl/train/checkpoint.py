@@ -7,7 +7,7 @@ A checkpoint is a directory `checkpoints/step_000120/` holding
       `grouprl eval --model RUN/checkpoints/step_000120` evaluates it and `grouprl train --model
       ...` forks from it
   optimizer.safetensors  the optimizer's per-parameter state tensors
-  rng.safetensors        torch's CPU random state
+  rng.safetensors        torch's random states (CPU, and each GPU's)
   state.json             step, data position, scheduler step, optimizer hyper-parameters,
                          Python's random state, and whatever else the trainer records
   manifest.json          every other file's size and sha256
@@ -99,8 +99,12 @@ def damage(path: Path, *, checksums: bool = True) -> str | None:
     return None
 
 
-def latest_checkpoint(run_dir: Path, *, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The newest intact checkpoint. Damaged ones newer than it are reported through `warn`.
+def latest_checkpoint(
+    run_dir: Path, *, warn: Callable[[str], None] | None = None, set_aside: bool = False
+) -> Path | None:
+    """The newest intact checkpoint. Damaged ones newer than it are reported through `warn`,
+    and with `set_aside` (a resume, which will write steps after the intact one) renamed out of
+    the way, so that none of them can later pass for the newest checkpoint.
 
     None when the run has no checkpoint at all; UserError when it has some and none is intact.
     """
@@ -109,15 +113,16 @@ def latest_checkpoint(run_dir: Path, *, warn: Callable[[str], None] | None = Non
     for path in reversed(found):
         reason = damage(path)
         if reason is None:
-            for problem in problems:
+            for damaged, problem in problems:
+                if set_aside:
+                    _set_aside(damaged, "damaged")
                 if warn is not None:
                     warn(f"{problem}; resuming from {path.name} instead")
             return path
-        problems.append(f"checkpoint {path.name} is damaged ({reason})")
+        problems.append((path, f"checkpoint {path.name} is damaged ({reason})"))
     if found:
-        raise UserError(
-            f"no intact checkpoint in {run_dir}: {'; '.join(problems)}; start a new run"
-        )
+        reasons = "; ".join(problem for _, problem in problems)
+        raise UserError(f"no intact checkpoint in {run_dir}: {reasons}; start a new run")
     return None
 
 
@@ -207,6 +212,22 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
             (params.get(name) if name in params else buffers[name]).copy_(tensor)
 
 
+def _rng_states() -> dict[str, torch.Tensor]:
+    """torch's CPU random state and, where there are GPUs, each one's."""
+    states = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            states[f"torch_cuda_{index}"] = state
+    return states
+
+
+def _restore_rng(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["torch_cpu"])
+    cuda = [states[f"torch_cuda_{i}"] for i in range(len(states)) if f"torch_cuda_{i}" in states]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def _write(tmp: Path, step: int, model, tokenizer, optimizer, scheduler, state) -> None:
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
@@ -214,7 +235,7 @@ def _write(tmp: Path, step: int, model, tokenizer, optimizer, scheduler, state) 
     fault("checkpoint")  # half written: the model files are there, the rest is not
     opt_tensors, opt_meta = _optimizer_to_files(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    save_file(_rng_states(), str(tmp / "rng.safetensors"))
     version, internal, gauss = random.getstate()
     meta = {
         **state,
@@ -283,10 +304,14 @@ def save_checkpoint(
         raise OSError(f"checkpoint {final.name} did not verify after writing: {reason}")
     os.replace(tmp, final)
     _fsync(root)
-    intact = [
-        p for p in list_checkpoints(run_dir) if p == final or damage(p, checksums=False) is None
+    # The newest keep_last up to this step, this one included; never this one, never a later
+    # step (a resume sets damaged later ones aside before it writes).
+    older = [
+        p
+        for p in list_checkpoints(run_dir)
+        if step_of(p) < step and damage(p, checksums=False) is None
     ]
-    for old in intact[:-keep_last]:
+    for old in older[: max(0, len(older) - (keep_last - 1))]:
         _remove_checkpoint(old, root)
     return final
 
@@ -307,7 +332,7 @@ def load_checkpoint(
         optimizer, load_file(str(path / "optimizer.safetensors")), meta["optimizer"]
     )
     scheduler.load_state_dict(meta["scheduler"])
-    torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
+    _restore_rng(load_file(str(path / "rng.safetensors")))
     version, internal, gauss = meta["python_random"]
     random.setstate((version, tuple(internal), gauss))
     return meta

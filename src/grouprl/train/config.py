@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import difflib
 import math
+import types
 import typing
 import warnings
 from collections.abc import Sequence
@@ -340,15 +341,36 @@ def _is_plain_bool(annotation: Any) -> bool:
     return annotation is bool
 
 
-def args_from_mapping(values: dict[str, Any], cls: type, *, source: str) -> list[str]:
-    """The command-line tokens that say what a YAML mapping says (see the module docstring).
+def _text_kind(annotation: Any) -> type | None:
+    """str, Path or list for fields that hold text (plain, Optional, or a list of strings)."""
+    options = [a for a in typing.get_args(annotation) if a is not type(None)]
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    if union and len(options) != 1:
+        return None
+    base = options[0] if union else annotation
+    if base in (str, Path):
+        return base
+    if typing.get_origin(base) is list and typing.get_args(base) == (str,):
+        return list
+    return None
 
-    Unknown keys are errors with a suggestion; launch directives (`resume`, `config`) are
-    ignored with a warning, so an earlier run's saved config can only ever start a new run.
+
+def split_mapping(
+    values: dict[str, Any], cls: type, *, source: str
+) -> tuple[list[str], dict[str, Any]]:
+    """What a YAML mapping says: command-line tokens for the parser, and the text fields as
+    they are (see the module docstring).
+
+    Text (strings, paths, lists of strings) needs no parsing, and as a token it could be taken
+    for a flag (`stop: ["-x"]`) or for None (`"None"`); every other value becomes the flag that
+    says the same thing, so the parser types and checks it. Unknown keys are errors with a
+    suggestion; launch directives (`resume`, `config`) are ignored with a warning, so an earlier
+    run's saved config can only ever start a new run.
     """
     known = field_names(cls)
     hints = typing.get_type_hints(cls)
     args: list[str] = []
+    text: dict[str, Any] = {}
     for key, value in values.items():
         name = str(key).replace("-", "_")
         if name in LAUNCH_FIELDS:
@@ -363,7 +385,18 @@ def args_from_mapping(values: dict[str, Any], cls: type, *, source: str) -> list
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(known)}"
             raise UserError(f"unknown config key {key!r} in {source}{hint}")
         flag = _flag(name)
-        if _is_plain_bool(hints[name]):
+        kind = _text_kind(hints[name])
+        if kind is not None and value is not None:
+            if kind is list:
+                items = value if isinstance(value, (list, tuple)) else [value]
+                if any(isinstance(v, (dict, list)) for v in items):
+                    raise UserError(f"{key} in {source} takes a list of strings, got {value!r}")
+                text[name] = [str(v) for v in items] or None
+            elif isinstance(value, (dict, list)):
+                raise UserError(f"{key} in {source} takes a string, got {value!r}")
+            else:
+                text[name] = kind(str(value))
+        elif _is_plain_bool(hints[name]):
             if not isinstance(value, bool):
                 raise UserError(f"{key} in {source} must be true or false, got {value!r}")
             args.append(flag if value else "--no-" + flag[2:])
@@ -375,7 +408,7 @@ def args_from_mapping(values: dict[str, Any], cls: type, *, source: str) -> list
             args += [flag, *(str(v) for v in value)] if value else [f"{flag}=None"]
         else:
             args.append(f"{flag}={value}")
-    return args
+    return args, text
 
 
 def _expected(cls: type, name: str) -> str:
@@ -428,26 +461,34 @@ def _one_line(event: Any, cls: type, source: str) -> UserError:
     return UserError(f"{label}{where} takes {_expected(cls, name)}{got}")
 
 
-def parse_args(cls: type[Config], args: Sequence[str], *, prog: str, source: str) -> Config:
-    """`cls` from command-line tokens with tyro; a bad value is one UserError line. `--help`
-    prints the help and exits (SystemExit 0) as usual."""
+def parse_args(
+    cls: type[Config],
+    args: Sequence[str],
+    *,
+    prog: str,
+    source: str,
+    text: dict[str, Any] | None = None,
+) -> Config:
+    """`cls` from command-line tokens with tyro, starting from the `text` fields of a file (see
+    `split_mapping`); a bad value is one UserError line. `--help` prints the help and exits
+    (SystemExit 0) as usual."""
+    default = cls(**(text or {}))
     hook_api = getattr(getattr(tyro, "_errors", None), "on_parse_error", None)
     if hook_api is None:  # pragma: no cover - tyro without parse-error hooks: its own message
-        return tyro.cli(cls, args=list(args), prog=prog)
+        return tyro.cli(cls, args=list(args), prog=prog, default=default)
 
     def raise_one_line(event: Any) -> None:
         raise _one_line(event, cls, source)
 
     with hook_api(raise_one_line):
-        return tyro.cli(cls, args=list(args), prog=prog)
+        return tyro.cli(cls, args=list(args), prog=prog, default=default)
 
 
 def from_mapping(values: dict[str, Any], *, source: str, cls: type | None = None) -> Any:
     """A config from a YAML-like mapping, parsed as the flags that say the same thing."""
     cls = cls or TrainConfig
-    return parse_args(
-        cls, args_from_mapping(values, cls, source=source), prog="grouprl", source=source
-    )
+    args, text = split_mapping(values, cls, source=source)
+    return parse_args(cls, args, prog="grouprl", source=source, text=text)
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
@@ -466,8 +507,10 @@ def load_yaml(path: Path) -> dict[str, Any]:
 
 
 def to_yaml(cfg: TrainConfig) -> str:
-    """The config a run records: every field but the launch directives."""
-    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in LAUNCH_FIELDS}
+    """The config a run records: every field but the launch directives and the output
+    directory (copied as a template, it starts a new run in a new directory)."""
+    skip = {*LAUNCH_FIELDS, "output_dir"}  # the record lives in its directory: no need to say
+    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
     for key, value in values.items():
         if isinstance(value, Path):
             values[key] = str(value)
@@ -483,12 +526,17 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
     named by `--allow-change`) may differ from it; `--config` and `--output-dir` are refused
     (the run's own directory and config are what continues).
     """
-    pre = argparse.ArgumentParser(add_help=False)
-    for name in ("--config", "--resume", "--output-dir"):
-        pre.add_argument(name)
-    known, _ = pre.parse_known_args(list(argv))
+    argv = list(argv)
     if "-h" in argv or "--help" in argv:
         return parse_args(TrainConfig, argv, prog="grouprl train", source="the command line")
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    for name in ("--config", "--resume", "--output-dir"):
+        pre.add_argument(name)
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except argparse.ArgumentError as err:
+        raise UserError(f"{err}; see grouprl train --help") from None
+    cli = "the command line"
     if known.resume is not None:
         for flag, value in (("--config", known.config), ("--output-dir", known.output_dir)):
             if value is not None:
@@ -502,20 +550,20 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
             raise UserError(
                 f"{known.resume} is not a run directory (no config.yaml); check --resume"
             )
-        base = args_from_mapping(load_yaml(saved_path), TrainConfig, source=str(saved_path))
-        saved = parse_args(TrainConfig, base, prog="grouprl train", source=str(saved_path))
-        cfg = parse_args(
-            TrainConfig, [*base, *argv], prog="grouprl train", source="the command line"
+        base, text = split_mapping(load_yaml(saved_path), TrainConfig, source=str(saved_path))
+        saved = parse_args(
+            TrainConfig, base, prog="grouprl train", source=str(saved_path), text=text
         )
+        cfg = parse_args(TrainConfig, [*base, *argv], prog="grouprl train", source=cli, text=text)
         cfg = dataclasses.replace(cfg, output_dir=Path(known.resume))
         _check_resume_changes(saved, cfg)
         return cfg
-    base = []
+    base, text = [], {}
     if known.config is not None:
         path = Path(known.config)
-        base = args_from_mapping(load_yaml(path), TrainConfig, source=str(path))
-        parse_args(TrainConfig, base, prog="grouprl train", source=str(path))  # name the file
-    return parse_args(TrainConfig, [*base, *argv], prog="grouprl train", source="the command line")
+        base, text = split_mapping(load_yaml(path), TrainConfig, source=str(path))
+        parse_args(TrainConfig, base, prog="grouprl train", source=str(path), text=text)
+    return parse_args(TrainConfig, [*base, *argv], prog="grouprl train", source=cli, text=text)
 
 
 def _check_resume_changes(saved: TrainConfig, cfg: TrainConfig) -> None:
@@ -523,6 +571,7 @@ def _check_resume_changes(saved: TrainConfig, cfg: TrainConfig) -> None:
     unknown = sorted(set(cfg.allow_change or []) - set(field_names()))
     if unknown:
         raise UserError(f"--allow-change names no field {unknown[0]!r}; see --help for fields")
+    saved, cfg = local_paths_absolute(saved), local_paths_absolute(cfg)  # as resolve() records
     for f in dataclasses.fields(TrainConfig):
         before, after = getattr(saved, f.name), getattr(cfg, f.name)
         if f.name not in allowed and before != after:
@@ -561,6 +610,24 @@ def check_data_options(opts: DataOptions) -> None:
         raise UserError("invalid config: stop strings must be non-empty")
 
 
+def local_paths_absolute(cfg: Any) -> Any:
+    """The config with its local model, dataset and reward-file paths made absolute (hub ids and
+    builtin:NAME unchanged), as a run records them."""
+    local = {
+        name: str(Path(value).expanduser().resolve())
+        for name in ("model", "dataset", "eval_dataset")
+        if (value := getattr(cfg, name, None)) is not None and Path(value).expanduser().exists()
+    }
+    cfg = dataclasses.replace(cfg, **local)
+    if cfg.rewards:
+        cfg = dataclasses.replace(
+            cfg, rewards={absolute_spec(spec): w for spec, w in cfg.rewards.items()}
+        )
+    if cfg.pass_reward is not None:
+        cfg = dataclasses.replace(cfg, pass_reward=absolute_spec(cfg.pass_reward))
+    return cfg
+
+
 def resolve(cfg: TrainConfig, *, task_max_new_tokens: int) -> TrainConfig:
     """Fill every field left at None from the preset and the task, then validate.
 
@@ -578,17 +645,7 @@ def resolve(cfg: TrainConfig, *, task_max_new_tokens: int) -> TrainConfig:
         cfg = dataclasses.replace(cfg, overlong_cache=max(1, cfg.max_new_tokens // 4))
     if cfg.lora_r is not None and cfg.lora_alpha is None:
         cfg = dataclasses.replace(cfg, lora_alpha=2.0 * cfg.lora_r)
-    local = {
-        name: str(Path(value).expanduser().resolve())
-        for name in ("model", "dataset", "eval_dataset")
-        if (value := getattr(cfg, name)) is not None and Path(value).expanduser().exists()
-    }
-    cfg = dataclasses.replace(cfg, **local)
-    if cfg.rewards:
-        rewards = {absolute_spec(spec): w for spec, w in cfg.rewards.items()}
-        cfg = dataclasses.replace(cfg, rewards=rewards)
-    if cfg.pass_reward is not None:
-        cfg = dataclasses.replace(cfg, pass_reward=absolute_spec(cfg.pass_reward))
+    cfg = local_paths_absolute(cfg)
     validate(cfg)
     return cfg
 

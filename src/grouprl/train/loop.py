@@ -31,8 +31,10 @@ asks for it, and then the trainer recomputes `old_logp` itself (the sampler's ro
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -106,6 +108,7 @@ class Sampler:
     device: torch.device
     warn: Callable[[str], None] = print
     skipped: int = 0  # prompts skipped as too long, over the run
+    warned_empty: bool = False  # dynamic sampling kept nothing once: said so
 
     def fits(self, ids: list[int]) -> bool:
         return self.budget is None or len(ids) <= self.budget
@@ -216,6 +219,14 @@ def collect_batch(
     stats["groups"] = usable
     everything = Batch.concat(sampled)
     if usable == 0:
+        if cfg.dynamic_sampling and not sampler.warned_empty:
+            sampler.warned_empty = True
+            sampler.warn(
+                f"dynamic sampling kept no group at step {step + 1}: in every group all "
+                f"completions passed or all failed by the pass reward "
+                f"'{sampler.rewards.pass_reward}' (a pass is a score >= 1); if it gives partial "
+                "credit, name another with --pass-reward or turn --dynamic-sampling off"
+            )
         return None, stats, everything
     batch = Batch.concat(parts)
     kept = batch if usable == n_kept else batch.select_groups(list(range(usable)))
@@ -347,9 +358,53 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     return run_dir
 
 
-def _finished(run_dir: Path) -> bool:
-    final = run_dir / "final"
-    return (final / "config.json").is_file() or (final / "adapter_config.json").is_file()
+#: Written last into final/: the step the final policy is from.
+FINAL_MARKER = "grouprl_final.json"
+
+
+def _finished_at(run_dir: Path) -> int | None:
+    """The step of the run's complete final/ directory, or None."""
+    try:
+        return int(json.loads((run_dir / "final" / FINAL_MARKER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_final(policy: nn.Module, tokenizer: Any, run_dir: Path, step: int) -> Path:
+    """final/ written under a temporary name, marked with its step, then swapped in: a kill
+    midway leaves the previous final/ (or none), never a half-written one."""
+    final, tmp, old = run_dir / "final", run_dir / ".final-tmp", run_dir / ".final-old"
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    save_final(policy, tokenizer, tmp)
+    (tmp / FINAL_MARKER).write_text(json.dumps({"step": step}) + "\n")
+    if final.exists():
+        os.replace(final, old)  # the previous final policy of this same run, now superseded
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _apply_hyperparameters(
+    cfg: TrainConfig, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> None:
+    """The config's learning rate, weight decay and betas over what a checkpoint restored, so
+    that `--resume --allow-change lr` means what it says (equal values change nothing)."""
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group.update(
+            initial_lr=cfg.lr,
+            lr=cfg.lr * lr_factor(cfg, scheduler.last_epoch),
+            weight_decay=cfg.weight_decay,
+            betas=tuple(cfg.adam_betas),
+        )
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def _count(n: int) -> str:
@@ -403,18 +458,21 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
     scaler = grad_scaler(cfg, device)
 
-    state: dict[str, Any] = {"data_position": 0, "initial_eval": None}
+    state: dict[str, Any] = {"data_position": 0, "initial_eval": None, "nonfinite_in_a_row": 0}
     start = 0
-    checkpoint = ckpt.latest_checkpoint(run_dir, warn=warn) if cfg.resume is not None else None
+    checkpoint = None
+    if cfg.resume is not None:
+        checkpoint = ckpt.latest_checkpoint(run_dir, warn=warn, set_aside=True)
     if checkpoint is not None:
         meta = ckpt.load_checkpoint(
             checkpoint, model=policy, optimizer=optimizer, scheduler=scheduler
         )
+        _apply_hyperparameters(cfg, optimizer, scheduler)  # what --allow-change changed
         start = meta["step"]
-        state = {key: meta[key] for key in state}
+        state = {key: meta.get(key, default) for key, default in state.items()}
         if scaler is not None and meta.get("grad_scaler"):
             scaler.load_state_dict(meta["grad_scaler"])
-        if start >= cfg.steps and _finished(run_dir):
+        if start >= cfg.steps and _finished_at(run_dir) == start:
             console.print(
                 f"{run_dir} already finished at step {start} (steps {cfg.steps}); nothing to "
                 f"do. To train longer: grouprl train --resume {run_dir} --steps N"
@@ -423,18 +481,26 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         console.print(f"resuming {run_dir} from step {start}")
     if cfg.resume is not None:  # rows after the checkpoint are replayed (initial eval included)
         last_kept = start if state["initial_eval"] is not None else -1
-        for name in ("metrics.jsonl", "eval.jsonl", "samples.jsonl"):
-            truncate_jsonl(run_dir / name, keep_through_step=last_kept)
+        # a final evaluation at `start` is replayed too: the run ends there
+        last_eval = min(last_kept, start - 1) if start >= cfg.steps else last_kept
+        for name, keep in (("metrics.jsonl", last_kept), ("eval.jsonl", last_eval),
+                           ("samples.jsonl", last_kept)):  # fmt: skip
+            if truncate_jsonl(run_dir / name, keep_through_step=keep):
+                warn(f"{name}: dropped a half-written line (the process was killed mid-write)")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    _write_atomically(run_dir / "config.yaml", to_yaml(cfg))
     sampler.stream.position = state["data_position"]
     # TensorBoard forgets what the replayed steps logged before (JSONL was truncated above)
     sinks = MetricSinks(run_dir, purge_step=last_kept + 1 if cfg.resume is not None else None)
     interactive = cfg.progress and console.is_terminal
-    done = {"step": start, "position": state["data_position"]}  # the last completed step
+    done = {  # the last completed step
+        "step": start,
+        "position": state["data_position"],
+        "nonfinite": state["nonfinite_in_a_row"],
+    }
 
     def save(step: int) -> Path:
-        state.update(data_position=done["position"])
+        state.update(data_position=done["position"], nonfinite_in_a_row=done["nonfinite"])
         if scaler is not None:
             state.update(grad_scaler=scaler.state_dict())
         return ckpt.save_checkpoint(
@@ -459,7 +525,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
     # From the first checkpoint on, SIGINT/SIGTERM finish the current step, save and stop.
     with _StopFlag() as stop:
         save(start)  # a run directory always holds a checkpoint to resume from
-        if state["initial_eval"] is None:
+        if state["initial_eval"] is None and stop.requested is None:  # else: on resume
             console.print(f"run directory: {run_dir}")
             weights = ", ".join(f"{n} x{w:g}" for n, w in rewards.weights.items())
             console.print(f"policy:  {cfg.model} ({_describe(policy)}) on {device}")
@@ -472,7 +538,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         latest_eval = None
         step = start
         updating = False
-        nonfinite_in_a_row = 0
+        nonfinite_in_a_row = state["nonfinite_in_a_row"]
         try:
             with _progress(console, interactive) as bar:
                 task_id = bar.add_task("train", total=cfg.steps, completed=start, info="")
@@ -517,7 +583,9 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                     lr = optimizer.param_groups[0]["lr"]  # the rate this step's updates used
                     scheduler.step()
                     step += 1
-                    done.update(step=step, position=sampler.stream.position)
+                    done.update(
+                        step=step, position=sampler.stream.position, nonfinite=nonfinite_in_a_row
+                    )
                     updating = False
                     seconds = time.perf_counter() - t0
                     generated = int(sampled.rollout.lengths.sum())  # every token sampled
@@ -571,7 +639,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
 
         final_eval = evaluate_at(step)
         sinks.close()
-        save_final(policy, tokenizer, run_dir / "final")
+        _write_final(policy, tokenizer, run_dir, step)
         plots = plot_run(run_dir)
         _print_summary(console, state["initial_eval"], final_eval)
         console.print(

@@ -254,13 +254,16 @@ def update(
             if scaler is not None:
                 scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            finite = math.isfinite(float(grad_norm)) and math.isfinite(diagnostics["loss"])
+            finite_loss = math.isfinite(diagnostics["loss"])
             if scaler is not None:  # skips the step itself when the scaled gradients overflowed
                 scaler.step(optimizer)  # (an overflow is how the scale finds its level: no alarm)
                 scaler.update()
-            elif finite:
-                optimizer.step()
-            else:  # a NaN or inf never reaches the weights, nor AdamW's moments
+                finite = finite_loss  # a NaN loss, though, is nothing a smaller scale can fix
+            else:
+                finite = finite_loss and math.isfinite(float(grad_norm))
+                if finite:
+                    optimizer.step()
+            if not finite:  # a NaN or inf never reaches the weights, nor AdamW's moments
                 nonfinite += 1
                 n_trained_updates -= 1 if plan.chunks else 0
                 diagnostics = dict.fromkeys(_EXACT_DIAGNOSTICS, 0.0)
