@@ -10,6 +10,7 @@ workers spin-waiting for a core). One thread also makes timings and results repe
 """
 
 import os
+import signal
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -41,3 +42,30 @@ def chat_model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("chat_model")
     save_tiny_chat_model(directory)
     return directory
+
+
+@pytest.fixture
+def stop_at(monkeypatch):
+    """`stop_at(step, signum=SIGINT, error=None)`: as the training loop starts step `step`
+    (0-based), send this process `signum`, or raise `error`; `stop_at(None)` undoes it."""
+    import os
+
+    from grouprl.train import loop
+
+    original = loop.collect_batch
+
+    def arm(step, signum=signal.SIGINT, error=None):
+        if step is None:
+            monkeypatch.setattr(loop, "collect_batch", original)
+            return
+
+        def collect(cfg, at, *args):
+            if at == step:
+                if error is not None:
+                    raise error
+                os.kill(os.getpid(), signum)
+            return original(cfg, at, *args)
+
+        monkeypatch.setattr(loop, "collect_batch", collect)
+
+    return arm

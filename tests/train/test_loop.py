@@ -4,8 +4,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
-import signal
 
 import pytest
 import torch
@@ -111,23 +109,16 @@ def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path, monkeypatc
     assert seen and not any(zero.any() for zero in seen)
 
 
-def test_resume_equals_uninterrupted_and_ctrl_c_saves(tmp_path, monkeypatch):
+def test_resume_equals_uninterrupted_and_ctrl_c_saves(tmp_path, stop_at):
     straight = _run(tmp_path, "straight", steps=4)
 
     # Interrupt the second run with SIGINT during step 3; it must save step 2 and exit cleanly.
-    original = loop.collect_batch
-
-    def interrupt_at_step_2(cfg, step, *args):
-        if step == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(cfg, step, *args)
-
-    monkeypatch.setattr(loop, "collect_batch", interrupt_at_step_2)
+    stop_at(2)
     broken = _run(tmp_path, "broken", steps=4)
     assert broken.interrupted and broken.steps_done == 3
     assert (broken.run_dir / "checkpoints" / "step_000003" / "state.json").is_file()
     assert not (broken.run_dir / "final").exists()
-    monkeypatch.setattr(loop, "collect_batch", original)
+    stop_at(None)
 
     resumed = loop.train(dataclasses.replace(TrainConfig(**SMALL), resume=broken.run_dir, steps=4))
     assert resumed.steps_done == 4 and not resumed.interrupted

@@ -52,15 +52,8 @@ def test_a_stop_during_the_first_evaluation_leaves_a_resumable_run(tmp_path, mon
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sigterm_saves_and_exits_143(tmp_path, monkeypatch, capsys):
-    original = loop.collect_batch
-
-    def preempted(cfg, step, *args):
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original(cfg, step, *args)
-
-    monkeypatch.setattr(loop, "collect_batch", preempted)
+def test_sigterm_saves_and_exits_143(tmp_path, stop_at, capsys):
+    stop_at(1, signal.SIGTERM)
     run = tmp_path / "run"
     assert main(["train", "--steps", "4", "--output-dir", str(run), *TINY]) == 143
     err = " ".join(capsys.readouterr().err.split())
@@ -69,25 +62,18 @@ def test_sigterm_saves_and_exits_143(tmp_path, monkeypatch, capsys):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler given back
 
 
-def test_a_reward_that_raises_mid_run_saves_the_last_completed_step(tmp_path, monkeypatch):
+def test_a_reward_that_raises_mid_run_saves_the_last_completed_step(tmp_path, stop_at):
     """The user's error ends the run with one line, after the last completed step is saved;
     fixed, the run resumes and ends exactly like one that never failed."""
     straight = tmp_path / "straight"
     assert main(["train", "--steps", "3", "--output-dir", str(straight), *TINY]) == 0
     from grouprl.errors import UserError
 
-    original = loop.collect_batch
-
-    def reward_fails_in_step_3(cfg, step, *args):
-        if step == 2:
-            raise UserError("reward function 'x' raised ValueError: boom")
-        return original(cfg, step, *args)
-
-    monkeypatch.setattr(loop, "collect_batch", reward_fails_in_step_3)
+    stop_at(2, error=UserError("reward function 'x' raised ValueError: boom"))
     broken = tmp_path / "broken"
     assert main(["train", "--steps", "3", "--output-dir", str(broken), *TINY]) == 2
     assert ckpt.latest_checkpoint(broken).name == "step_000002"
-    monkeypatch.setattr(loop, "collect_batch", original)
+    stop_at(None)
     assert main(["train", "--resume", str(broken)]) == 0
     drop = {"step_seconds", "rollout_seconds", "tokens_per_s"}
 
@@ -107,21 +93,14 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
     assert snapshot(run) == before
 
 
-def test_tensorboard_replays_nothing_twice_after_a_resume(tmp_path, monkeypatch):
+def test_tensorboard_replays_nothing_twice_after_a_resume(tmp_path, stop_at):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    original = loop.collect_batch
-
-    def interrupt_at_step_2(cfg, step, *args):
-        if step == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(cfg, step, *args)
-
-    monkeypatch.setattr(loop, "collect_batch", interrupt_at_step_2)
+    stop_at(2)
     run = tmp_path / "run"
     assert main(["train", "--steps", "4", "--save-every", "1", "--output-dir", str(run),
                  *TINY[:-2]]) == 130  # fmt: skip
-    monkeypatch.setattr(loop, "collect_batch", original)
+    stop_at(None)
     assert main(["train", "--resume", str(run)]) == 0
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
