@@ -8,6 +8,7 @@ heavy is imported before the flags are parsed: `--help` answers without torch or
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -134,11 +135,18 @@ def main(argv: list[str] | None = None) -> int:
             warnings.showwarning = show  # one plain line per warning, no source location
             return COMMANDS[name][0](rest)
     except UserError as err:
-        print(f"grouprl {name}: error: {err}", file=sys.stderr)
+        if _prints():
+            print(f"grouprl {name}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"grouprl {name}: interrupted", file=sys.stderr)
+        if _prints():
+            print(f"grouprl {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _prints() -> bool:
+    """Under torchrun only rank 0 prints: every rank hits the same error at the same step."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 if __name__ == "__main__":

@@ -79,20 +79,20 @@ def adapter_dropout(model: nn.Module, active: bool) -> Iterator[None]:
             m.training = mode
 
 
-def save_final(model: nn.Module, tokenizer, directory: Path) -> None:
+def save_final(model: nn.Module, tokenizer, directory: Path, state_dict=None) -> None:
     """`directory`: a full model `AutoModelForCausalLM` loads, and for a LoRA model also
     `directory/adapter` (the adapter alone, which peft loads over the base model).
 
     The merge runs in float32 (base weights upcast), so small adapter updates are not rounded
     away in a bf16/fp16 base; the merged model is saved in float32. It consumes the LoRA
-    wrapper: call it last.
+    wrapper: call it last. `state_dict`: the full weights of a sharded model (no LoRA).
     """
     directory = Path(directory)
     if is_lora(model):
         model.save_pretrained(directory / "adapter")
         tokenizer.save_pretrained(directory / "adapter")
         model = model.merge_and_unload() if _all_float32(model) else _merged_float32(model)
-    model.save_pretrained(directory)
+    model.save_pretrained(directory, state_dict=state_dict)
     tokenizer.save_pretrained(directory)
 
 

@@ -99,3 +99,19 @@ class MetricSinks:
             writer.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class NullSinks:
+    """What ranks other than rank 0 log to: nothing (only rank 0 writes the run directory)."""
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

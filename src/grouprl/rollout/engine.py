@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -33,6 +33,7 @@ class HFRolloutEngine:
         top_k: int = 0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
+        all_done: Callable[[bool], bool] | None = None,
     ) -> Rollout:
         return sample_groups(
             self.model,
@@ -46,4 +47,5 @@ class HFRolloutEngine:
             stop=stop,
             seed=seed,
             chat_template=self.chat_template,
+            all_done=all_done,
         )

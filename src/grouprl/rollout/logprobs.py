@@ -87,7 +87,7 @@ def completion_logprobs(
     completion_ids = batch.completion_ids.to(device)[:, :used]  # (N, T')
     sel = mask[:, :used]  # (N, T')
 
-    if _plain_head(model):
+    if plain_head(model):
         decoder, head = model.get_decoder(), model.get_output_embeddings()
         hidden = _completion_hidden(
             decoder, prompt_ids, prompt_mask, completion_ids, group_size, share_prompt
@@ -279,7 +279,7 @@ def _vocab_size(model: nn.Module, head: nn.Module) -> int:
     return int(model.config.get_text_config().vocab_size)
 
 
-def _plain_head(model: nn.Module) -> bool:
+def plain_head(model: nn.Module) -> bool:
     """Whether model(x).logits == output_embeddings(decoder(x)), checked once per model.
 
     A two-token probe in eval mode without gradients; models with extra logit processing

@@ -15,7 +15,7 @@ The loop is a plain KV-cache decode that calls the model's forward directly. Com
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -294,6 +294,7 @@ def sample_groups(
     stop: Sequence[str] | None = None,
     seed: int | None = None,
     chat_template: bool = False,
+    all_done: Callable[[bool], bool] | None = None,
 ) -> Rollout:
     """Sample `group_size` completions for each prompt; returns a group-contiguous `Rollout`.
 
@@ -323,6 +324,11 @@ def sample_groups(
     string, and `texts` is cut right after the stop string (characters the same token added
     after it are dropped from the text only). Texts skip special tokens, so EOS never appears.
 
+    `all_done(done) -> bool`, when given, is asked at every check whether every participant is
+    done (a data-parallel job whose forward passes are collectives, FSDP): this process keeps
+    stepping, feeding its finished rows pad tokens, until all are. Every participant then runs
+    the same number of forward passes.
+
     Same model, prompts, settings and `seed` give the same completions (on the same device and
     library versions). With `seed=None` the global torch RNG is used.
 
@@ -341,7 +347,9 @@ def sample_groups(
         generator = torch.Generator(device=device)
         generator.manual_seed(int(seed))
 
-    with torch.inference_mode():
+    # FSDP (all_done given) all-gathers parameters into buffers it reuses outside this block:
+    # they must not become inference tensors, so there plain no_grad
+    with torch.inference_mode() if all_done is None else torch.no_grad():
         tokens, logp, entropy, lengths, ended = _decode(
             model,
             prompt_ids,
@@ -356,6 +364,7 @@ def sample_groups(
             pad_id=pad_id,
             stopper=_StopStrings(tokenizer, stop) if stop else None,
             generator=generator,
+            all_done=all_done,
         )
     width = int(lengths.max())  # T
     tokens, logp, entropy = tokens[:, :width], logp[:, :width], entropy[:, :width]  # (N, T)
@@ -394,6 +403,7 @@ def _decode(
     pad_id: int,
     stopper: _StopStrings | None,
     generator: torch.Generator | None,
+    all_done: Callable[[bool], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode loop. Returns tokens, old_logp and entropy (N, max_new), lengths and ended (N,)."""
     device = prompt_ids.device
@@ -456,9 +466,9 @@ def _decode(
             break
         if (t + 1) % check_every == 0:
             running = int((~done).sum())
-            if running == 0:
+            if (running == 0) if all_done is None else all_done(running == 0):
                 break
-            if 2 * running <= done.numel():  # compaction: drop finished rows
+            if running > 0 and 2 * running <= done.numel():  # compaction: drop finished rows
                 keep = (~done).nonzero().squeeze(1)  # (running,)
                 cache.batch_select_indices(keep)
                 rows = keep if rows is None else rows[keep]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -117,6 +117,13 @@ class Rollout:
             entropy=None if self.entropy is None else self.entropy[ri],
         )
 
+    def to(self, device: torch.device | str) -> Rollout:
+        """The same rollout with its tensors on `device`."""
+        tensors = ("prompt_ids", "prompt_mask", "completion_ids", "mask", "old_logp", "truncated")
+        moved = {name: getattr(self, name).to(device) for name in tensors}
+        entropy = None if self.entropy is None else self.entropy.to(device)
+        return dataclasses.replace(self, **moved, entropy=entropy)
+
     def completion_id_lists(self) -> list[list[int]]:
         """Each completion's token ids under the mask (EOS included), as TRL passes
         ``completion_ids`` to reward functions."""
@@ -213,7 +220,9 @@ class RolloutEngine(Protocol):
     The trainer only calls `sample`; an engine owns its model copy, its batching and its cache.
     `old_logp` must be the log-prob under softmax(logits / temperature) before top-k / top-p,
     as documented on `Rollout`, whatever the backend. `entropy` is optional: an engine that
-    cannot provide it returns None, and the trainer then logs no entropy.
+    cannot provide it returns None, and the trainer then logs no entropy. `all_done`, passed only
+    when the trainer's forward passes are collectives (FSDP), must be called at each decode
+    check with whether this engine is done, and decoding must go on until it returns True.
     """
 
     def sample(
@@ -227,4 +236,5 @@ class RolloutEngine(Protocol):
         top_k: int = 0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
+        all_done: Callable[[bool], bool] | None = None,
     ) -> Rollout: ...

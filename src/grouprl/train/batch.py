@@ -33,6 +33,11 @@ class Batch:
             {name: [values[i] for i in keep] for name, values in self.extra.items()},
         )
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The batch with its rollout on `device` (rewards and scores stay on the CPU)."""
+        return Batch(self.rollout.to(device), self.rows, self.rewards, self.by_function,
+                     self.passed, self.extra)  # fmt: skip
+
     @staticmethod
     def concat(parts: list[Batch]) -> Batch:
         if len(parts) == 1:

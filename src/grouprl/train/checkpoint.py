@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from grouprl.errors import UserError
 from grouprl.faults import fault
+from grouprl.train.distributed import load_full_state
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -134,8 +135,10 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    sd = optimizer.state_dict()
+def _optimizer_to_files(
+    optimizer: torch.optim.Optimizer, sd: dict[str, Any] | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = sd if sd is not None else optimizer.state_dict()
     tensors, scalars = {}, {}
     for index, state in sd["state"].items():
         for key, value in state.items():
@@ -147,7 +150,10 @@ def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, tor
 
 
 def _optimizer_from_files(
-    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict
+    optimizer: torch.optim.Optimizer,
+    tensors: dict[str, torch.Tensor],
+    meta: dict,
+    sharded: torch.nn.Module | None = None,
 ) -> None:
     state: dict[int, dict[str, Any]] = {}
     for name, value in [*tensors.items(), *meta["scalars"].items()]:
@@ -162,6 +168,9 @@ def _optimizer_from_files(
         }
         for saved, current in zip(meta["param_groups"], optimizer.param_groups, strict=True)
     ]
+    if sharded is not None:  # FSDP: each rank keeps its shards of the full state
+        load_full_state(sharded, optimizer, None, {"state": state, "param_groups": groups})
+        return
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -177,7 +186,7 @@ def _mismatch(path: Path) -> UserError:
     )
 
 
-def _load_weights(model: torch.nn.Module, path: Path) -> None:
+def _load_weights(model: torch.nn.Module, path: Path, *, sharded: bool = False) -> None:
     """Restore the trainable weights from a checkpoint directory: the adapter of a LoRA model,
     or every parameter of a fully trained one (tied weights are stored once)."""
     if _is_peft(model):
@@ -207,6 +216,9 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
     loaded = {id(params[k]) for k in saved if k in params}
     if any(id(p) not in loaded for p in params.values()):  # a parameter no file restores
         raise _mismatch(path)
+    if sharded:
+        load_full_state(model, None, saved, None)
+        return
     with torch.no_grad():
         for name, tensor in saved.items():
             (params.get(name) if name in params else buffers[name]).copy_(tensor)
@@ -228,12 +240,13 @@ def _restore_rng(states: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-def _write(tmp: Path, step: int, model, tokenizer, optimizer, scheduler, state) -> None:
-    model.save_pretrained(tmp, safe_serialization=True)
+def _write(tmp: Path, step: int, model, tokenizer, optimizer, scheduler, state, full) -> None:
+    weights, optimizer_state = full if full is not None else (None, None)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     fault("checkpoint")  # half written: the model files are there, the rest is not
-    opt_tensors, opt_meta = _optimizer_to_files(optimizer)
+    opt_tensors, opt_meta = _optimizer_to_files(optimizer, optimizer_state)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file(_rng_states(), str(tmp / "rng.safetensors"))
     version, internal, gauss = random.getstate()
@@ -278,6 +291,7 @@ def save_checkpoint(
     state: dict[str, Any],
     keep_last: int,
     tokenizer: Any = None,
+    full_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically, verify it, then delete all but the newest `keep_last`.
 
@@ -285,6 +299,9 @@ def save_checkpoint(
     (Ctrl-C right after a periodic save, resuming a finished run) returns it, so there is no
     moment in which that step's only checkpoint is being replaced. A damaged directory of the
     same name is set aside (renamed), not deleted.
+
+    `full_state`: the (weights, optimizer state) of a sharded model, gathered on this rank
+    (`distributed.gather_full_state`); they are written in place of the model's own.
     """
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -298,7 +315,7 @@ def save_checkpoint(
         tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from a crash mid-write
     tmp.mkdir()
-    _write(tmp, step, model, tokenizer, optimizer, scheduler, state)
+    _write(tmp, step, model, tokenizer, optimizer, scheduler, state, full_state)
     reason = damage(tmp)  # re-read from disk before anything older goes
     if reason is not None:
         raise OSError(f"checkpoint {final.name} did not verify after writing: {reason}")
@@ -322,14 +339,19 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    sharded: bool = False,
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and random states in place; return state.json.
+    `sharded`: the model is FSDP-sharded; every rank reads the full files and keeps its shards.
 
     UserError when the checkpoint holds other parameters than `model` trains."""
     meta = json.loads((path / "state.json").read_text())
-    _load_weights(model, path)
+    _load_weights(model, path, sharded=sharded)
     _optimizer_from_files(
-        optimizer, load_file(str(path / "optimizer.safetensors")), meta["optimizer"]
+        optimizer,
+        load_file(str(path / "optimizer.safetensors")),
+        meta["optimizer"],
+        sharded=model if sharded else None,
     )
     scheduler.load_state_dict(meta["scheduler"])
     _restore_rng(load_file(str(path / "rng.safetensors")))

@@ -137,6 +137,9 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     micro_batch_size: int | None = None
     """Completions per forward/backward; gradients accumulate over a minibatch's chunks (the same
     update). None: a whole minibatch at once."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Under torchrun: ddp keeps a full model on every rank and sums gradients; fsdp shards the
+    model across ranks (FSDP2), for models that do not fit one device. No effect in one process."""
 
     # ----- LoRA -----
     lora_r: int | None = None
@@ -327,7 +330,7 @@ LAUNCH_FIELDS = ("config", "resume", "allow_change")
 #: and where it runs. Anything else would make the rest of the run a different run.
 RESUMABLE_FIELDS = (
     "steps", "eval_every", "eval_size", "eval_samples", "save_every", "keep_last",
-    "log_samples", "threads", "progress", "reward_timeout", "device",
+    "log_samples", "threads", "progress", "reward_timeout", "device", "strategy",
 )  # fmt: skip
 
 Config = TypeVar("Config")

@@ -122,12 +122,20 @@ def evaluate(
     greedy: bool = True,
     progress: bool = True,
     console: Console | None = None,
+    all_done: Callable[[bool], bool] | None = None,
+    real_rows: int | None = None,
+    gather: Callable[[Any], list[Any]] | None = None,
 ) -> EvalResult:
     """pass@1, pass@k (k = samples) and greedy pass@1 of `model` on `rows`.
 
     Completions are judged by `judge(rows, rollout) -> solved flags`, or by `reward_fn`'s score
     reaching 1. The model is put in eval mode for the measurement and returned to its previous
     mode.
+
+    Sharded across data-parallel ranks (the trainer): `rows` is this rank's share, of which the
+    first `real_rows` count (the rest pad every rank to the same number of batches, so that under
+    FSDP every rank runs the same forward passes, each kept in step by `all_done`); `gather`
+    collects every rank's per-problem counts, and the result is that of all ranks' rows.
     """
     if (reward_fn is None) == (judge is None):
         raise ValueError("give exactly one of reward_fn and judge")
@@ -144,7 +152,7 @@ def evaluate(
     model.eval()
     solved: list[int] = []  # (n,) solved samples per problem
     greedy_solved: list[bool] = []  # (n,)
-    total_length = 0
+    lengths: list[int] = []  # (n,) completion tokens per problem, over its samples
     batches = [rows[i : i + batch_prompts] for i in range(0, len(rows), batch_prompts)]
     bar = Progress(
         TextColumn("eval"),
@@ -169,27 +177,43 @@ def evaluate(
                     group_size=samples,
                     temperature=temperature,
                     seed=seed + i,
+                    all_done=all_done,
                     **common,
                 )
                 flags = judge(batch, rollout)
                 solved += [sum(flags[j * samples : (j + 1) * samples]) for j in range(len(batch))]
-                total_length += int(rollout.lengths.sum())
+                lengths += rollout.lengths.view(len(batch), samples).sum(-1).tolist()
                 if greedy:
                     greedy_rollout = sample_groups(
-                        model, tokenizer, prompts, group_size=1, temperature=0.0, **common
+                        model,
+                        tokenizer,
+                        prompts,
+                        group_size=1,
+                        temperature=0.0,
+                        all_done=all_done,
+                        **common,
                     )
                     greedy_solved += judge(batch, greedy_rollout)
                 bar.advance(task_id, len(batch))
     finally:
         model.train(was_training)
-    n = len(rows)
+    keep = len(rows) if real_rows is None else real_rows
+    counts = (solved[:keep], greedy_solved[:keep], lengths[:keep])
+    if gather is not None:
+        shares = gather(counts)
+        solved, greedy_solved, lengths = (
+            [x for share in shares for x in share[i]] for i in range(3)
+        )
+    else:
+        solved, greedy_solved, lengths = counts
+    n = len(solved)
     return EvalResult(
         n=n,
         pass_at_1=sum(solved) / (n * samples),
         pass_at_k=sum(pass_at_k(samples, c, samples) for c in solved) / n,
         greedy_pass_at_1=sum(greedy_solved) / n if greedy else None,
         samples=samples,
-        mean_length=total_length / (n * samples),
+        mean_length=sum(lengths) / (n * samples),
     )
 
 

@@ -60,13 +60,15 @@ from grouprl.faults import fault
 from grouprl.models.loading import resolve_device
 from grouprl.models.lora import base_model_context, save_final
 from grouprl.report import MetricSinks, plot_run
-from grouprl.report.sinks import truncate_jsonl
-from grouprl.rollout import HFRolloutEngine, Rollout, RolloutEngine
+from grouprl.report.sinks import NullSinks, truncate_jsonl
+from grouprl.rollout import HFRolloutEngine, Rollout, RolloutEngine, completion_logprobs
+from grouprl.rollout.logprobs import plain_head
 from grouprl.tasks import Task
 from grouprl.tasks.base import TrainerState
 from grouprl.tasks.data import PromptStream
 from grouprl.tasks.scoring import RewardSet
 from grouprl.train import checkpoint as ckpt
+from grouprl.train import distributed
 from grouprl.train.batch import Batch
 from grouprl.train.build import (
     autocast,
@@ -80,6 +82,7 @@ from grouprl.train.build import (
     stop_strings,
 )
 from grouprl.train.config import TrainConfig, check_data_options, resolve, to_yaml
+from grouprl.train.distributed import SINGLE, Dist
 from grouprl.train.evaluate import EvalResult, evaluate
 from grouprl.train.update import grad_scaler, make_optimizer, no_grad_logprobs, update
 
@@ -106,6 +109,7 @@ class Sampler:
     budget: int | None  # longest prompt in tokens; None: no limit
     dtype: torch.dtype | None  # autocast dtype of the forward passes
     device: torch.device
+    dist: Dist = SINGLE  # this rank's place in a torchrun job
     warn: Callable[[str], None] = print
     skipped: int = 0  # prompts skipped as too long, over the run
     warned_empty: bool = False  # dynamic sampling kept nothing once: said so
@@ -156,19 +160,30 @@ def collect_batch(
     penalty or a format bonus are not worth a step), and samples more prompts, up to
     `max_resample_rounds` extra rounds.
 
-    Returns the kept batch (None when no group was kept), sampling statistics (plus whatever
-    reward functions logged with `log_metric`), and everything sampled, kept or not, which the
-    step's reward, accuracy and length metrics describe.
+    Data parallel: every rank draws the same prompts (the single-process prompts) and samples
+    whole groups for its share of each minibatch (`Dist.my_groups`), with its own seed; kept
+    groups are counted across ranks, and with dynamic sampling handed round so that every rank
+    trains the same number (a round then draws a multiple of the world size).
+
+    Returns this rank's kept batch (None when no group was kept anywhere), sampling statistics
+    of the whole job (plus whatever reward functions logged with `log_metric`), and everything
+    this rank sampled, kept or not, which the step's reward, accuracy and length metrics describe.
     """
     B, G = cfg.prompts_per_step, cfg.group_size
-    parts: list[Batch] = []
+    dist = sampler.dist
+    W, M = dist.world_size, cfg.minibatches
+    parts: list[tuple[int, Batch]] = []  # (round, kept groups of this rank)
     sampled: list[Batch] = []
     n_kept = n_sampled = n_zero = 0
     skipped_before = sampler.skipped
     logged: dict[str, float] = {}
     rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
     for round_ in range(rounds):
-        rows, ids = draw_prompts(sampler, B - n_kept)
+        need = B - n_kept
+        every_rows, every_ids = draw_prompts(sampler, -(-need // W) * W)  # the same on all ranks
+        n = len(every_rows)
+        mine = dist.my_groups(n, M) if n % (W * M) == 0 else dist.mine(n)
+        rows, ids = [every_rows[i] for i in mine], [every_ids[i] for i in mine]
         with autocast(sampler.device, sampler.dtype):
             rollout = sampler.engine.sample(
                 ids,
@@ -178,17 +193,24 @@ def collect_batch(
                 top_p=cfg.top_p,
                 top_k=cfg.top_k,
                 stop=sampler.stop,
-                seed=cfg.seed * 1_000_003 + step * 97 + round_,
+                # each rank its own stream (an odd 32-bit offset: CPU generators keep 32 bits)
+                seed=cfg.seed * 1_000_003 + step * 97 + round_ + dist.rank * 0x9E3779B1,
+                **({"all_done": dist.all_done} if dist.fsdp else {}),
             )
         fault("sample")
-        scores = sampler.rewards.score(
-            rollout.texts,
-            rows,
-            G,
-            completion_ids=rollout.completion_id_lists(),
-            state=TrainerState(global_step=step, max_steps=cfg.steps),
-            timeout=cfg.reward_timeout,
-        )
+        error = None
+        try:
+            scores = sampler.rewards.score(
+                rollout.texts,
+                rows,
+                G,
+                completion_ids=rollout.completion_id_lists(),
+                state=TrainerState(global_step=step, max_steps=cfg.steps),
+                timeout=cfg.reward_timeout,
+            )
+        except UserError as err:  # every rank leaves at this same point
+            error = err
+        dist.check(error)
         rewards = scores.total  # (N,) on the CPU
         logged.update(scores.logged)
         if cfg.overlong_penalty:
@@ -204,18 +226,22 @@ def collect_batch(
         decided = passes.all(-1) | ~passes.any(-1)  # (B_round,) all pass or all fail
         keep = [g for g in range(len(rows)) if not (cfg.dynamic_sampling and decided[g])]
         if keep:
-            parts.append(part if len(keep) == len(rows) else part.select_groups(keep))
-            n_kept += len(keep)
+            parts.append((round_, part if len(keep) == len(rows) else part.select_groups(keep)))
+        (kept_here,) = dist.sum(len(keep))  # on every rank
+        n_kept += int(kept_here)
         if n_kept >= B:
             break
+    n_sampled, n_zero = dist.sum(n_sampled, n_zero)
     stats = {
-        **logged,
+        **_mean_over_ranks(dist, logged),
         "frac_zero_std": n_zero / n_sampled,
         "sample_rounds": round_ + 1,
         "skipped_prompts": sampler.skipped - skipped_before,
     }
-    # Short of B groups after the last round: train on a multiple of the minibatch count.
-    usable = n_kept - n_kept % cfg.minibatches
+    # Short of B groups after the last round: train on a multiple of the minibatch count (on
+    # every rank).
+    usable = min(n_kept, B)
+    usable -= usable % (W * M)
     stats["groups"] = usable
     everything = Batch.concat(sampled)
     if usable == 0:
@@ -228,9 +254,38 @@ def collect_batch(
                 "credit, name another with --pass-reward or turn --dynamic-sampling off"
             )
         return None, stats, everything
-    batch = Batch.concat(parts)
-    kept = batch if usable == n_kept else batch.select_groups(list(range(usable)))
-    return kept, stats, everything
+    if not (dist.enabled and cfg.dynamic_sampling):  # each rank kept its own share, in order
+        batch = Batch.concat([b for _, b in parts])
+        per = usable // W
+        if len(batch.rows) != per:
+            batch = batch.select_groups(list(range(per)))
+        return batch, stats, everything
+    return _my_share(dist, parts, usable, M, sampler.device), stats, everything
+
+
+def _my_share(
+    dist: Dist, parts: list[tuple[int, Batch]], usable: int, minibatches: int, device: torch.device
+) -> Batch:
+    """This rank's groups (`Dist.my_groups`) of the first `usable` kept groups in their global
+    order (round by round, rank by rank), handed round between ranks."""
+    everyone = dist.gather([(r, b.to("cpu")) for r, b in parts])
+    ordered = sorted(
+        ((round_, rank, b) for rank, pieces in enumerate(everyone) for round_, b in pieces),
+        key=lambda x: (x[0], x[1]),
+    )
+    batch = Batch.concat([b for _, _, b in ordered])
+    return batch.select_groups(dist.my_groups(usable, minibatches)).to(device)
+
+
+def _mean_over_ranks(dist: Dist, values: dict[str, float]) -> dict[str, float]:
+    """Each key's mean over the ranks that logged it."""
+    if not dist.enabled:
+        return values
+    out: dict[str, list[float]] = {}
+    for logged in dist.gather(values):
+        for key, value in logged.items():
+            out.setdefault(key, []).append(value)
+    return {key: sum(v) / len(v) for key, v in out.items()}
 
 
 def evaluation_rows(
@@ -260,26 +315,39 @@ def run_eval(
     *,
     progress: bool,
 ) -> dict[str, float]:
-    """Held-out pass@1 (sampled and greedy) and pass@k on a fixed subset, with a fixed seed."""
+    """Held-out pass@1 (sampled and greedy) and pass@k on a fixed subset, with a fixed seed.
+
+    Data parallel: each rank evaluates a contiguous share of the rows (padded with repeats of the
+    first row to the longest share, so every rank judges as many batches), and the per-problem
+    counts are gathered."""
     state = TrainerState(global_step=step, max_steps=cfg.steps)
+    dist = sampler.dist
+    share = dist.mine(len(rows))
+    longest = max(len(r) for r in dist.shares(len(rows)))
+    mine = [rows[i] for i in share] + [rows[0]] * (longest - len(share))
 
     def judge(batch_rows: Sequence[dict], rollout: Rollout) -> list[bool]:
-        scores = sampler.rewards.score(
-            rollout.texts,
-            batch_rows,
-            rollout.group_size,
-            completion_ids=rollout.completion_id_lists(),
-            state=state,
-            timeout=cfg.reward_timeout,
-            only_pass=True,
-        )
-        return scores.passed.tolist()
+        error, passed = None, [False] * len(rollout.texts)
+        try:
+            passed = sampler.rewards.score(
+                rollout.texts,
+                batch_rows,
+                rollout.group_size,
+                completion_ids=rollout.completion_id_lists(),
+                state=state,
+                timeout=cfg.reward_timeout,
+                only_pass=True,
+            ).passed.tolist()
+        except UserError as err:  # every rank judges as many batches: leave together
+            error = err
+        dist.check(error)
+        return passed
 
     with autocast(sampler.device, sampler.dtype):
         result: EvalResult = evaluate(
             policy,
             sampler.tokenizer,
-            rows,
+            mine,
             judge=judge,
             samples=cfg.eval_samples,
             temperature=cfg.temperature,
@@ -288,6 +356,9 @@ def run_eval(
             seed=cfg.seed,
             greedy=True,
             progress=progress,
+            all_done=dist.all_done if dist.fsdp else None,
+            real_rows=len(share),
+            gather=dist.gather if dist.enabled else None,
         )
     out = {"pass_at_1": result.pass_at_1, f"pass_at_{result.samples}": result.pass_at_k}
     if result.greedy_pass_at_1 is not None:
@@ -319,6 +390,53 @@ class _StopFlag:
     def __exit__(self, *exc):
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
+
+
+def _advantages(cfg: TrainConfig, batch: Batch, dist: Dist) -> torch.Tensor:
+    """This rank's advantages (N,), computed over the whole job's batch (so a batch-level
+    scale uses the global batch's statistics)."""
+    G, per = cfg.group_size, len(batch.rows)
+    rewards = torch.cat(dist.gather(batch.rewards)) if dist.enabled else batch.rewards
+    advantages = group_advantages(
+        rewards.view(-1, G),
+        scale=cfg.adv_scale,
+        estimator=cfg.adv_estimator,
+        eps=cfg.adv_eps,
+        unbiased_std=cfg.unbiased_std,
+    ).reshape(-1)  # (N_global,)
+    return advantages[dist.rank * per * G : (dist.rank + 1) * per * G]
+
+
+def _check_world(cfg: TrainConfig, dist: Dist) -> None:
+    """What a torchrun job needs of the config, checked on every rank alike."""
+    parts = dist.world_size * cfg.minibatches
+    if cfg.prompts_per_step % parts:
+        raise UserError(
+            f"prompts_per_step {cfg.prompts_per_step} must be divisible by the world size "
+            f"{dist.world_size} times minibatches {cfg.minibatches} (= {parts}): every rank "
+            "trains whole groups, as many in each minibatch; change --prompts-per-step, "
+            "--minibatches or --nproc-per-node"
+        )
+    if dist.fsdp and cfg.lora_r is not None:
+        raise UserError(
+            "--strategy fsdp does not shard LoRA models; use --strategy ddp (each rank holds the "
+            "base model, and only the small adapters are reduced)"
+        )
+
+
+def _on_main(dist: Dist, compute: Callable[[], Any]) -> Any:
+    """`compute()` on rank 0 (which may touch the run directory), its result on every rank; a
+    user error there is raised on every rank."""
+    result, error = None, None
+    if dist.is_main:
+        try:
+            result = compute()
+        except UserError as err:
+            error = str(err)
+    result, error = dist.broadcast((result, error))
+    if error is not None:
+        raise UserError(error) if dist.is_main else distributed.PeerFailed(error)
+    return result
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -370,13 +488,15 @@ def _finished_at(run_dir: Path) -> int | None:
         return None
 
 
-def _write_final(policy: nn.Module, tokenizer: Any, run_dir: Path, step: int) -> Path:
+def _write_final(
+    policy: nn.Module, tokenizer: Any, run_dir: Path, step: int, state_dict=None
+) -> Path:
     """final/ written under a temporary name, marked with its step, then swapped in: a kill
     midway leaves the previous final/ (or none), never a half-written one."""
     final, tmp, old = run_dir / "final", run_dir / ".final-tmp", run_dir / ".final-old"
     for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
-    save_final(policy, tokenizer, tmp)
+    save_final(policy, tokenizer, tmp, state_dict)
     (tmp / FINAL_MARKER).write_text(json.dumps({"step": step}) + "\n")
     if final.exists():
         os.replace(final, old)  # the previous final policy of this same run, now superseded
@@ -421,8 +541,10 @@ def _describe(model: nn.Module) -> str:
 
 
 def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
-    """Run (or resume) a training run described by `cfg`; see the module docstring."""
-    console = console or Console(stderr=True)
+    """Run (or resume) a training run described by `cfg`; see the module docstring.
+
+    Under torchrun every rank calls this; rank 0 prints and writes the run directory."""
+    console = console or Console(stderr=True, quiet=not distributed.is_main_process())
 
     def warn(message: str) -> None:
         console.print(f"[yellow]warning:[/] {message}")
@@ -434,13 +556,22 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         cfg = resolve(cfg, task_max_new_tokens=task.max_new_tokens)
     for warning in caught:
         warn(str(warning.message))
-    run_dir = prepare_run_dir(cfg)
+    device = resolve_device(distributed.rank_device(cfg.device))
+    dist = distributed.init(cfg.strategy, device)
+    _check_world(cfg, dist)
+    run_dir = _on_main(dist, lambda: prepare_run_dir(cfg))  # rank 0 picks the name
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
 
-    device = resolve_device(cfg.device)
     policy, tokenizer, reference = load_policy(cfg, device)
+    if dist.fsdp:
+        for model in (policy, reference):
+            if model is not None:
+                plain_head(model)  # probed once, before sharding (a whole-model forward)
+                distributed.shard(model, logprobs=completion_logprobs)
+    else:
+        dist.broadcast_parameters(policy)
     rewards = build_rewards(cfg, task, device)
     sampler = Sampler(
         engine=HFRolloutEngine(policy, tokenizer),  # samples with the policy itself: no sync
@@ -451,6 +582,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         budget=prompt_budget(cfg, policy, cfg.max_new_tokens),
         dtype=forward_dtype(cfg),
         device=device,
+        dist=dist,
         warn=warn,
     )
     eval_rows = evaluation_rows(cfg, task, sampler, warn)
@@ -461,25 +593,34 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
     state: dict[str, Any] = {"data_position": 0, "initial_eval": None, "nonfinite_in_a_row": 0}
     start = 0
     checkpoint = None
-    if cfg.resume is not None:
-        checkpoint = ckpt.latest_checkpoint(run_dir, warn=warn, set_aside=True)
+    if cfg.resume is not None:  # rank 0 sets damaged checkpoints aside; every rank reads
+        checkpoint = _on_main(
+            dist, lambda: ckpt.latest_checkpoint(run_dir, warn=warn, set_aside=True)
+        )
     if checkpoint is not None:
         meta = ckpt.load_checkpoint(
-            checkpoint, model=policy, optimizer=optimizer, scheduler=scheduler
+            checkpoint, model=policy, optimizer=optimizer, scheduler=scheduler, sharded=dist.fsdp
         )
         _apply_hyperparameters(cfg, optimizer, scheduler)  # what --allow-change changed
         start = meta["step"]
         state = {key: meta.get(key, default) for key, default in state.items()}
         if scaler is not None and meta.get("grad_scaler"):
             scaler.load_state_dict(meta["grad_scaler"])
-        if start >= cfg.steps and _finished_at(run_dir) == start:
+        saved_world = meta.get("world_size", 1)
+        if saved_world != dist.world_size:
+            console.print(
+                f"resuming a run saved by {saved_world} process(es) with {dist.world_size}: the "
+                "checkpoint is a full model, so this works, but the completions sampled from "
+                "here on differ from those of an uninterrupted run (each rank has its own seed)"
+            )
+        if start >= cfg.steps and _on_main(dist, lambda: _finished_at(run_dir)) == start:
             console.print(
                 f"{run_dir} already finished at step {start} (steps {cfg.steps}); nothing to "
                 f"do. To train longer: grouprl train --resume {run_dir} --steps N"
             )
             return TrainSummary(run_dir, start, state["initial_eval"], None)
         console.print(f"resuming {run_dir} from step {start}")
-    if cfg.resume is not None:  # rows after the checkpoint are replayed (initial eval included)
+    if cfg.resume is not None and dist.is_main:  # rows after the checkpoint are replayed
         last_kept = start if state["initial_eval"] is not None else -1
         # a final evaluation at `start` is replayed too: the run ends there
         last_eval = min(last_kept, start - 1) if start >= cfg.steps else last_kept
@@ -487,11 +628,16 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                            ("samples.jsonl", last_kept)):  # fmt: skip
             if truncate_jsonl(run_dir / name, keep_through_step=keep):
                 warn(f"{name}: dropped a half-written line (the process was killed mid-write)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomically(run_dir / "config.yaml", to_yaml(cfg))
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomically(run_dir / "config.yaml", to_yaml(cfg))
     sampler.stream.position = state["data_position"]
     # TensorBoard forgets what the replayed steps logged before (JSONL was truncated above)
-    sinks = MetricSinks(run_dir, purge_step=last_kept + 1 if cfg.resume is not None else None)
+    sinks = (
+        MetricSinks(run_dir, purge_step=last_kept + 1 if cfg.resume is not None else None)
+        if dist.is_main
+        else NullSinks()
+    )
     interactive = cfg.progress and console.is_terminal
     done = {  # the last completed step
         "step": start,
@@ -499,10 +645,13 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         "nonfinite": state["nonfinite_in_a_row"],
     }
 
-    def save(step: int) -> Path:
+    def save(step: int) -> Path | None:
         state.update(data_position=done["position"], nonfinite_in_a_row=done["nonfinite"])
         if scaler is not None:
             state.update(grad_scaler=scaler.state_dict())
+        full = distributed.gather_full_state(policy, optimizer) if dist.fsdp else None
+        if not dist.is_main:
+            return None
         return ckpt.save_checkpoint(
             run_dir,
             step,
@@ -510,8 +659,9 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
             tokenizer=tokenizer,
             optimizer=optimizer,
             scheduler=scheduler,
-            state=state,
+            state={**state, "world_size": dist.world_size},
             keep_last=cfg.keep_last,
+            full_state=full,
         )
 
     def evaluate_at(step: int) -> dict[str, float]:
@@ -525,10 +675,16 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
     # From the first checkpoint on, SIGINT/SIGTERM finish the current step, save and stop.
     with _StopFlag() as stop:
         save(start)  # a run directory always holds a checkpoint to resume from
+        stop.requested = dist.first_signal(stop.requested)
         if state["initial_eval"] is None and stop.requested is None:  # else: on resume
             console.print(f"run directory: {run_dir}")
             weights = ", ".join(f"{n} x{w:g}" for n, w in rewards.weights.items())
-            console.print(f"policy:  {cfg.model} ({_describe(policy)}) on {device}")
+            where = (
+                f"{device}"
+                if not dist.enabled
+                else (f"{dist.world_size} processes ({dist.strategy}, {device.type})")
+            )
+            console.print(f"policy:  {cfg.model} ({_describe(policy)}) on {where}")
             console.print(
                 f"data:    {task.name} ({len(task.train)} train rows, {len(eval_rows)} held-out "
                 "rows evaluated)"
@@ -549,14 +705,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                     metrics: dict[str, float] = {**stats}
                     updating = True
                     if batch is not None:
-                        B, G = len(batch.rows), cfg.group_size
-                        advantages = group_advantages(
-                            batch.rewards.view(B, G),
-                            scale=cfg.adv_scale,
-                            estimator=cfg.adv_estimator,
-                            eps=cfg.adv_eps,
-                            unbiased_std=cfg.unbiased_std,
-                        ).reshape(-1)  # (N,)
+                        advantages = _advantages(cfg, batch, dist)  # (N,)
                         ref_logp = None
                         if cfg.beta > 0:  # the initial policy: a frozen copy, or LoRA's base model
                             with base_model_context(policy):
@@ -565,7 +714,14 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                                 )  # (N, T)
                         metrics.update(
                             update(
-                                cfg, policy, optimizer, batch, advantages, ref_logp, scaler=scaler
+                                cfg,
+                                policy,
+                                optimizer,
+                                batch,
+                                advantages,
+                                ref_logp,
+                                scaler=scaler,
+                                dist=dist,
                             )
                         )
                         nonfinite_in_a_row = (
@@ -577,9 +733,13 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                                 f"{metrics['nonfinite_updates']} update(s) skipped"
                             )
                         sinks.log_samples(step + 1, _samples(batch, advantages, cfg.log_samples))
-                    metrics.update(_batch_metrics(sampled))  # everything sampled, kept or not
-                    if batch is not sampled and batch is not None:  # what dynamic sampling kept
-                        metrics.update({f"{k}_kept": v for k, v in _batch_metrics(batch).items()})
+                    # everything sampled, kept or not; then what dynamic sampling kept
+                    metrics.update(_batch_metrics(sampled, dist))
+                    if batch is not None and (
+                        cfg.dynamic_sampling if dist.enabled else batch is not sampled
+                    ):
+                        kept = _batch_metrics(batch, dist)
+                        metrics.update({f"{k}_kept": v for k, v in kept.items()})
                     lr = optimizer.param_groups[0]["lr"]  # the rate this step's updates used
                     scheduler.step()
                     step += 1
@@ -588,7 +748,8 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                     )
                     updating = False
                     seconds = time.perf_counter() - t0
-                    generated = int(sampled.rollout.lengths.sum())  # every token sampled
+                    # every token sampled, on every rank
+                    (generated,) = dist.sum(int(sampled.rollout.lengths.sum()))
                     metrics.update(
                         step_seconds=seconds,
                         rollout_seconds=t_rollout,
@@ -610,6 +771,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                         latest_eval = evaluate_at(step)
                     if step % cfg.save_every == 0 and step < cfg.steps:
                         save(step)
+                    stop.requested = dist.first_signal(stop.requested)  # all stop together
                     if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
                         raise UserError(
                             f"{nonfinite_in_a_row} steps in a row (to step {step}) had a non-finite "
@@ -639,7 +801,10 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
 
         final_eval = evaluate_at(step)
         sinks.close()
-        _write_final(policy, tokenizer, run_dir, step)
+        full = distributed.gather_full_state(policy, optimizer)[0] if dist.fsdp else None
+        if not dist.is_main:
+            return TrainSummary(run_dir, step, state["initial_eval"], final_eval)
+        _write_final(policy, tokenizer, run_dir, step, full)
         plots = plot_run(run_dir)
         _print_summary(console, state["initial_eval"], final_eval)
         console.print(
@@ -662,24 +827,38 @@ def _progress(console: Console, interactive: bool) -> Progress:
     )
 
 
-def _batch_metrics(batch: Batch) -> dict[str, float]:
-    rewards, G = batch.rewards, batch.rollout.group_size
-    lengths = batch.rollout.lengths.float()
+def _batch_metrics(batch: Batch, dist: Dist = SINGLE) -> dict[str, float]:
+    """Reward, accuracy, length and entropy metrics of `batch` on every rank together."""
+    mask = batch.rollout.mask
+    entropy = batch.rollout.entropy  # of the sampling policy, over every sampled token
+    local = {
+        "rewards": batch.rewards,
+        "lengths": batch.rollout.lengths.float().cpu(),
+        "truncated": batch.rollout.truncated.float().cpu(),
+        "by_function": batch.by_function,
+        "passed": batch.passed,
+        "entropy": None if entropy is None else (float(entropy[mask].sum()), int(mask.sum())),
+    }
+    shares = dist.gather(local) if dist.enabled else [local]
+    rewards = torch.cat([s["rewards"] for s in shares])  # (N_global,) group-contiguous
+    lengths = torch.cat([s["lengths"] for s in shares])
+    G = batch.rollout.group_size
     metrics = {
         "reward_mean": float(rewards.nanmean()),
         "reward_std": float(_nanstd_groups(rewards, G).nanmean()),
         "unscored_frac": float(rewards.isnan().float().mean()),
         "completion_len_mean": float(lengths.mean()),
         "completion_len_max": float(lengths.max()),
-        "truncated_frac": float(batch.rollout.truncated.float().mean()),
+        "truncated_frac": float(torch.cat([s["truncated"] for s in shares]).mean()),
     }
-    if batch.rollout.entropy is not None:  # of the sampling policy, over every sampled token
-        mask = batch.rollout.mask
-        metrics["entropy"] = float(batch.rollout.entropy[mask].mean()) if mask.any() else 0.0
-    for name, values in batch.by_function.items():
+    if entropy is not None:
+        total, tokens = (sum(s["entropy"][i] for s in shares) for i in range(2))
+        metrics["entropy"] = total / tokens if tokens else 0.0
+    for name in batch.by_function:
+        values = torch.cat([s["by_function"][name] for s in shares])
         metrics[f"reward_{name}"] = float(values.nanmean())
     if batch.passed is not None:  # the pass reward's verdict: the one definition of correct
-        metrics["accuracy"] = float(batch.passed.float().mean())
+        metrics["accuracy"] = float(torch.cat([s["passed"] for s in shares]).float().mean())
     return metrics
 
 
@@ -725,7 +904,10 @@ EXIT_STATUS = {"SIGINT": 130, "SIGTERM": 143}
 
 
 def main(cfg: TrainConfig) -> int:
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    finally:
+        distributed.shutdown()
     return EXIT_STATUS.get(summary.stopped_by, 130) if summary.interrupted else 0
 
 

@@ -22,6 +22,7 @@ from grouprl.rollout import Rollout, completion_logprobs
 from grouprl.train.batch import Batch
 from grouprl.train.build import autocast, forward_dtype
 from grouprl.train.config import TrainConfig
+from grouprl.train.distributed import LOGPROBS_METHOD, SINGLE, Dist
 
 # Diagnostics of an update (see `update`): those that are exact even when groups are skipped
 # (averaged over every update), and those that describe the trained completions only.
@@ -37,6 +38,7 @@ class Chunk:
 
     rollout: Rollout
     rows: torch.Tensor  # (n,) long
+    weight: float = 1.0  # 0: a filler whose forward/backward only keeps FSDP's collectives in step
 
 
 def plan_rows(cfg: TrainConfig, rollout: Rollout, rows: torch.Tensor) -> list[Chunk]:
@@ -54,6 +56,7 @@ class Minibatch:
     num_tokens: torch.Tensor  # () loss tokens in the whole minibatch
     num_seqs: torch.Tensor  # () sequences with at least one loss token, likewise
     chunks: tuple[Chunk, ...] = ()
+    first_group: int = 0  # the minibatch's first group in the step's rollout, trained or not
 
 
 def plan_minibatches(
@@ -89,9 +92,49 @@ def plan_minibatches(
                 num_tokens=m.sum(),
                 num_seqs=m.any(-1).sum(),
                 chunks=tuple(plan_rows(cfg, trained, rows)) if trained is not None else (),
+                first_group=first,
             )
         )
     return plans
+
+
+def model_logprobs(model: nn.Module, rollout: Rollout, **kwargs) -> torch.Tensor:
+    """`completion_logprobs` of `model`, through FSDP's root hooks when the model is sharded
+    (see `distributed.shard`)."""
+    method = getattr(model, LOGPROBS_METHOD, None)
+    if method is not None:
+        return method(rollout, **kwargs)
+    return completion_logprobs(model, rollout, **kwargs)
+
+
+def globalise(plans: list[Minibatch], rollout: Rollout, dist: Dist) -> list[Minibatch]:
+    """The minibatches with the job's global loss counts (each rank's loss then divides by
+    the whole global minibatch's tokens and sequences, so summed gradients are the global
+    gradient); under FSDP also padded with zero-weight filler chunks to the same number of
+    forward/backward passes on every rank (each one is a collective there)."""
+    if not dist.enabled:
+        return plans
+    counts = torch.stack([torch.stack([p.num_tokens, p.num_seqs]) for p in plans]).double()
+    dist.all_reduce(counts)  # (M, 2)
+    chunk_counts = torch.tensor([float(len(p.chunks)) for p in plans])  # (M,)
+    if dist.fsdp:
+        dist.all_reduce(chunk_counts, "max")
+    out = []
+    for plan, (tokens, seqs), n_chunks in zip(plans, counts, chunk_counts.tolist(), strict=True):
+        chunks = plan.chunks
+        if len(chunks) < n_chunks:
+            rows = rollout.group_rows([plan.first_group])
+            filler = Chunk(rollout.select_groups([plan.first_group]), rows, weight=0.0)
+            chunks = chunks + (filler,) * (int(n_chunks) - len(chunks))
+        out.append(
+            dataclasses.replace(
+                plan,
+                num_tokens=tokens.to(plan.num_tokens.device, torch.float32),
+                num_seqs=seqs.to(plan.num_seqs.device, torch.float32),
+                chunks=chunks,
+            )
+        )
+    return out
 
 
 def trainer_old_logp(cfg: TrainConfig, policy, plans: list[Minibatch]) -> list[Minibatch]:
@@ -109,7 +152,7 @@ def trainer_old_logp(cfg: TrainConfig, policy, plans: list[Minibatch]) -> list[M
         chunks = []
         for chunk in plan.chunks:
             with torch.no_grad(), autocast(device, dtype):
-                old_logp = completion_logprobs(
+                old_logp = model_logprobs(
                     policy,
                     chunk.rollout,
                     temperature=cfg.temperature,
@@ -134,29 +177,40 @@ def no_grad_logprobs(
     minibatch = max(1, rollout.num_prompts // cfg.minibatches) * rollout.group_size
     for piece, span in rollout.chunks(cfg.micro_batch_size or minibatch):
         with torch.no_grad(), autocast(_device(model), dtype):
-            out[span] = completion_logprobs(model, piece, temperature=cfg.temperature)
+            out[span] = model_logprobs(model, piece, temperature=cfg.temperature)
     return out
 
 
-def _combine(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
-    """One minibatch's diagnostics from its chunks' (diagnostics, loss tokens): the loss is the
-    sum (every chunk divides by the whole minibatch's counts), means are token-weighted, the
-    ratio's extremes are extremes over chunks that had tokens."""
-    if len(parts) == 1:
-        return parts[0][0]
-    tokens = sum(t for _, t in parts)
-    live = [d for d, t in parts if t > 0] or [parts[0][0]]
-    out = {}
-    for key in parts[0][0]:
-        if key == "loss":
-            out[key] = sum(d[key] for d, _ in parts)
-        elif key == "ratio_min":
-            out[key] = min(d[key] for d in live)
-        elif key == "ratio_max":
-            out[key] = max(d[key] for d in live)
-        else:
-            out[key] = sum(d[key] * t for d, t in parts) / tokens if tokens else 0.0
-    return out
+def _combine(
+    parts: list[tuple[dict[str, float], float]], keys: list[str], dist: Dist
+) -> tuple[dict[str, float], bool]:
+    """One minibatch's diagnostics over every rank, from each chunk's (diagnostics, loss tokens),
+    and whether any rank trained a chunk. The loss is the sum (every chunk divides by the whole
+    global minibatch's counts), means are token-weighted, the ratio's extremes are extremes over
+    chunks that had tokens (0 where none had)."""
+    means = [k for k in keys if k not in ("loss", "ratio_min", "ratio_max")]
+    live = [d for d, t in parts if t > 0]
+    sums = [
+        float(len(parts)),
+        sum(t for _, t in parts),
+        sum(d["loss"] for d, _ in parts),
+        *(sum(d[k] * t for d, t in parts) for k in means),
+    ]
+    extremes = torch.tensor(
+        [max((d["ratio_max"] for d in live), default=-math.inf),
+         max((-d["ratio_min"] for d in live), default=-math.inf)],
+        dtype=torch.float64,
+    )  # fmt: skip
+    if dist.enabled:
+        sums = dist.sum(*sums)
+        dist.all_reduce(extremes, "max")
+    n_chunks, tokens, loss, *weighted = sums
+    hi, neg_lo = extremes.tolist()
+    out = {"loss": loss, **{k: (v / tokens if tokens else 0.0) for k, v in zip(means, weighted)}}
+    out["ratio_max"] = hi if math.isfinite(hi) else 0.0
+    out["ratio_min"] = -neg_lo if math.isfinite(neg_lo) else 0.0
+    out["_tokens"] = tokens
+    return out, n_chunks > 0
 
 
 def update(
@@ -167,6 +221,7 @@ def update(
     advantages: torch.Tensor,
     ref_logp: torch.Tensor | None,
     scaler: torch.amp.GradScaler | None = None,
+    dist: Dist = SINGLE,
 ) -> dict[str, float]:
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
 
@@ -192,6 +247,10 @@ def update(
     Micro-batching: a minibatch's forward/backward runs in chunks of at most
     `micro_batch_size` completions whose gradients accumulate; every chunk's loss divides by the
     whole minibatch's counts, so the sum is the minibatch's loss and the update is the same.
+
+    Data parallel (`dist`): the rollout is this rank's share of the step's groups; the counts are
+    the global minibatch's, gradients are summed across ranks before clipping, and every
+    diagnostic is that of the global minibatch.
     """
     rollout = batch.rollout
     device, dtype = _device(policy), forward_dtype(cfg)
@@ -200,60 +259,69 @@ def update(
     if cfg.mask_truncated:
         mask = mask & ~rollout.truncated[:, None]
     params = trainable_parameters(policy)
-    plans = plan_minibatches(cfg, rollout, advantages, mask)
+    plans = globalise(plan_minibatches(cfg, rollout, advantages, mask), rollout, dist)
     if dtype is not None:
         plans = trainer_old_logp(cfg, policy, plans)
+    keys = [
+        f.name for f in dataclasses.fields(PolicyLoss) if f.name != "kl" or ref_logp is not None
+    ]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
     totals: dict[str, float] = {}
     n_updates = n_trained_updates = nonfinite = 0
     for _ in range(cfg.epochs):
         for plan in plans:
             optimizer.zero_grad(set_to_none=True)
-            diagnostics = dict.fromkeys(_EXACT_DIAGNOSTICS, 0.0)
-            if not plan.chunks:
-                for p in params:
-                    p.grad = torch.zeros_like(p)
-            else:
-                parts = []
-                for chunk in plan.chunks:
-                    with (
-                        autocast(device, dtype),
-                        _recomputing(cfg, policy),
-                        adapter_dropout(policy, cfg.lora_dropout > 0),
-                    ):
-                        logp = completion_logprobs(
-                            policy, chunk.rollout, temperature=cfg.temperature
-                        )  # (n, T) float32
-                    m = mask[chunk.rows]  # (n, T)
-                    out = policy_loss(
-                        logp,
-                        chunk.rollout.old_logp,
-                        advantages[chunk.rows],
-                        m,
-                        level=cfg.ratio_level,
-                        clip_low=cfg.clip_low,
-                        clip_high=cfg.clip_high,
-                        dual_clip=cfg.dual_clip,
-                        ref_logp=None if ref_logp is None else ref_logp[chunk.rows],
-                        beta=cfg.beta,
-                        kl_estimator=cfg.kl_estimator,
-                        agg=cfg.loss_agg,
-                        norm_len=cfg.norm_len,
-                        num_tokens=plan.num_tokens,
-                        num_seqs=plan.num_seqs,
-                    )
-                    (out.loss if scaler is None else scaler.scale(out.loss)).backward()
+            parts = []
+            for chunk in plan.chunks:
+                with (
+                    autocast(device, dtype),
+                    _recomputing(cfg, policy),
+                    adapter_dropout(policy, cfg.lora_dropout > 0),
+                ):
+                    logp = model_logprobs(
+                        policy, chunk.rollout, temperature=cfg.temperature
+                    )  # (n, T) float32
+                m = mask[chunk.rows]  # (n, T)
+                out = policy_loss(
+                    logp,
+                    chunk.rollout.old_logp,
+                    advantages[chunk.rows],
+                    m,
+                    level=cfg.ratio_level,
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    dual_clip=cfg.dual_clip,
+                    ref_logp=None if ref_logp is None else ref_logp[chunk.rows],
+                    beta=cfg.beta,
+                    kl_estimator=cfg.kl_estimator,
+                    agg=cfg.loss_agg,
+                    norm_len=cfg.norm_len,
+                    num_tokens=plan.num_tokens,
+                    num_seqs=plan.num_seqs,
+                )
+                loss = out.loss if chunk.weight == 1.0 else out.loss * chunk.weight
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                if chunk.weight:
                     parts.append((out.metrics(), float(m.sum())))
-                diagnostics = _combine(parts)
-                # Skipped tokens have advantage 0 and are never clipped: over the minibatch's
-                # tokens the clip fractions are exactly those of the full computation.
-                share = sum(t for _, t in parts) / max(float(plan.num_tokens), 1.0)
-                diagnostics["clip_frac_low"] *= share
-                diagnostics["clip_frac_high"] *= share
-                n_trained_updates += 1
+            if not parts:  # nothing trained here: a zero gradient (AdamW still steps)
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+            dist.sum_gradients(params)
+            diagnostics, trained = _combine(parts, keys, dist)
+            if not trained:  # no rank trained a completion: nothing to describe but the step
+                diagnostics = {k: diagnostics.get(k, 0.0) for k in (*_EXACT_DIAGNOSTICS, "_tokens")}
+            # Skipped tokens have advantage 0 and are never clipped: over the minibatch's
+            # tokens the clip fractions are exactly those of the full computation.
+            share = diagnostics.pop("_tokens") / max(float(plan.num_tokens), 1.0)
+            diagnostics["clip_frac_low"] *= share
+            diagnostics["clip_frac_high"] *= share
+            n_trained_updates += int(trained)
             if scaler is not None:
                 scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+                grad_norm = grad_norm.full_tensor()
             finite_loss = math.isfinite(diagnostics["loss"])
             if scaler is not None:  # skips the step itself when the scaled gradients overflowed
                 scaler.step(optimizer)  # (an overflow is how the scale finds its level: no alarm)
@@ -265,7 +333,7 @@ def update(
                     optimizer.step()
             if not finite:  # a NaN or inf never reaches the weights, nor AdamW's moments
                 nonfinite += 1
-                n_trained_updates -= 1 if plan.chunks else 0
+                n_trained_updates -= int(trained)
                 diagnostics = dict.fromkeys(_EXACT_DIAGNOSTICS, 0.0)
                 grad_norm = torch.zeros(())
             fault("update")
@@ -279,7 +347,8 @@ def update(
     }
     for key in _TRAINED_DIAGNOSTICS:
         result.setdefault(key, math.nan)
-    result["trained_frac"] = sum(len(plan.rows) for plan in plans) / len(rollout.texts)
+    trained_rows, all_rows = dist.sum(sum(len(plan.rows) for plan in plans), len(rollout.texts))
+    result["trained_frac"] = trained_rows / all_rows
     result["nonfinite_updates"] = nonfinite
     return result
 

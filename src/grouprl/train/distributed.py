@@ -1,0 +1,360 @@
+"""torch.distributed for the trainer: the process group, the collectives a step needs, sharding.
+
+Launched with `torchrun --nproc-per-node K -m grouprl train ...`, every rank runs the same loop
+on its share of the step's groups. The single-process batch is the global batch: each rank
+samples whole groups for a contiguous share of the step's prompts, the loss divides by global
+token and sequence counts, and gradients are summed across ranks, so the update is the
+single-process update of the same batch (the parity tests hold this to 1e-5).
+
+Strategies (`--strategy`):
+
+- `ddp`: every rank holds the full model; after a minibatch's last backward the gradients are
+  summed with one all-reduce over a flat buffer. Not `DistributedDataParallel`: its gradient
+  hooks are armed by `DDP.forward`, and the trainer's log-prob forward calls the decoder and head
+  directly (no N×T×V logits), so DDP would never reduce. The explicit reduction also runs once
+  per minibatch instead of once per micro-batch chunk.
+- `fsdp`: FSDP2 (`fully_shard`) on every decoder layer and on the root, for models that do not
+  fit one device. The root's hooks run around the trainer's log-prob forward through
+  `register_fsdp_forward_method`; gradients are reduced in fp32 and summed (divide factor 1).
+  Every forward is a collective, so sampling keeps stepping until every rank is done (the
+  `all_done` callable) and a rank with nothing to train runs a zero-weight forward/backward.
+
+Only rank 0 prints and writes; failures are agreed on at fixed points so that every rank leaves
+the loop at the same step (`check`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from grouprl.errors import UserError
+
+#: How long a rank waits in a collective for the others; a rank that died is noticed by torchrun
+#: long before this (it ends the whole job when one worker exits).
+TIMEOUT = timedelta(minutes=30)
+
+_CPU = torch.device("cpu")
+
+#: The name under which FSDP2 runs `completion_logprobs` with the root module's hooks.
+LOGPROBS_METHOD = "grouprl_completion_logprobs"
+
+
+class PeerFailed(UserError):
+    """Another rank hit a user error; that rank's message is this one's text."""
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job. The defaults are a single process: every collective
+    below is then the identity and nothing touches torch.distributed."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    strategy: str = "ddp"
+    device: torch.device = _CPU  # where collective tensors live
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def fsdp(self) -> bool:
+        return self.enabled and self.strategy == "fsdp"
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """`tensor` reduced over ranks (sum, max or min), in place; returned for chaining."""
+        if self.enabled:
+            moved = tensor.to(self.device)
+            dist.all_reduce(moved, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                                       "min": dist.ReduceOp.MIN}[op])  # fmt: skip
+            if moved is not tensor:
+                tensor.copy_(moved)
+        return tensor
+
+    def sum(self, *values: float) -> list[float]:
+        """Python numbers summed over ranks (one all-reduce)."""
+        if not self.enabled:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self.all_reduce(t).tolist()
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable, CPU tensors only), in rank order, on every rank.
+
+        Pickle crosses process boundaries of the same job here, never a file: checkpoints stay
+        safetensors and JSON."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_done(self, done: bool) -> bool:
+        """True once every rank is done: the `all_done` callable of sampling under FSDP."""
+        if not self.enabled:
+            return done
+        flag = torch.tensor([0 if done else 1], device=self.device)
+        return int(self.all_reduce(flag)) == 0
+
+    def first_signal(self, signum: int | None) -> int | None:
+        """The stop signal any rank received (the highest number when several did), or None:
+        one all-reduce a step, so that every rank stops after the same step."""
+        if not self.enabled:
+            return signum
+        flag = torch.tensor([signum or 0], device=self.device)
+        return int(self.all_reduce(flag, "max")) or None
+
+    def check(self, error: UserError | None) -> None:
+        """Agree on failure: every rank calls this at the same point; when any rank brought a
+        user error, every rank raises (that rank its own error, the others `PeerFailed` with
+        the first failing rank's message, which is what rank 0 prints)."""
+        if not self.enabled:
+            if error is not None:
+                raise error
+            return
+        failed = torch.tensor([0 if error is None else 1], device=self.device)
+        if int(self.all_reduce(failed)) == 0:
+            return
+        messages = self.gather(None if error is None else str(error))
+        first = next((m, r) for r, m in enumerate(messages) if m is not None)
+        if error is not None and first[1] == self.rank:
+            raise error
+        raise PeerFailed(first[0])
+
+    def shares(self, n: int) -> list[range]:
+        """n items split into world_size contiguous ranges (earlier ranks one longer)."""
+        return [range(n * r // self.world_size, n * (r + 1) // self.world_size)
+                for r in range(self.world_size)]  # fmt: skip
+
+    def mine(self, n: int) -> range:
+        return self.shares(n)[self.rank]
+
+    def my_groups(self, n: int, minibatches: int) -> list[int]:
+        """This rank's groups of a step's n (divisible by world_size × minibatches): its share
+        of each minibatch, so that global minibatch m holds the single-process minibatch m's
+        groups (groups m·n/M … (m+1)·n/M − 1) and the off-policy updates match too."""
+        per = n // minibatches  # groups per global minibatch
+        return [m * per + i for m in range(minibatches) for i in self.mine(per)]
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def sum_gradients(self, params: Sequence[nn.Parameter]) -> None:
+        """Sum the gradients of `params` over ranks (DDP strategy; FSDP reduces in backward).
+
+        One all-reduce over a flat fp32 buffer: the loss on every rank already divides by the
+        global counts, so the sum is the gradient of the global loss."""
+        if not self.enabled or self.fsdp:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        self.all_reduce(flat)
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).to(g.dtype)
+            offset += g.numel()
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        """Rank 0's parameters on every rank (DDP), as `DistributedDataParallel` does at start."""
+        if not self.enabled or self.fsdp:
+            return
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    moved = p.data.to(self.device)
+                    dist.broadcast(moved, src=0)
+                    if moved is not p.data:
+                        p.data.copy_(moved)
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world_size, local_rank) when launched by torchrun, else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return (
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+    )
+
+
+def is_main_process() -> bool:
+    """Whether this process is the one that prints (rank 0, or no torchrun at all)."""
+    env = torchrun_env()
+    return env is None or env[0] == 0
+
+
+def init(strategy: str, device: torch.device) -> Dist:
+    """Join the torchrun job (gloo on CPU, NCCL on GPUs), or a single-process `Dist`.
+
+    `device` is the rank's own device (under torchrun `--device auto` is cuda:LOCAL_RANK)."""
+    env = torchrun_env()
+    if env is None:
+        return Dist(strategy=strategy, device=device)
+    rank, world, local = env
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=TIMEOUT)
+    return Dist(rank, world, local, strategy, device if backend == "nccl" else torch.device("cpu"))
+
+
+def rank_device(spec: str) -> str:
+    """The device flag for this rank: `auto` under torchrun on a GPU machine is
+    cuda:LOCAL_RANK (one device per rank)."""
+    env = torchrun_env()
+    if env is None or spec.strip().lower() not in ("auto", "cuda"):
+        return spec
+    if not torch.cuda.is_available():
+        return spec
+    if env[2] >= torch.cuda.device_count():
+        raise UserError(
+            f"local rank {env[2]} has no GPU: torch sees {torch.cuda.device_count()}; launch "
+            "at most that many processes per node (--nproc-per-node)"
+        )
+    return f"cuda:{env[2]}"
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard(model: nn.Module, *, logprobs: Callable[..., Any]) -> nn.Module:
+    """FSDP2 over `model`: every decoder layer is its own unit, the root holds the rest
+    (embeddings, final norm, head: tied embeddings stay one parameter in one unit).
+
+    Gradients are reduced in fp32 and summed (the loss divides by global counts already).
+    `logprobs(model, rollout, **kw)` becomes the method `LOGPROBS_METHOD`, run with the root's
+    FSDP hooks: it calls the decoder and head directly, which alone would see sharded root
+    parameters."""
+    import types
+
+    from torch.distributed.fsdp import (
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    layers = _decoder_layers(model)
+    if not layers:
+        raise UserError(
+            f"--strategy fsdp needs a model with a list of decoder layers; {type(model).__name__} "
+            "has none that grouprl recognises; use --strategy ddp"
+        )
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # a sum: the loss has global denominators
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    setattr(model, LOGPROBS_METHOD, types.MethodType(logprobs, model))
+    register_fsdp_forward_method(model, LOGPROBS_METHOD)
+    return model
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a transformers causal LM (a ModuleList named `layers` or `h`)."""
+    found: list[nn.Module] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks"):
+            found.extend(module)
+    return found
+
+
+#: A single process.
+SINGLE = Dist()
+
+
+# -- FSDP checkpoints: full (unsharded) states in the usual checkpoint format ------------------
+
+
+def gather_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The sharded model's full state dict and its optimizer's state in `optimizer.state_dict()`'s
+    own layout (parameters numbered in optimizer order), on rank 0's CPU (empty elsewhere).
+
+    A collective: every rank calls it. The checkpoint written from it is the same model
+    directory a single process writes, so it loads at any world size and with either strategy.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    named = get_optimizer_state_dict(model, optimizer, options=options)
+    names = _trainable_names(model)
+    index = {name: i for i, name in enumerate(names)}
+    state = {index[name]: value for name, value in named.get("state", {}).items()}
+    groups, offset = [], 0
+    for group in optimizer.param_groups:  # hyper-parameters as the local optimizer holds them
+        count = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(offset, offset + count))})  # fmt: skip
+        offset += count
+    return weights, {"state": state, "param_groups": groups}
+
+
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    weights: dict[str, torch.Tensor] | None,
+    optimizer_state: dict[str, Any] | None,
+) -> None:
+    """Load full states (as `gather_full_state` returns them, read from a checkpoint on every
+    rank) into the sharded model and optimizer: each rank keeps its own shards."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, strict=False)  # tied weights: stored once
+    if weights is not None:
+        set_model_state_dict(model, weights, options=options)
+    if optimizer is None or optimizer_state is None:
+        return
+    names = _trainable_names(model)
+    named = {
+        "state": {names[i]: value for i, value in optimizer_state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[i] for i in group["params"]]}
+            for group in optimizer_state["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, optimizer, named, options=options)
+
+
+def _trainable_names(model: nn.Module) -> list[str]:
+    """Names of the trainable parameters in optimizer order (`make_optimizer`'s)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]

@@ -1,0 +1,221 @@
+"""Run by `tests/train/test_distributed.py` under `torchrun --nproc-per-node 2` (gloo, CPU).
+
+Every check compares what 2 processes compute with what 1 process computes on the same global
+batch; the 1-process reference runs on every rank with the single-process `Dist` (no
+collectives). Rank 0 writes the measured differences to the JSON file named on the command line;
+the test asserts on them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from grouprl.models import load_model, load_tokenizer
+from grouprl.models.lora import apply_lora
+from grouprl.rollout import HFRolloutEngine, completion_logprobs, sample_groups
+from grouprl.rollout.logprobs import plain_head
+from grouprl.tasks import get_task
+from grouprl.tasks.data import PromptStream
+from grouprl.train import checkpoint as ckpt
+from grouprl.train import distributed, loop
+from grouprl.train.build import build_rewards
+from grouprl.train.config import TrainConfig, resolve
+from grouprl.train.distributed import SINGLE, Dist
+from grouprl.train.update import update
+
+B, G = 8, 4
+# Groups 0 and 1 all right, group 3 all wrong: rank 0 (groups 0-3) skips 3 groups, rank 1 none.
+REWARDS = [[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0],
+           [0, 1, 0, 0], [1, 1, 0, 1], [0, 0, 1, 0], [1, 0, 1, 1]]  # fmt: skip
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def config(algo: str, **extra) -> TrainConfig:
+    settings = {"prompts_per_step": B, "group_size": G, "lr": 1e-3, "max_grad_norm": 0.0}
+    return resolve(
+        TrainConfig(algo=algo, max_new_tokens=20, **settings, **extra), task_max_new_tokens=20
+    )
+
+
+def train_three_steps(cfg, dist: Dist, policy, batch, lora: bool = False):
+    """Gradients after step 1 (the last minibatch's, summed over ranks) and parameters after 3
+    updates on `batch` (this rank's share)."""
+    model = copy.deepcopy(policy)
+    if lora:
+        torch.manual_seed(1)  # the same adapter initialisation on every rank and reference
+        model = apply_lora(model, r=4, alpha=8)
+    plain_head(model)
+    if dist.fsdp:
+        distributed.shard(model, logprobs=completion_logprobs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, eps=1e-4)
+    advantages = loop._advantages(cfg, batch, dist)
+    grads, diagnostics = {}, None
+    for step in range(3):
+        out = update(cfg, model, optimizer, batch, advantages, None, dist=dist)
+        if step == 0:
+            diagnostics = out
+            grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    weights = {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
+    return grads, weights, diagnostics
+
+
+def worst(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def scale(a: dict) -> float:
+    return max(float(v.abs().max()) for v in a.values())
+
+
+def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
+    rows = get_task("arithmetic").train[:B]
+    rollout = sample_groups(
+        policy, tokenizer, [r["prompt"] for r in rows], group_size=G, max_new_tokens=20, seed=3
+    )
+    rewards = torch.tensor(REWARDS, dtype=torch.float32).reshape(-1)
+    whole = loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
+    cases = [(algo, strategy, False, None) for algo in ("grpo", "gspo", "dapo")
+             for strategy in ("ddp", "fsdp")]  # fmt: skip
+    # LoRA; and micro-batches, where ranks run different numbers of chunks (FSDP pads)
+    cases += [("grpo", "ddp", True, None), ("gspo", "ddp", True, None), ("dapo", "fsdp", False, 3)]
+    for algo, strategy, lora, micro in cases:
+        extra = {"minibatches": 2} if algo == "gspo" else {}
+        cfg = config(algo, micro_batch_size=micro, **extra)
+        ref_grads, ref_weights, ref_diag = train_three_steps(cfg, SINGLE, policy, whole, lora)
+        here = Dist(dist.rank, dist.world_size, dist.local_rank, strategy, dist.device)
+        mine = whole.select_groups(dist.my_groups(B, cfg.minibatches))
+        grads, weights, diag = train_three_steps(cfg, here, policy, mine, lora)
+        if lora:  # the adapters' B matrices start at 0
+            moved = scale({n: w for n, w in ref_weights.items() if "lora_B" in n})
+        else:
+            moved = worst(ref_weights, {n: p for n, p in policy.named_parameters()})
+        out[f"{algo}-{strategy}{'-lora' if lora else ''}{f'-micro{micro}' if micro else ''}"] = {
+            "grad_rel": worst(grads, ref_grads) / scale(ref_grads),
+            "weights": worst(weights, ref_weights),
+            "moved": moved,
+            "trained_frac": [diag["trained_frac"], ref_diag["trained_frac"]],
+            "diagnostics": {
+                k: [diag[k], ref_diag[k]]
+                for k in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "ratio_mean")
+            },
+        }
+
+
+def prompts_and_completions(dist: Dist, policy, tokenizer, out: dict) -> None:
+    """Each step's prompts across ranks are the single-process prompts; ranks sampling the same
+    prompt draw different completions."""
+    task = get_task("arithmetic")
+    cfg = config("grpo")
+
+    def sampler(d: Dist, rows) -> loop.Sampler:
+        return loop.Sampler(
+            engine=HFRolloutEngine(policy, tokenizer),
+            tokenizer=tokenizer,
+            stream=PromptStream(rows, cfg.seed),
+            rewards=build_rewards(cfg, task, torch.device("cpu")),
+            stop=None,
+            budget=None,
+            dtype=None,
+            device=torch.device("cpu"),
+            dist=d,
+        )
+
+    spread, alone = sampler(dist, task.train), sampler(SINGLE, task.train)
+    same = []
+    for step in range(2):
+        batch, stats, _ = loop.collect_batch(cfg, step, spread)
+        everyone = {p for part in dist.gather([r["prompt"] for r in batch.rows]) for p in part}
+        single, _ = loop.draw_prompts(alone, B)
+        mine = [single[i]["prompt"] for i in dist.my_groups(B, cfg.minibatches)]
+        same.append(
+            everyone == {r["prompt"] for r in single}
+            and [r["prompt"] for r in batch.rows] == mine
+            and stats["groups"] == B
+        )
+    out["prompts_equal_single_process"] = same
+    one_prompt = sampler(dist, [task.train[0]] * 64)
+    batch, _, _ = loop.collect_batch(cfg, 0, one_prompt)
+    texts = dist.gather(batch.rollout.texts)
+    out["same_prompt_on_both_ranks"] = len({r["prompt"] for r in batch.rows}) == 1
+    out["completions_differ"] = texts[0] != texts[1]
+
+
+def fsdp_checkpoint(dist: Dist, policy, run_dir: Path, out: dict) -> None:
+    """A sharded model and its optimizer saved as a full checkpoint load back to the same state."""
+    here = Dist(dist.rank, dist.world_size, dist.local_rank, "fsdp", dist.device)
+    cfg = config("grpo")
+    rows = get_task("arithmetic").train[:B]
+    tokenizer = load_tokenizer("builtin:arith")
+    rollout = sample_groups(
+        policy, tokenizer, [r["prompt"] for r in rows], group_size=G, max_new_tokens=20, seed=3
+    )
+    rewards = torch.tensor(REWARDS, dtype=torch.float32).reshape(-1)
+    batch = loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
+    batch = batch.select_groups(list(dist.mine(B)))
+
+    def fresh():
+        model = copy.deepcopy(policy)
+        plain_head(model)
+        distributed.shard(model, logprobs=completion_logprobs)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        return model, optimizer, scheduler
+
+    model, optimizer, scheduler = fresh()
+    update(cfg, model, optimizer, batch, loop._advantages(cfg, batch, here), None, dist=here)
+    weights, opt_state = distributed.gather_full_state(model, optimizer)
+    if here.is_main:
+        ckpt.save_checkpoint(run_dir, 1, model=model, optimizer=optimizer, scheduler=scheduler,
+                             state={}, keep_last=1, full_state=(weights, opt_state))  # fmt: skip
+    here.broadcast(None)  # the files are written
+    again, optimizer2, scheduler2 = fresh()
+    ckpt.load_checkpoint(
+        ckpt.checkpoint_dir(run_dir) / "step_000001",
+        model=again,
+        optimizer=optimizer2,
+        scheduler=scheduler2,
+        sharded=True,
+    )
+    weights2, opt_state2 = distributed.gather_full_state(again, optimizer2)
+    if here.is_main:
+        moments = [
+            float((opt_state["state"][i][k] - opt_state2["state"][i][k]).abs().max())
+            for i in opt_state["state"]
+            for k in ("exp_avg", "exp_avg_sq")
+        ]
+        out["fsdp_checkpoint"] = {
+            "weights": worst(weights, weights2),
+            "moved": worst(weights, {k: v for k, v in policy.state_dict().items() if k in weights}),
+            "moments": max(moments),
+            "optimizer_entries": [len(opt_state["state"]), len(opt_state2["state"])],
+        }
+
+
+def main() -> None:
+    out_file, run_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist = distributed.init("ddp", torch.device("cpu"))
+    policy = load_model("builtin:arith").eval()
+    tokenizer = load_tokenizer("builtin:arith")
+    out: dict = {"world_size": dist.world_size}
+    parity(dist, policy, tokenizer, out)
+    prompts_and_completions(dist, policy, tokenizer, out)
+    fsdp_checkpoint(dist, policy, run_dir, out)
+    if dist.is_main:
+        out_file.write_text(json.dumps(out, indent=1))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
