@@ -117,9 +117,9 @@ def lora_runs(files, tmp_path_factory):
     saved = {}
     original_save_final = loop.save_final
 
-    def keep(policy, tokenizer, directory):
+    def keep(policy, tokenizer, directory, state_dict=None):
         saved[directory.parent.name] = copy.deepcopy(policy)
-        original_save_final(policy, tokenizer, directory)
+        original_save_final(policy, tokenizer, directory, state_dict)
 
     patch = pytest.MonkeyPatch()
     patch.setattr(loop, "save_final", keep)

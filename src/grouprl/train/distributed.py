@@ -112,6 +112,12 @@ class Dist:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def barrier(self) -> None:
+        """Wait for every rank: before a rank leaves with a non-zero status, so that torchrun,
+        which then ends the other ranks, does not end rank 0 while it writes a checkpoint."""
+        if self.enabled:
+            dist.barrier()
+
     def all_done(self, done: bool) -> bool:
         """True once every rank is done: the `all_done` callable of sampling under FSDP."""
         if not self.enabled:
@@ -142,7 +148,7 @@ class Dist:
         first = next((m, r) for r, m in enumerate(messages) if m is not None)
         if error is not None and first[1] == self.rank:
             raise error
-        raise PeerFailed(first[0])
+        raise PeerFailed(f"{first[0]} (on rank {first[1]})")
 
     def shares(self, n: int) -> list[range]:
         """n items split into world_size contiguous ranges (earlier ranks one longer)."""

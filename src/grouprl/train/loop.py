@@ -785,11 +785,13 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
             if not updating:
                 save(done["step"])
             sinks.close()
+            dist.barrier()
             raise
 
         save(step)
         if stop.requested is not None:
             sinks.close()
+            dist.barrier()
             name = signal.Signals(stop.requested).name
             console.print(
                 f"stopped by {name}: saved a checkpoint at step {step}; "
