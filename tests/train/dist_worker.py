@@ -53,9 +53,14 @@ def train_three_steps(cfg, dist: Dist, policy, batch, lora: bool = False):
         torch.manual_seed(1)  # the same adapter initialisation on every rank and reference
         model = apply_lora(model, r=4, alpha=8)
     plain_head(model)
+    params = [p for p in model.parameters() if p.requires_grad]
     if dist.fsdp:
         distributed.shard(model, logprobs=completion_logprobs)
-    params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in model.parameters() if p.requires_grad]
+        # as in training: sampling leaves the root module unsharded before the update
+        tokenizer = load_tokenizer("builtin:arith")
+        sample_groups(model, tokenizer, ["1+1="], group_size=2, max_new_tokens=4, seed=0,
+                      all_done=dist.all_done)  # fmt: skip
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, eps=1e-4)
     advantages = loop._advantages(cfg, batch, dist)
     grads, diagnostics = {}, None
@@ -148,6 +153,25 @@ def prompts_and_completions(dist: Dist, policy, tokenizer, out: dict) -> None:
     texts = dist.gather(batch.rollout.texts)
     out["same_prompt_on_both_ranks"] = len({r["prompt"] for r in batch.rows}) == 1
     out["completions_differ"] = texts[0] != texts[1]
+
+    # Dynamic sampling: kept groups counted across ranks and handed round evenly.
+    dapo = config("dapo")
+    kept = []
+    for step in range(2):
+        batch, stats, _ = loop.collect_batch(dapo, step, sampler(dist, task.train))
+        groups = dist.gather(
+            [(batch.rows[g]["prompt"], tuple(batch.rollout.texts[g * G : (g + 1) * G]),
+              tuple(batch.passed[g * G : (g + 1) * G].tolist())) for g in range(len(batch.rows))]
+        )  # fmt: skip
+        every = [g for part in groups for g in part]
+        kept.append({
+            "per_rank": [len(part) for part in groups],
+            "groups": stats["groups"],
+            "distinct": len(set(every)) == len(every),
+            "all_mixed": all(any(p) and not all(p) for _, _, p in every),
+            "rounds": stats["sample_rounds"],
+        })  # fmt: skip
+    out["dynamic_sampling"] = kept
 
 
 def fsdp_checkpoint(dist: Dist, policy, run_dir: Path, out: dict) -> None:

@@ -56,6 +56,13 @@ def test_ranks_share_the_single_process_prompts_with_their_own_seeds(parity):
     assert parity["same_prompt_on_both_ranks"] and parity["completions_differ"]
 
 
+def test_dynamic_sampling_hands_kept_groups_round_evenly(parity):
+    for step in parity["dynamic_sampling"]:
+        two, one = step["per_rank"]
+        assert two == one and step["groups"] == two + one > 0
+        assert step["distinct"] and step["all_mixed"]
+
+
 def test_fsdp_checkpoint_resumes_to_the_same_state(parity):
     result = parity["fsdp_checkpoint"]
     assert result["moved"] > 1e-4
@@ -80,11 +87,14 @@ def test_torchrun_cli_trains_resumes_and_counts_the_global_batch(tmp_path):
     assert "strategy: ddp" in config
     assert (tmp_path / "run/final/model.safetensors").is_file()
 
-    done = torchrun(*TRAIN, "--resume", "run", "--steps", "4", cwd=tmp_path)
+    # the checkpoint is a full model directory: FSDP continues what DDP saved
+    done = torchrun(*TRAIN, "--resume", "run", "--steps", "4", "--strategy", "fsdp", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming run from step 3" in done.stderr
     lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert "strategy: fsdp" in (tmp_path / "run/config.yaml").read_text()
+    assert (tmp_path / "run/checkpoints/step_000004/model.safetensors").is_file()
 
 
 def test_a_reward_that_raises_on_one_rank_ends_both(tmp_path):

@@ -258,7 +258,9 @@ def update(
     mask = rollout.mask  # (N, T)
     if cfg.mask_truncated:
         mask = mask & ~rollout.truncated[:, None]
-    params = trainable_parameters(policy)
+    # the optimizer's own: under FSDP the model's parameters are the unsharded tensors whenever
+    # the root module is unsharded (after a forward), the optimizer's the sharded DTensors
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     plans = globalise(plan_minibatches(cfg, rollout, advantages, mask), rollout, dist)
     if dtype is not None:
         plans = trainer_old_logp(cfg, policy, plans)
