@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _prints() -> bool:
     """Under torchrun only rank 0 prints: every rank hits the same error at the same step."""
-    return os.environ.get("RANK", "0") == "0"
+    return os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ
 
 
 if __name__ == "__main__":

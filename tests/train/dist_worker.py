@@ -55,7 +55,7 @@ def train_three_steps(cfg, dist: Dist, policy, batch, lora: bool = False):
     plain_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     if dist.fsdp:
-        distributed.shard(model, logprobs=completion_logprobs)
+        distributed.shard(model, logprobs=completion_logprobs, device=torch.device("cpu"))
         params = [p for p in model.parameters() if p.requires_grad]
         # as in training: sampling leaves the root module unsharded before the update
         tokenizer = load_tokenizer("builtin:arith")
@@ -63,6 +63,8 @@ def train_three_steps(cfg, dist: Dist, policy, batch, lora: bool = False):
                       all_done=dist.all_done)  # fmt: skip
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, eps=1e-4)
     advantages = loop._advantages(cfg, batch, dist)
+    if dist.fsdp:  # as in training: the step-0 checkpoint gathers states before any update
+        distributed.gather_full_state(model, optimizer)
     grads, diagnostics = {}, None
     for step in range(3):
         out = update(cfg, model, optimizer, batch, advantages, None, dist=dist)
@@ -190,7 +192,7 @@ def fsdp_checkpoint(dist: Dist, policy, run_dir: Path, out: dict) -> None:
     def fresh():
         model = copy.deepcopy(policy)
         plain_head(model)
-        distributed.shard(model, logprobs=completion_logprobs)
+        distributed.shard(model, logprobs=completion_logprobs, device=torch.device("cpu"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         return model, optimizer, scheduler

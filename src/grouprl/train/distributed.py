@@ -229,10 +229,10 @@ def init(strategy: str, device: torch.device) -> Dist:
 
 
 def rank_device(spec: str) -> str:
-    """The device flag for this rank: `auto` under torchrun on a GPU machine is
-    cuda:LOCAL_RANK (one device per rank)."""
+    """The device flag for this rank: under torchrun on a GPU machine `auto` and any `cuda...`
+    mean cuda:LOCAL_RANK (one device per rank; two ranks on one GPU would fail in NCCL)."""
     env = torchrun_env()
-    if env is None or spec.strip().lower() not in ("auto", "cuda"):
+    if env is None or not spec.strip().lower().startswith(("auto", "cuda")):
         return spec
     if not torch.cuda.is_available():
         return spec
@@ -249,9 +249,11 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def shard(model: nn.Module, *, logprobs: Callable[..., Any]) -> nn.Module:
+def shard(model: nn.Module, *, logprobs: Callable[..., Any], device: torch.device) -> nn.Module:
     """FSDP2 over `model`: every decoder layer is its own unit, the root holds the rest
-    (embeddings, final norm, head: tied embeddings stay one parameter in one unit).
+    (embeddings, final norm, head: tied embeddings stay one parameter in one unit). `model` may
+    sit on the CPU: each rank's shards move to `device`, so no rank ever holds the whole model
+    there.
 
     Gradients are reduced in fp32 and summed (the loss divides by global counts already).
     `logprobs(model, rollout, **kw)` becomes the method `LOGPROBS_METHOD`, run with the root's
@@ -259,6 +261,7 @@ def shard(model: nn.Module, *, logprobs: Callable[..., Any]) -> nn.Module:
     parameters."""
     import types
 
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         FSDPModule,
         MixedPrecisionPolicy,
@@ -267,15 +270,16 @@ def shard(model: nn.Module, *, logprobs: Callable[..., Any]) -> nn.Module:
     )
 
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     layers = _decoder_layers(model)
     if not layers:
         raise UserError(
             f"--strategy fsdp needs a model with a list of decoder layers; {type(model).__name__} "
             "has none that grouprl recognises; use --strategy ddp"
         )
-    for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    for layer in layers:  # each moves to `device` as it is sharded: one full layer at a time
+        fully_shard(layer, mp_policy=policy, mesh=mesh)
+    fully_shard(model, mp_policy=policy, mesh=mesh)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum: the loss has global denominators
@@ -302,7 +306,7 @@ SINGLE = Dist()
 
 
 def gather_full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The sharded model's full state dict and its optimizer's state in `optimizer.state_dict()`'s
     own layout (parameters numbered in optimizer order), on rank 0's CPU (empty elsewhere).
@@ -316,9 +320,19 @@ def gather_full_state(
         get_optimizer_state_dict,
     )
 
+    model.reshard()  # after a forward the root module is unsharded; the state dicts want shards
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)
-    named = get_optimizer_state_dict(model, optimizer, options=options)
+    if optimizer is None:
+        return weights, {}
+    # An optimizer that has not stepped has no state; torch's getter would create it by taking
+    # a step at lr 0, which counts in AdamW's bias correction: the first real step would then be
+    # smaller than the single-process one. (Every rank agrees: no rank has stepped.)
+    named = (
+        get_optimizer_state_dict(model, optimizer, options=options)
+        if optimizer.state
+        else {"state": {}}
+    )
     names = _trainable_names(model)
     index = {name: i for i, name in enumerate(names)}
     state = {index[name]: value for name, value in named.get("state", {}).items()}
@@ -348,7 +362,7 @@ def load_full_state(
     options = StateDictOptions(full_state_dict=True, strict=False)  # tied weights: stored once
     if weights is not None:
         set_model_state_dict(model, weights, options=options)
-    if optimizer is None or optimizer_state is None:
+    if optimizer is None or optimizer_state is None or not optimizer_state["state"]:
         return
     names = _trainable_names(model)
     named = {

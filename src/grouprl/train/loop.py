@@ -564,12 +564,13 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
 
-    policy, tokenizer, reference = load_policy(cfg, device)
+    # under FSDP the whole model stays in host memory; each rank moves only its shards
+    policy, tokenizer, reference = load_policy(cfg, torch.device("cpu") if dist.fsdp else device)
     if dist.fsdp:
         for model in (policy, reference):
             if model is not None:
                 plain_head(model)  # probed once, before sharding (a whole-model forward)
-                distributed.shard(model, logprobs=completion_logprobs)
+                distributed.shard(model, logprobs=completion_logprobs, device=device)
     else:
         dist.broadcast_parameters(policy)
     rewards = build_rewards(cfg, task, device)
@@ -675,8 +676,9 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
     # From the first checkpoint on, SIGINT/SIGTERM finish the current step, save and stop.
     with _StopFlag() as stop:
         save(start)  # a run directory always holds a checkpoint to resume from
-        stop.requested = dist.first_signal(stop.requested)
-        if state["initial_eval"] is None and stop.requested is None:  # else: on resume
+        # what every rank agreed on (a signal that arrives later waits for the next agreement)
+        stopping = dist.first_signal(stop.requested)
+        if state["initial_eval"] is None and stopping is None:  # else: on resume
             console.print(f"run directory: {run_dir}")
             weights = ", ".join(f"{n} x{w:g}" for n, w in rewards.weights.items())
             where = (
@@ -698,7 +700,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         try:
             with _progress(console, interactive) as bar:
                 task_id = bar.add_task("train", total=cfg.steps, completed=start, info="")
-                while step < cfg.steps and stop.requested is None:
+                while step < cfg.steps and stopping is None:
                     t0 = time.perf_counter()
                     batch, stats, sampled = collect_batch(cfg, step, sampler)
                     t_rollout = time.perf_counter() - t0
@@ -771,7 +773,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                         latest_eval = evaluate_at(step)
                     if step % cfg.save_every == 0 and step < cfg.steps:
                         save(step)
-                    stop.requested = dist.first_signal(stop.requested)  # all stop together
+                    stopping = dist.first_signal(stop.requested)  # all stop together
                     if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
                         raise UserError(
                             f"{nonfinite_in_a_row} steps in a row (to step {step}) had a non-finite "
@@ -789,10 +791,11 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
             raise
 
         save(step)
-        if stop.requested is not None:
+        stopping = dist.first_signal(stop.requested)  # one arriving during the save counts too
+        if stopping is not None:
             sinks.close()
             dist.barrier()
-            name = signal.Signals(stop.requested).name
+            name = signal.Signals(stopping).name
             console.print(
                 f"stopped by {name}: saved a checkpoint at step {step}; "
                 f"continue with: grouprl train --resume {run_dir}"
@@ -803,7 +806,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
 
         final_eval = evaluate_at(step)
         sinks.close()
-        full = distributed.gather_full_state(policy, optimizer)[0] if dist.fsdp else None
+        full = distributed.gather_full_state(policy, None)[0] if dist.fsdp else None
         if not dist.is_main:
             return TrainSummary(run_dir, step, state["initial_eval"], final_eval)
         _write_final(policy, tokenizer, run_dir, step, full)
@@ -853,7 +856,9 @@ def _batch_metrics(batch: Batch, dist: Dist = SINGLE) -> dict[str, float]:
         "completion_len_max": float(lengths.max()),
         "truncated_frac": float(torch.cat([s["truncated"] for s in shares]).mean()),
     }
-    if entropy is not None:
+    if entropy is not None and not dist.enabled:
+        metrics["entropy"] = float(entropy[mask].mean()) if mask.any() else 0.0
+    elif entropy is not None:
         total, tokens = (sum(s["entropy"][i] for s in shares) for i in range(2))
         metrics["entropy"] = total / tokens if tokens else 0.0
     for name in batch.by_function:

@@ -188,6 +188,8 @@ def _combine(
     and whether any rank trained a chunk. The loss is the sum (every chunk divides by the whole
     global minibatch's counts), means are token-weighted, the ratio's extremes are extremes over
     chunks that had tokens (0 where none had)."""
+    if not dist.enabled and len(parts) == 1:  # one chunk: its own values, unrounded
+        return {**parts[0][0], "_tokens": parts[0][1]}, True
     means = [k for k in keys if k not in ("loss", "ratio_min", "ratio_max")]
     live = [d for d, t in parts if t > 0]
     sums = [
