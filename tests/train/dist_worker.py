@@ -84,13 +84,18 @@ def scale(a: dict) -> float:
     return max(float(v.abs().max()) for v in a.values())
 
 
-def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
+def fixed_batch(policy, tokenizer) -> loop.Batch:
+    """The global batch every check trains on: B arithmetic prompts, sampled with one seed."""
     rows = get_task("arithmetic").train[:B]
     rollout = sample_groups(
         policy, tokenizer, [r["prompt"] for r in rows], group_size=G, max_new_tokens=20, seed=3
     )
     rewards = torch.tensor(REWARDS, dtype=torch.float32).reshape(-1)
-    whole = loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
+    return loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
+
+
+def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
+    whole = fixed_batch(policy, tokenizer)
     cases = [(algo, strategy, False, None) for algo in ("grpo", "gspo", "dapo")
              for strategy in ("ddp", "fsdp")]  # fmt: skip
     # LoRA; and micro-batches, where ranks run different numbers of chunks (FSDP pads)
@@ -180,14 +185,8 @@ def fsdp_checkpoint(dist: Dist, policy, run_dir: Path, out: dict) -> None:
     """A sharded model and its optimizer saved as a full checkpoint load back to the same state."""
     here = Dist(dist.rank, dist.world_size, dist.local_rank, "fsdp", dist.device)
     cfg = config("grpo")
-    rows = get_task("arithmetic").train[:B]
-    tokenizer = load_tokenizer("builtin:arith")
-    rollout = sample_groups(
-        policy, tokenizer, [r["prompt"] for r in rows], group_size=G, max_new_tokens=20, seed=3
-    )
-    rewards = torch.tensor(REWARDS, dtype=torch.float32).reshape(-1)
-    batch = loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
-    batch = batch.select_groups(list(dist.mine(B)))
+    batch = fixed_batch(policy, load_tokenizer("builtin:arith"))
+    batch = batch.select_groups(dist.my_groups(B, cfg.minibatches))
 
     def fresh():
         model = copy.deepcopy(policy)
