@@ -150,6 +150,17 @@ class Dist:
             raise error
         raise PeerFailed(f"{first[0]} (on rank {first[1]})")
 
+    def agreed(self, compute: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`compute(*args, **kwargs)`, called on every rank at the same point, with its user errors agreed on
+        (`check`): a reward that raises on one rank raises on all, none is left waiting."""
+        result, error = None, None
+        try:
+            result = compute(*args, **kwargs)
+        except UserError as err:
+            error = err
+        self.check(error)
+        return result
+
     def shares(self, n: int) -> list[range]:
         """n items split into world_size contiguous ranges (earlier ranks one longer)."""
         return [range(n * r // self.world_size, n * (r + 1) // self.world_size)

@@ -198,19 +198,15 @@ def collect_batch(
                 **({"all_done": dist.all_done} if dist.fsdp else {}),
             )
         fault("sample")
-        error = None
-        try:
-            scores = sampler.rewards.score(
-                rollout.texts,
-                rows,
-                G,
-                completion_ids=rollout.completion_id_lists(),
-                state=TrainerState(global_step=step, max_steps=cfg.steps),
-                timeout=cfg.reward_timeout,
-            )
-        except UserError as err:  # every rank leaves at this same point
-            error = err
-        dist.check(error)
+        scores = dist.agreed(  # a user error on any rank: every rank leaves here
+            sampler.rewards.score,
+            rollout.texts,
+            rows,
+            G,
+            completion_ids=rollout.completion_id_lists(),
+            state=TrainerState(global_step=step, max_steps=cfg.steps),
+            timeout=cfg.reward_timeout,
+        )
         rewards = scores.total  # (N,) on the CPU
         logged.update(scores.logged)
         if cfg.overlong_penalty:
@@ -327,21 +323,17 @@ def run_eval(
     mine = [rows[i] for i in share] + [rows[0]] * (longest - len(share))
 
     def judge(batch_rows: Sequence[dict], rollout: Rollout) -> list[bool]:
-        error, passed = None, [False] * len(rollout.texts)
-        try:
-            passed = sampler.rewards.score(
-                rollout.texts,
-                batch_rows,
-                rollout.group_size,
-                completion_ids=rollout.completion_id_lists(),
-                state=state,
-                timeout=cfg.reward_timeout,
-                only_pass=True,
-            ).passed.tolist()
-        except UserError as err:  # every rank judges as many batches: leave together
-            error = err
-        dist.check(error)
-        return passed
+        scores = dist.agreed(  # every rank judges as many batches: errors leave together
+            sampler.rewards.score,
+            rollout.texts,
+            batch_rows,
+            rollout.group_size,
+            completion_ids=rollout.completion_id_lists(),
+            state=state,
+            timeout=cfg.reward_timeout,
+            only_pass=True,
+        )
+        return scores.passed.tolist()
 
     with autocast(sampler.device, sampler.dtype):
         result: EvalResult = evaluate(
