@@ -32,7 +32,7 @@ def test_yaml_config_then_flags_override_and_plot(tmp_path, capsys):
 def test_plot_of_a_directory_without_a_run_is_one_line(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no metrics.jsonl" in err[0]
+    assert len(err) == 1 and "not a grouprl run directory" in err[0]
 
 
 def test_explain_json_carries_the_seed_numbers(capsys):

@@ -1,4 +1,4 @@
-"""`grouprl train | eval | sft | explain | plot`.
+"""`grouprl train | eval | sft | compare | doctor | explain | plot`.
 
 Each subcommand's flags come from a dataclass whose field docstrings are the help text (tyro);
 `grouprl train --config run.yaml --lr 1e-4` reads the file first and lets flags override it.
@@ -35,6 +35,17 @@ class PlotArgs:
 
     run_dir: Annotated[Path, tyro.conf.Positional]
     """A run directory written by `grouprl train`."""
+
+
+@dataclass
+class DoctorArgs:
+    """Read a run directory (finished or in progress) and report what looks wrong: each finding
+    with its severity, its evidence and one suggestion. Exit status 1 when a warning is found."""
+
+    run_dir: Annotated[Path, tyro.conf.Positional]
+    """A run directory written by `grouprl train`."""
+    json: bool = False
+    """Print one JSON object instead of the transcript."""
 
 
 def _quiet_hf() -> None:
@@ -88,10 +99,35 @@ def _plot(argv: list[str]) -> int:
     return 0
 
 
+def _compare(argv: list[str]) -> int:
+    from grouprl.train.compare import main
+
+    _quiet_hf()
+    return main(argv)
+
+
+def _doctor(argv: list[str]) -> int:
+    import json
+
+    from grouprl.report.doctor import diagnose, format_findings
+    from grouprl.report.runs import load_run
+
+    args = tyro.cli(DoctorArgs, args=argv, prog="grouprl doctor")
+    run = load_run(args.run_dir)
+    findings = diagnose(run)
+    if args.json:
+        print(json.dumps({"run_dir": str(run.path), "findings": [f.to_json() for f in findings]}))
+    else:
+        print(format_findings(run, findings))
+    return 1 if any(f.severity == "warning" for f in findings) else 0
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "train a policy with GRPO, GSPO, Dr. GRPO or DAPO"),
     "eval": (_eval, "held-out pass@1 / pass@k of a model on a task"),
     "sft": (_sft, "supervised warm start on a task's worked solutions"),
+    "compare": (_compare, "algorithms side by side on the same data and seeds, with a report"),
+    "doctor": (_doctor, "what looks wrong in a run, with evidence and a suggestion"),
     "explain": (_explain, "the seeds' worked examples, computed live"),
     "plot": (_plot, "PNG plots of a run directory"),
 }

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from grouprl.core import zero_variance_groups
 from grouprl.errors import UserError
+from grouprl.report.doctor import diagnose
 from grouprl.rollout import Rollout
 from grouprl.tasks import get_task
 from grouprl.train import loop
@@ -167,6 +168,8 @@ def test_short_run_raises_the_reward(tmp_path):
     rewards = [r["reward_mean"] for r in _metrics(summary.run_dir)]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-6:]) / 6
     assert last > first + 0.2, (first, last, rewards)
+    # a healthy short run of the built-in task: the doctor finds nothing to warn about
+    assert [f for f in diagnose(summary.run_dir) if f.severity == "warning"] == []
 
 
 @pytest.mark.parametrize("memory", [{}, {"gradient_checkpointing": True}, {"micro_batch_size": 3}])
@@ -536,3 +539,38 @@ def test_non_finite_updates_are_skipped_and_a_run_of_them_stops(tmp_path, monkey
     assert "3 steps in a row (to step 4) had a non-finite loss or gradient" in err[-1]
     final = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
     assert all(torch.isfinite(v).all() for v in final.values())
+
+
+def test_ratios_jsonl_measures_how_far_the_step_moved_its_completions(tmp_path):
+    """ratios.jsonl holds log_ratios completions every log_ratios_every steps, with their lengths
+    and Σ_t log ρ_t after the step's update: about 0 when the policy did not move (lr 1e-12: the
+    trainer's forward and the sampler's KV-cached decode agree to rounding), clearly not 0 after
+    an on-policy GRPO step at a large learning rate (inside that update the ratio is exactly 1)."""
+    sums = {}
+    for lr in (1e-12, 1e-2):
+        summary = _run(tmp_path, name=f"lr{lr}", algo="grpo", lr=lr, steps=2, log_ratios=6,
+                       log_ratios_every=2, warmup_steps=0)  # fmt: skip
+        records = [
+            json.loads(x) for x in (summary.run_dir / "ratios.jsonl").read_text().splitlines()
+        ]
+        assert [r["step"] for r in records] == [2]
+        (record,) = records
+        assert len(record["lengths"]) == len(record["log_ratio_sum"]) == 6
+        assert all(1 <= n <= 38 for n in record["lengths"])
+        sums[lr] = max(abs(v) for v in record["log_ratio_sum"])
+    assert sums[1e-12] < 1e-4, sums
+    assert sums[1e-2] > 0.05, sums
+
+
+def test_the_doctor_warns_live_once_per_finding(tmp_path, capsys):
+    """A reward nothing passes makes every group all-wrong: at the first evaluation with enough
+    steps the doctor prints one warning line, and not again at the next evaluation."""
+    (tmp_path / "never.py").write_text(
+        "def never(completions, **kwargs):\n    return [0.0] * len(completions)\n"
+    )
+    _run(tmp_path, rewards={f"{tmp_path / 'never.py'}:never": 1.0}, steps=12, eval_every=5,
+         algo="grpo", prompts_per_step=2, group_size=2, save_every=100, log_ratios=0)  # fmt: skip
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "doctor:" in line]
+    assert len(lines) == 1 and "every completion fails" in lines[0], err
+    assert "--dynamic-sampling" in err

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from grouprl.cli import main
+from grouprl.report.runs import finished_at
 from grouprl.train import checkpoint as ckpt
 from grouprl.train import loop
 
@@ -163,10 +164,10 @@ def test_a_run_killed_in_its_final_evaluation_is_not_taken_for_finished(tmp_path
 
     monkeypatch.setattr(loop, "run_eval", dies_in_the_final_evaluation)
     assert main(["train", "--resume", str(run), "--steps", "2"]) == 130
-    assert loop._finished_at(run) == 1  # the old final/ is still there
+    assert finished_at(run) == 1  # the old final/ is still there
     monkeypatch.setattr(loop, "run_eval", original)
     assert main(["train", "--resume", str(run), "--steps", "2"]) == 0
-    assert loop._finished_at(run) == 2
+    assert finished_at(run) == 2
     assert [r["step"] for r in rows(run / "eval.jsonl")] == [0, 1, 2]
 
 

@@ -1,94 +1,202 @@
-"""PNG plots of a run directory's metrics.jsonl and eval.jsonl."""
+"""PNG plots of one run directory: a figure per quantity, and a one-page overview.
+
+Every quantity gets an axis where it can be read: the KL terms (1e-6 on an on-policy run) on a
+log scale of their own rather than beside entropy; the gradient norm on a log scale with the
+clipping norm drawn; train reward apart from accuracy (they coincide on 0/1 rewards), with a
+reward function's curve only where it differs from the total.
+"""
 
 from __future__ import annotations
 
-import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from grouprl.errors import UserError
+from grouprl.report.runs import RunLog, load_run
 
-# One figure per file: (file name, title, [(metric, label)], source file).
-PANELS = [
-    (
-        "reward.png",
-        "Reward and accuracy",
-        [("reward_mean", "train reward"), ("accuracy", "train accuracy")],
-        [("pass_at_1", "held-out pass@1"), ("greedy_pass_at_1", "held-out greedy")],
+
+@dataclass(frozen=True)
+class Panel:
+    """One plot: train metrics as lines, held-out metrics as markers, on one y axis."""
+
+    name: str  # file name in plots/ (without .png)
+    title: str
+    train: tuple[tuple[str, str], ...] = ()  # (metrics.jsonl key, label)
+    heldout: tuple[tuple[str, str], ...] = ()  # (eval.jsonl key, label)
+    ylabel: str = ""
+    log: bool = False  # log y axis (values <= 0 are left out)
+    unit_range: bool = False  # a share or a rate: y from 0 to 1
+
+
+PANELS = (
+    Panel("reward", "Training reward (mean over sampled completions)", ylabel="reward"),
+    Panel(
+        "accuracy",
+        "Accuracy by the pass reward",
+        train=(("accuracy", "train (sampled)"),),
+        heldout=(("pass_at_1", "held-out pass@1"), ("greedy_pass_at_1", "held-out greedy")),
+        unit_range=True,
     ),
-    (
-        "clip.png",
+    Panel("loss", "Policy loss", train=(("loss", "loss"),)),
+    Panel(
+        "grad_norm",
+        "Gradient norm (before clipping)",
+        train=(("grad_norm", "grad norm"),),
+        log=True,
+    ),
+    Panel("lr", "Learning rate", train=(("lr", "lr"),)),
+    Panel(
+        "clip",
         "Clipped share of tokens",
-        [("clip_frac_low", "low"), ("clip_frac_high", "high")],
-        [],
+        train=(
+            ("clip_frac_low", "low (ratio < 1 - clip_low)"),
+            ("clip_frac_high", "high (ratio > 1 + clip_high)"),
+        ),
     ),
-    (
-        "kl_entropy.png",
-        "KL and entropy",
-        [("approx_kl", "approx KL (old||new)"), ("kl", "KL to ref"), ("entropy", "entropy")],
-        [],
+    Panel(
+        "kl",
+        "KL per token",
+        train=(("approx_kl", "approx KL(old || new)"), ("kl", "KL to reference")),
+        log=True,
     ),
-    (
-        "length.png",
-        "Completion length",
-        [("completion_len_mean", "mean"), ("completion_len_max", "max")],
-        [],
+    Panel(
+        "ratio",
+        "Importance ratio of trained tokens/sequences",
+        train=(("ratio_max", "max"), ("ratio_mean", "mean"), ("ratio_min", "min")),
     ),
-    ("groups.png", "Groups with zero reward variance", [("frac_zero_std", "frac_zero_std")], []),
-]
+    Panel(
+        "entropy",
+        "Entropy of the sampling policy (nats per token)",
+        train=(("entropy", "entropy"),),
+    ),
+    Panel(
+        "length",
+        "Completion length (tokens)",
+        train=(("completion_len_mean", "mean"), ("completion_len_max", "max")),
+    ),
+    Panel(
+        "groups",
+        "Shares of groups and completions",
+        train=(
+            ("frac_zero_std", "groups with zero reward variance"),
+            ("frac_none_pass", "groups all wrong"),
+            ("frac_all_pass", "groups all right"),
+            ("trained_frac", "groups trained"),
+            ("truncated_frac", "completions cut at max_new_tokens"),
+        ),
+        unit_range=True,
+    ),
+    Panel("throughput", "Sampled tokens per second", train=(("tokens_per_s", "tokens/s"),)),
+)
 
 
-def _read(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _reward_keys(run: RunLog) -> tuple[tuple[str, str], ...]:
+    """reward_mean, and each reward function's mean where it is not the same curve."""
+    keys = sorted({k for r in run.metrics for k in r if k.startswith("reward_")} - {
+        "reward_mean", "reward_std"})  # fmt: skip
+    _, total = run.series("reward_mean")
+    out = [("reward_mean", "total (weighted)")]
+    for key in keys:
+        if key.endswith("_kept"):
+            continue
+        _, values = run.series(key)
+        if values and values != total:
+            out.append((key, key.removeprefix("reward_")))
+    return tuple(out)
 
 
-def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-    return [p[0] for p in points], [p[1] for p in points]
+def _draw(ax, run: RunLog, panel: Panel) -> bool:
+    """Draw `panel` on `ax`; False when the run logged none of its quantities."""
+    train = _reward_keys(run) if panel.name == "reward" else panel.train
+    drawn = False
+    for i, (key, label) in enumerate(train):
+        xs, ys = run.series(key)
+        if panel.log:
+            xs, ys = [x for x, y in zip(xs, ys) if y > 0], [y for y in ys if y > 0]
+        if xs:
+            ax.plot(xs, ys, "-" if i == 0 else ("--", ":", "-.")[i % 3], label=label,
+                    linewidth=1.2)  # fmt: skip
+            drawn = True
+    for key, label in panel.heldout:
+        xs, ys = run.series(key, source="evals")
+        if xs:
+            ax.plot(xs, ys, label=label, marker="o", linewidth=1.5)
+            drawn = True
+    if not drawn:
+        return False
+    if panel.name == "grad_norm" and run.config.get("max_grad_norm"):
+        ax.axhline(float(run.config["max_grad_norm"]), color="grey", linestyle=":",
+                   label="clipped above")  # fmt: skip
+    if panel.log:
+        ax.set_yscale("log")
+    if panel.unit_range:
+        ax.set_ylim(-0.03, 1.03)
+    ax.set_title(panel.title, fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    if panel.ylabel:
+        ax.set_ylabel(panel.ylabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    return True
 
 
 def plot_run(run_dir: Path) -> list[Path]:
-    """Write the PNG plots into RUN_DIR/plots/ and return their paths."""
+    """Write a PNG per quantity and plots/overview.png into RUN_DIR/plots/; return their paths
+    (the overview first)."""
+    plt = pyplot()
+    run = load_run(run_dir)
+    if not run.metrics and not run.evals:
+        raise UserError(f"{run_dir} holds no metrics.jsonl or eval.jsonl yet; nothing to plot")
+    out_dir = run.path / "plots"
+    out_dir.mkdir(exist_ok=True)
+    written = []
+    for panel in PANELS:
+        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+        # fixed margins: tight_layout measures every label and took most of the plotting time
+        fig.subplots_adjust(left=0.11, right=0.97, bottom=0.14, top=0.91)
+        if _draw(ax, run, panel):
+            fig.savefig(out_dir / f"{panel.name}.png")
+            written.append(out_dir / f"{panel.name}.png")
+        plt.close(fig)
+    overview = _overview(run, out_dir / "overview.png", plt)
+    return [overview, *written]
+
+
+def _overview(run: RunLog, path: Path, plt) -> Path:
+    """Every panel the run has data for, on one page."""
+    panels = [p for p in PANELS if _has_data(run, p)]
+    cols = 3
+    rows = max(1, math.ceil(len(panels) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(13, 2.8 * rows), dpi=90, squeeze=False)
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        _draw(ax, run, panel)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    steps = run.metrics[-1]["step"] if run.metrics else 0
+    fig.suptitle(f"{run.name}: {run.algo}, {steps} steps", fontsize=11)
+    height = 2.8 * rows  # inches: room for the title above and the step labels below
+    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.4 / height, top=1 - 0.8 / height,
+                        hspace=0.5, wspace=0.22)  # fmt: skip
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _has_data(run: RunLog, panel: Panel) -> bool:
+    keys = [k for k, _ in panel.train] or ["reward_mean"]
+    return any(run.series(k)[0] for k in keys) or any(
+        run.series(k, source="evals")[0] for k, _ in panel.heldout
+    )
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot with the file-only backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    metrics = _read(run_dir / "metrics.jsonl")
-    evals = _read(run_dir / "eval.jsonl")
-    if not metrics and not evals:
-        raise UserError(
-            f"{run_dir} holds no metrics.jsonl or eval.jsonl; is it a grouprl run directory?"
-        )
-    out_dir = run_dir / "plots"
-    out_dir.mkdir(exist_ok=True)
-    written = []
-    for name, title, train_keys, eval_keys in PANELS:
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
-        drawn = False
-        for key, label in train_keys:
-            xs, ys = _series(metrics, key)
-            if xs:
-                # A second train curve is dashed: reward and accuracy coincide on 0/1 rewards.
-                style = "-" if not drawn else "--"
-                ax.plot(xs, ys, style, label=label, linewidth=1.2)
-                drawn = True
-        for key, label in eval_keys:
-            xs, ys = _series(evals, key)
-            if xs:
-                ax.plot(xs, ys, label=label, marker="o", linewidth=1.5)
-                drawn = True
-        if not drawn:
-            plt.close(fig)
-            continue
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / name)
-        plt.close(fig)
-        written.append(out_dir / name)
-    return written
+    return plt

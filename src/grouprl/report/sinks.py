@@ -13,6 +13,8 @@ def _clean(value: Any) -> Any:
     """JSON has no NaN or infinity; write them as null rather than invalid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
     return value
 
 
@@ -57,7 +59,8 @@ def truncate_jsonl(path: Path, *, keep_through_step: int) -> int:
 
 
 class MetricSinks:
-    """metrics.jsonl, eval.jsonl, samples.jsonl and TensorBoard event files in a run directory."""
+    """metrics.jsonl, eval.jsonl, samples.jsonl, ratios.jsonl and TensorBoard event files in a
+    run directory."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, purge_step: int | None = None):
         """purge_step: on a resumed run, TensorBoard drops what it logged at this step and after
@@ -66,6 +69,7 @@ class MetricSinks:
         self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl")
         self.evals = JsonlWriter(self.run_dir / "eval.jsonl")
         self.samples = JsonlWriter(self.run_dir / "samples.jsonl")
+        self.ratios = JsonlWriter(self.run_dir / "ratios.jsonl")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -86,6 +90,10 @@ class MetricSinks:
         for sample in samples:
             self.samples.write({"step": step, **sample})
 
+    def log_ratios(self, step: int, lengths: list[int], log_ratios: list[float]) -> None:
+        """Completion lengths and Σ_t log ρ_t after the step's updates (see `grouprl compare`)."""
+        self.ratios.write({"step": step, "lengths": lengths, "log_ratio_sum": log_ratios})
+
     def _scalars(self, prefix: str, step: int, metrics: dict[str, float]) -> None:
         if self._tb is None:
             return
@@ -95,7 +103,7 @@ class MetricSinks:
         self._tb.flush()
 
     def close(self) -> None:
-        for writer in (self.metrics, self.evals, self.samples):
+        for writer in (self.metrics, self.evals, self.samples, self.ratios):
             writer.close()
         if self._tb is not None:
             self._tb.close()
@@ -111,6 +119,9 @@ class NullSinks:
         pass
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        pass
+
+    def log_ratios(self, step: int, lengths: list[int], log_ratios: list[float]) -> None:
         pass
 
     def close(self) -> None:

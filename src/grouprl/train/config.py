@@ -246,6 +246,13 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Checkpoints to keep; older ones are deleted."""
     log_samples: int = 2
     """Completions per step written to samples.jsonl."""
+    log_ratios: int = 32
+    """Completions whose sequence log-ratio against the sampling policy, after the step's last
+    update, is written to ratios.jsonl (one no-grad forward on them); 0: none."""
+    log_ratios_every: int = 5
+    """Write ratios.jsonl every this many steps."""
+    doctor: bool = True
+    """Run `grouprl doctor`'s checks at each evaluation and print a line per new warning."""
     progress: bool = True
     """Show a live progress bar (off: one plain line per eval)."""
 
@@ -330,7 +337,8 @@ LAUNCH_FIELDS = ("config", "resume", "allow_change")
 #: and where it runs. Anything else would make the rest of the run a different run.
 RESUMABLE_FIELDS = (
     "steps", "eval_every", "eval_size", "eval_samples", "save_every", "keep_last",
-    "log_samples", "threads", "progress", "reward_timeout", "device", "strategy",
+    "log_samples", "log_ratios", "log_ratios_every", "doctor", "threads", "progress",
+    "reward_timeout", "device", "strategy",
 )  # fmt: skip
 
 Config = TypeVar("Config")
@@ -691,6 +699,8 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.eval_samples >= 1, "eval_samples must be at least 1"),
         (cfg.save_every >= 1, "save_every must be at least 1"),
         (cfg.keep_last >= 1, "keep_last must be at least 1"),
+        (cfg.log_ratios >= 0, "log_ratios must be >= 0"),
+        (cfg.log_ratios_every >= 1, "log_ratios_every must be at least 1"),
         (cfg.threads is None or cfg.threads >= 1, "threads must be at least 1"),
         (cfg.rewards is None or len(cfg.rewards) > 0, "rewards must name at least one function"),
         (

@@ -60,6 +60,8 @@ from grouprl.faults import fault
 from grouprl.models.loading import resolve_device
 from grouprl.models.lora import base_model_context, save_final
 from grouprl.report import MetricSinks, plot_run
+from grouprl.report.doctor import diagnose
+from grouprl.report.runs import FINAL_MARKER, finished_at
 from grouprl.report.sinks import NullSinks, truncate_jsonl
 from grouprl.rollout import HFRolloutEngine, Rollout, RolloutEngine, completion_logprobs
 from grouprl.rollout.logprobs import plain_head
@@ -174,7 +176,8 @@ def collect_batch(
     W, M = dist.world_size, cfg.minibatches
     parts: list[tuple[int, Batch]] = []  # (round, kept groups of this rank)
     sampled: list[Batch] = []
-    n_kept = n_sampled = n_zero = 0
+    n_kept = n_sampled = n_zero = n_all_pass = n_none_pass = 0
+    tokens = zero_tokens = 0  # sampled completion tokens, those in zero-variance groups
     skipped_before = sampler.skipped
     logged: dict[str, float] = {}
     rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
@@ -218,7 +221,12 @@ def collect_batch(
         sampled.append(part)
         zero = zero_variance_groups(rewards.view(-1, G))  # (B_round,)
         n_sampled, n_zero = n_sampled + len(rows), n_zero + int(zero.sum())
+        group_tokens = rollout.lengths.view(-1, G).sum(-1).cpu()  # (B_round,)
+        tokens += int(group_tokens.sum())
+        zero_tokens += int(group_tokens[zero.cpu()].sum())
         passes = scores.passed.view(-1, G)  # (B_round, G)
+        n_all_pass += int(passes.all(-1).sum())
+        n_none_pass += int((~passes.any(-1)).sum())
         decided = passes.all(-1) | ~passes.any(-1)  # (B_round,) all pass or all fail
         keep = [g for g in range(len(rows)) if not (cfg.dynamic_sampling and decided[g])]
         if keep:
@@ -227,10 +235,17 @@ def collect_batch(
         n_kept += int(kept_here)
         if n_kept >= B:
             break
-    n_sampled, n_zero = dist.sum(n_sampled, n_zero)
+    n_sampled, n_zero, n_all_pass, n_none_pass, tokens, zero_tokens = dist.sum(
+        n_sampled, n_zero, n_all_pass, n_none_pass, tokens, zero_tokens
+    )
     stats = {
         **_mean_over_ranks(dist, logged),
         "frac_zero_std": n_zero / n_sampled,
+        # by the pass reward: all-wrong groups need easier data, all-right ones a harder one
+        "frac_all_pass": n_all_pass / n_sampled,
+        "frac_none_pass": n_none_pass / n_sampled,
+        # the rollout compute spent on groups whose advantages are all 0
+        "zero_std_token_frac": zero_tokens / tokens if tokens else 0.0,
         "sample_rounds": round_ + 1,
         "skipped_prompts": sampler.skipped - skipped_before,
     }
@@ -468,18 +483,6 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     return run_dir
 
 
-#: Written last into final/: the step the final policy is from.
-FINAL_MARKER = "grouprl_final.json"
-
-
-def _finished_at(run_dir: Path) -> int | None:
-    """The step of the run's complete final/ directory, or None."""
-    try:
-        return int(json.loads((run_dir / "final" / FINAL_MARKER).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def _write_final(
     policy: nn.Module, tokenizer: Any, run_dir: Path, step: int, state_dict=None
 ) -> Path:
@@ -606,7 +609,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                 "checkpoint is a full model, so this works, but the completions sampled from "
                 "here on differ from those of an uninterrupted run (each rank has its own seed)"
             )
-        if start >= cfg.steps and _on_main(dist, lambda: _finished_at(run_dir)) == start:
+        if start >= cfg.steps and _on_main(dist, lambda: finished_at(run_dir)) == start:
             console.print(
                 f"{run_dir} already finished at step {start} (steps {cfg.steps}); nothing to "
                 f"do. To train longer: grouprl train --resume {run_dir} --steps N"
@@ -618,7 +621,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         # a final evaluation at `start` is replayed too: the run ends there
         last_eval = min(last_kept, start - 1) if start >= cfg.steps else last_kept
         for name, keep in (("metrics.jsonl", last_kept), ("eval.jsonl", last_eval),
-                           ("samples.jsonl", last_kept)):  # fmt: skip
+                           ("samples.jsonl", last_kept), ("ratios.jsonl", last_kept)):  # fmt: skip
             if truncate_jsonl(run_dir / name, keep_through_step=keep):
                 warn(f"{name}: dropped a half-written line (the process was killed mid-write)")
     if dist.is_main:
@@ -657,12 +660,19 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
             full_state=full,
         )
 
+    reported: set[str] = set()  # the doctor's findings already printed
+
     def evaluate_at(step: int) -> dict[str, float]:
         fault("eval")
         result = run_eval(cfg, policy, sampler, eval_rows, step, progress=False)
         sinks.log_eval(step, result)
         line = "  ".join(f"{k} {v:.3f}" for k, v in result.items())
         console.print(f"step {step:>5}  held-out  {line}")
+        if cfg.doctor and dist.is_main and step > 0:  # `grouprl doctor`, live: each once
+            for finding in diagnose(run_dir):
+                if finding.severity == "warning" and finding.code not in reported:
+                    reported.add(finding.code)
+                    warn(f"doctor: {finding.title}: {finding.evidence}; {finding.suggestion}")
         return result
 
     # From the first checkpoint on, SIGINT/SIGTERM finish the current step, save and stop.
@@ -700,6 +710,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                     updating = True
                     if batch is not None:
                         advantages = _advantages(cfg, batch, dist)  # (N,)
+                        probe = _ratio_probe(cfg, step, batch, policy, sampler)
                         ref_logp = None
                         if cfg.beta > 0:  # the initial policy: a frozen copy, or LoRA's base model
                             with base_model_context(policy):
@@ -727,6 +738,8 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
                                 f"{metrics['nonfinite_updates']} update(s) skipped"
                             )
                         sinks.log_samples(step + 1, _samples(batch, advantages, cfg.log_samples))
+                        if probe is not None:
+                            sinks.log_ratios(step + 1, *_probe_ratios(cfg, probe, policy, dist))
                     # everything sampled, kept or not; then what dynamic sampling kept
                     metrics.update(_batch_metrics(sampled, dist))
                     if batch is not None and (
@@ -808,6 +821,50 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
             f"final policy: {run_dir / 'final'}   plots: {plots[0].parent if plots else '-'}"
         )
         return TrainSummary(run_dir, step, state["initial_eval"], final_eval)
+
+
+@dataclass
+class _Probe:
+    """Completions whose ratio against the sampling policy is measured after the step."""
+
+    rollout: Rollout  # whole groups, spread over the batch
+    rows: int  # how many of its completions are logged
+    old_logp: torch.Tensor  # (n, T) the sampling policy's log-probs, by the trainer's forward
+    dtype: torch.dtype | None
+
+
+def _ratio_probe(
+    cfg: TrainConfig, step: int, batch: Batch, policy: nn.Module, sampler: Sampler
+) -> _Probe | None:
+    """This rank's share of the `log_ratios` completions of a logged step (every
+    `log_ratios_every` steps), before the update. Under bf16 their sampling-policy log-probs are
+    recomputed by the trainer's forward (the sampler's differ from it by rounding, see
+    `trainer_old_logp`); under fp32 they are the sampler's own."""
+    if not cfg.log_ratios or (step + 1) % cfg.log_ratios_every:
+        return None
+    rollout, G = batch.rollout, batch.rollout.group_size
+    k = -(-cfg.log_ratios // sampler.dist.world_size)  # this rank's share
+    n_groups = min(rollout.num_prompts, -(-k // G))
+    groups = [i * rollout.num_prompts // n_groups for i in range(n_groups)]
+    sub = rollout.select_groups(groups)
+    dtype = sampler.dtype
+    old = sub.old_logp if dtype is None else no_grad_logprobs(cfg, policy, sub, dtype)
+    return _Probe(sub, min(k, n_groups * G), old, dtype)
+
+
+def _probe_ratios(
+    cfg: TrainConfig, probe: _Probe, policy: nn.Module, dist: Dist
+) -> tuple[list[int], list[float]]:
+    """Lengths and Σ_t log ρ_t (the log of the token-ratio product; divided by the length it is
+    GSPO's log sequence ratio) of the probe's completions under the policy after the step's last
+    update, every rank's together. One extra no-grad forward: for an on-policy step the ratio
+    inside the update is 1 by construction; this is how far the update moved those sequences."""
+    sub, n = probe.rollout, probe.rows
+    logp = no_grad_logprobs(cfg, policy, sub, probe.dtype)  # (n_all, T)
+    log_ratio = ((logp - probe.old_logp) * sub.mask).sum(-1)[:n]  # (n,)
+    mine = (sub.lengths[:n].tolist(), log_ratio.tolist())
+    shares = dist.gather(mine) if dist.enabled else [mine]
+    return [x for s in shares for x in s[0]], [x for s in shares for x in s[1]]
 
 
 def _progress(console: Console, interactive: bool) -> Progress:

@@ -1,0 +1,497 @@
+"""`grouprl compare`'s report: algorithms side by side, from their run directories.
+
+Runs are grouped by algorithm (by run directory name when two runs share an algorithm and a
+seed); each group's numbers are the mean and the spread over its seeds. The report names a
+winner only when the gap in final held-out pass@1 is larger than the seeds' spread, so a
+difference that another seed could undo is reported as such.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grouprl.errors import UserError
+from grouprl.report.plots import pyplot
+from grouprl.report.runs import RunLog
+
+#: Completions are binned by length into this many bins for the ratio figure and table.
+LENGTH_BINS = 6
+#: The ratio spread is read as this percentile of |log ratio| in a bin.
+RATIO_PERCENTILE = 0.9
+#: Steps at the start of a run whose clip fraction the report quotes (off-policy updates clip
+#: most while the policy moves fastest).
+EARLY_STEPS = 20
+
+
+@dataclass
+class RunNumbers:
+    """What the report reads off one run."""
+
+    name: str
+    seed: int
+    steps: int
+    finished: bool
+    final_pass_at_1: float | None  # held-out pass@1 at the last evaluation
+    final_step: int | None  # the step of that evaluation
+    train_seconds: float  # cumulative step_seconds: sampling + updates, evaluation excluded
+    tokens_per_s: float  # sampled completion tokens / train_seconds
+
+
+@dataclass
+class AlgoNumbers:
+    """One algorithm over its seeds."""
+
+    label: str
+    algo: str
+    runs: list[RunNumbers]
+    pass_at_1_mean: float | None
+    pass_at_1_min: float | None
+    pass_at_1_max: float | None
+    train_seconds_mean: float
+    tokens_per_s_mean: float
+    clip_early: float | None  # mean clipped share (low + high) over the first EARLY_STEPS steps
+    clip_late: float | None  # ... over the last EARLY_STEPS steps
+    ratio_bins: list[dict[str, float]] = field(default_factory=list)
+    pass_at_1_curve: list[tuple[int, float]] = field(default_factory=list)  # mean over seeds
+
+    @property
+    def spread(self) -> float | None:
+        """max - min of the final held-out pass@1 over seeds (None with one seed)."""
+        if self.pass_at_1_min is None or len(self.runs) < 2:
+            return None
+        return self.pass_at_1_max - self.pass_at_1_min
+
+
+@dataclass
+class Comparison:
+    algos: list[AlgoNumbers]
+    verdict: str
+    winner: str | None
+
+
+# ----- numbers ----------------------------------------------------------------------------------
+
+
+def run_numbers(run: RunLog) -> RunNumbers:
+    seconds = sum(r.get("step_seconds") or 0.0 for r in run.metrics)
+    tokens = sum((r.get("tokens_per_s") or 0.0) * (r.get("step_seconds") or 0.0)
+                 for r in run.metrics)  # fmt: skip
+    steps, values = run.series("pass_at_1", source="evals")
+    last = run.metrics[-1]["step"] if run.metrics else 0
+    return RunNumbers(
+        name=run.name,
+        seed=run.seed,
+        steps=last,
+        finished=run.finished_at is not None,
+        final_pass_at_1=values[-1] if values else None,
+        final_step=steps[-1] if steps else None,
+        train_seconds=seconds,
+        tokens_per_s=tokens / seconds if seconds else 0.0,
+    )
+
+
+def _labels(runs: list[RunLog]) -> list[str]:
+    """Each run's group: its algorithm, or its directory name when an algorithm and seed pair
+    repeats (runs that differ in something else than the algorithm)."""
+    pairs = [(r.algo, r.seed) for r in runs]
+    if len(set(pairs)) == len(pairs):
+        return [r.algo for r in runs]
+    return [r.name for r in runs]
+
+
+def _mean_over(runs: list[RunLog], key: str, steps: slice) -> float | None:
+    values = []
+    for run in runs:
+        _, ys = run.series(key)
+        values += ys[steps]
+    return statistics.fmean(values) if values else None
+
+
+def _clip(runs: list[RunLog], steps: slice) -> float | None:
+    low, high = _mean_over(runs, "clip_frac_low", steps), _mean_over(runs, "clip_frac_high", steps)
+    return None if low is None or high is None else low + high
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def ratio_bins(runs: list[RunLog], edges: list[float]) -> list[dict[str, float]]:
+    """Per completion-length bin: how far one step moved the token-ratio product (|Σ_t log ρ_t|)
+    and GSPO's length-normalised sequence ratio (|Σ_t log ρ_t| / |y|), as the RATIO_PERCENTILE
+    of each over every logged completion of `runs`."""
+    points = [
+        (length, value)
+        for run in runs
+        for record in run.ratios
+        for length, value in zip(record["lengths"], record["log_ratio_sum"], strict=True)
+        if value is not None and length > 0
+    ]
+    out = []
+    for lo, hi in itertools.pairwise(edges):
+        inside = [(n, v) for n, v in points if lo <= n < hi or (hi == edges[-1] and n == hi)]
+        if not inside:
+            continue
+        out.append(
+            {
+                "length_from": lo,
+                "length_to": hi,
+                "completions": len(inside),
+                "token_product": _percentile([abs(v) for _, v in inside], RATIO_PERCENTILE),
+                "sequence": _percentile([abs(v) / n for n, v in inside], RATIO_PERCENTILE),
+            }
+        )
+    return out
+
+
+def _length_edges(runs: list[RunLog]) -> list[float]:
+    lengths = [n for run in runs for rec in run.ratios for n in rec["lengths"] if n > 0]
+    if not lengths:
+        return []
+    lo, hi = min(lengths), max(lengths)
+    if lo == hi:
+        return [lo, hi]
+    width = (hi - lo) / LENGTH_BINS
+    return [lo + i * width for i in range(LENGTH_BINS)] + [hi]
+
+
+def compare_runs(runs: list[RunLog]) -> Comparison:
+    """The numbers and the verdict of a comparison of `runs`."""
+    if not runs:
+        raise UserError("no runs to compare")
+    labels = _labels(runs)
+    edges = _length_edges(runs)
+    algos = []
+    for label in dict.fromkeys(labels):
+        mine = [r for r, lab in zip(runs, labels, strict=True) if lab == label]
+        numbers = [run_numbers(r) for r in mine]
+        finals = [n.final_pass_at_1 for n in numbers if n.final_pass_at_1 is not None]
+        curve = _mean_curve(mine, "pass_at_1", "evals")  # (steps, mean, min, max, time)
+        algos.append(
+            AlgoNumbers(
+                label=label,
+                algo=mine[0].algo,
+                runs=numbers,
+                pass_at_1_mean=statistics.fmean(finals) if finals else None,
+                pass_at_1_min=min(finals) if finals else None,
+                pass_at_1_max=max(finals) if finals else None,
+                train_seconds_mean=statistics.fmean(n.train_seconds for n in numbers),
+                tokens_per_s_mean=statistics.fmean(n.tokens_per_s for n in numbers),
+                clip_early=_clip(mine, slice(0, EARLY_STEPS)),
+                clip_late=_clip(mine, slice(-EARLY_STEPS, None)),
+                ratio_bins=ratio_bins(mine, edges) if edges else [],
+                pass_at_1_curve=list(zip(*curve[:2], strict=True)),
+            )
+        )
+    winner, verdict = _verdict(algos)
+    return Comparison(algos, verdict, winner)
+
+
+def _verdict(algos: list[AlgoNumbers]) -> tuple[str | None, str]:
+    scored = sorted(
+        (a for a in algos if a.pass_at_1_mean is not None),
+        key=lambda a: -a.pass_at_1_mean,
+    )
+    if len(scored) < 2:
+        return None, "Fewer than two algorithms have a held-out evaluation: nothing to compare."
+    best, second = scored[0], scored[1]
+    gap = best.pass_at_1_mean - second.pass_at_1_mean
+    spreads = [a.spread for a in (best, second)]
+    faster = min(scored, key=lambda a: a.train_seconds_mean)
+    slower = max(scored, key=lambda a: a.train_seconds_mean)
+    ratio = slower.train_seconds_mean / max(faster.train_seconds_mean, 1e-9)
+    speed = (
+        f" {faster.label} trained {ratio:.2f}x faster ({_seconds(faster.train_seconds_mean)} of "
+        f"sampling and updates per run against {slower.label}'s "
+        f"{_seconds(slower.train_seconds_mean)})."
+        if ratio > 1.1
+        else " They cost about the same time per run."
+    )
+    if any(s is None for s in spreads):
+        return None, (
+            f"{best.label} ended highest (held-out pass@1 {best.pass_at_1_mean:.3f} against "
+            f"{second.label}'s {second.pass_at_1_mean:.3f}), but with one seed there is no spread "
+            f"to compare the gap of {gap:.3f} with: run more seeds (--seeds 3) before choosing."
+            + speed
+        )
+    spread = max(spreads)
+    if gap > spread:
+        return best.label, (
+            f"{best.label} wins: final held-out pass@1 {best.pass_at_1_mean:.3f} against "
+            f"{second.label}'s {second.pass_at_1_mean:.3f}, a gap of {gap:.3f}, larger than the "
+            f"spread across seeds ({spread:.3f})." + speed
+        )
+    return None, (
+        f"These runs do not separate {best.label} and {second.label}: the gap in final "
+        f"held-out pass@1 ({gap:.3f}) is within the spread across seeds ({spread:.3f}). Choose "
+        "on cost and on the learning curves below, or run more seeds." + speed
+    )
+
+
+# ----- figures ----------------------------------------------------------------------------------
+
+
+def _mean_curve(
+    runs: list[RunLog], key: str, source: str
+) -> tuple[list[int], list[float], list[float], list[float], list[float]]:
+    """Steps logged by every run, with the mean, min and max of `key` over runs and the mean
+    cumulative training time (seconds, evaluation excluded) at each step."""
+    series = [dict(zip(*run.series(key, source=source), strict=True)) for run in runs]
+    clocks = []
+    for run in runs:
+        total, clock = 0.0, {0: 0.0}
+        for record in run.metrics:
+            total += record.get("step_seconds") or 0.0
+            clock[record["step"]] = total
+        clocks.append(clock)
+    steps = sorted(set.intersection(*(set(s) for s in series)) if series else set())
+    steps = [s for s in steps if all(s in c for c in clocks)]
+    mean = [statistics.fmean(s[x] for s in series) for x in steps]
+    low = [min(s[x] for s in series) for x in steps]
+    high = [max(s[x] for s in series) for x in steps]
+    time = [statistics.fmean(c[x] for c in clocks) for x in steps]
+    return steps, mean, low, high, time
+
+
+def _smooth(values: list[float], steps: int) -> list[float]:
+    """A trailing mean over `steps` points (per-step training metrics are noisy)."""
+    out, window = [], []
+    for v in values:
+        window = [*window[-(steps - 1) :], v] if steps > 1 else [v]
+        out.append(statistics.fmean(window))
+    return out
+
+
+def write_figures(groups: dict[str, list[RunLog]], comparison: Comparison, out: Path) -> list[Path]:
+    plt = pyplot()
+    out.mkdir(parents=True, exist_ok=True)
+    colours = {label: f"C{i}" for i, label in enumerate(groups)}
+    written = []
+    longest = max((len(r.metrics) for runs in groups.values() for r in runs), default=1)
+    smooth = max(1, longest // 40)
+
+    def curves(ax, key, source, use_time, smoothed=False):
+        for label, runs in groups.items():
+            steps, mean, low, high, time = _mean_curve(runs, key, source)
+            if not steps:
+                continue
+            if smoothed:
+                mean, low, high = (_smooth(v, smooth) for v in (mean, low, high))
+            xs = time if use_time else steps
+            marker = "o" if source == "evals" else None
+            ax.plot(xs, mean, color=colours[label], label=label, marker=marker, linewidth=1.4)
+            if len(runs) > 1:
+                ax.fill_between(xs, low, high, color=colours[label], alpha=0.2, linewidth=0)
+        ax.set_xlabel("training time (s, evaluation excluded)" if use_time else "step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), dpi=100)
+    for row, (key, source, name) in enumerate(
+        [("reward_mean", "metrics", "training reward"), ("pass_at_1", "evals", "held-out pass@1")]
+    ):
+        for col, use_time in enumerate((False, True)):
+            curves(axes[row][col], key, source, use_time, smoothed=source == "metrics")
+            axes[row][col].set_ylabel(name)
+    fig.suptitle("Reward and held-out pass@1: mean over seeds, band = min to max")
+    fig.tight_layout()
+    fig.savefig(out / "learning.png")
+    plt.close(fig)
+    written.append(out / "learning.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), dpi=100)
+    for ax, key, name in zip(axes, ("clip_frac_low", "clip_frac_high"), ("low", "high"),
+                             strict=True):  # fmt: skip
+        curves(ax, key, "metrics", False, smoothed=True)
+        ax.set_ylabel(f"clipped share ({name})")
+    fig.suptitle("Clipped share of tokens per step (mean over seeds)")
+    fig.tight_layout()
+    fig.savefig(out / "clip.png")
+    plt.close(fig)
+    written.append(out / "clip.png")
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6), dpi=100)
+    for ax, (key, name) in zip(
+        axes,
+        [
+            ("completion_len_mean", "completion length (tokens)"),
+            ("entropy", "entropy (nats per token)"),
+            ("frac_zero_std", "share of zero-variance groups"),
+        ],
+        strict=True,
+    ):
+        curves(ax, key, "metrics", False, smoothed=True)
+        ax.set_ylabel(name)
+    fig.tight_layout()
+    fig.savefig(out / "dynamics.png")
+    plt.close(fig)
+    written.append(out / "dynamics.png")
+
+    if any(a.ratio_bins for a in comparison.algos):
+        fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=100)
+        for algo in comparison.algos:
+            if not algo.ratio_bins:
+                continue
+            xs = [(b["length_from"] + b["length_to"]) / 2 for b in algo.ratio_bins]
+            colour = colours[algo.label]
+            ax.plot(xs, [max(b["token_product"], 1e-12) for b in algo.ratio_bins], "-o",
+                    color=colour, label=f"{algo.label}: token-ratio product")  # fmt: skip
+            ax.plot(xs, [max(b["sequence"], 1e-12) for b in algo.ratio_bins], "--s",
+                    color=colour, label=f"{algo.label}: sequence ratio (length-normalised)")  # fmt: skip
+        ax.set_yscale("log")
+        ax.set_xlabel("completion length (tokens)")
+        ax.set_ylabel(f"|log ratio|, {RATIO_PERCENTILE:.0%} percentile")
+        ax.set_title("How far one step moves each completion's ratio, by length")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "ratios.png")
+        plt.close(fig)
+        written.append(out / "ratios.png")
+    return written
+
+
+# ----- the report -------------------------------------------------------------------------------
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value < 100 else f"{value:.0f} s"
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def write_report(runs: list[RunLog], out: Path, *, command: str | None = None) -> Path:
+    """Write OUT/report.md, OUT/report.json and OUT/figures/; return report.md's path."""
+    comparison = compare_runs(runs)
+    labels = _labels(runs)
+    groups: dict[str, list[RunLog]] = {}
+    for run, label in zip(runs, labels, strict=True):
+        groups.setdefault(label, []).append(run)
+    out = Path(out)
+    figures = write_figures(groups, comparison, out / "figures")
+    lines = ["# grouprl compare", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    lines += ["## Verdict", "", comparison.verdict, ""]
+    lines += [*_results_table(comparison), ""]
+    lines += [*_reading(comparison), ""]
+    for path in figures:
+        lines += [f"![{path.stem}](figures/{path.name})", ""]
+    lines += _ratio_table(comparison)
+    lines += ["## Runs", ""]
+    for algo in comparison.algos:
+        names = ", ".join(
+            f"`{n.name}`" + ("" if n.finished else " (unfinished)") for n in algo.runs
+        )
+        lines.append(f"- {algo.label}: {names}")
+    lines.append("")
+    report = out / "report.md"
+    report.write_text("\n".join(lines), encoding="utf-8")
+    (out / "report.json").write_text(
+        json.dumps(
+            {
+                "verdict": comparison.verdict,
+                "winner": comparison.winner,
+                "algos": [{**asdict(a), "spread": a.spread} for a in comparison.algos],
+            },
+            indent=1,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    return report
+
+
+def _results_table(comparison: Comparison) -> list[str]:
+    lines = [
+        "| algorithm | seeds | final held-out pass@1 (mean ± half-range) | per seed | training "
+        "time (s) | sampled tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in comparison.algos:
+        half = (a.spread or 0.0) / 2
+        per_seed = ", ".join(f"s{n.seed}: {_fmt(n.final_pass_at_1)}" for n in a.runs)
+        spread = f" ± {half:.3f}" if a.spread is not None else ""
+        lines.append(
+            f"| {a.label} | {len(a.runs)} | {_fmt(a.pass_at_1_mean)}{spread} | {per_seed} | "
+            f"{a.train_seconds_mean:.0f} | {a.tokens_per_s_mean:.0f} |"
+        )
+    return lines
+
+
+def _reading(comparison: Comparison) -> list[str]:
+    """What the other numbers say, in sentences."""
+    lines = ["## What the runs show", ""]
+    for a in comparison.algos:
+        if a.clip_early is not None:
+            lines.append(
+                f"- {a.label}: clipped share {a.clip_early:.3f} over the first {EARLY_STEPS} "
+                f"steps, {a.clip_late:.3f} over the last {EARLY_STEPS}"
+                + (
+                    " (one on-policy update per rollout: the ratio is 1, nothing clips)."
+                    if a.clip_early == 0
+                    else "."
+                )
+            )
+    common = sorted(set.intersection(*(set(dict(a.pass_at_1_curve)) for a in comparison.algos)))
+    if len(common) >= 3:  # how fast each got there, not only where it ended
+        middle = common[len(common) // 2]
+        values = ", ".join(f"{a.label} {dict(a.pass_at_1_curve)[middle]:.3f}"
+                           for a in comparison.algos)  # fmt: skip
+        lines.append(f"- Held-out pass@1 halfway, at step {middle} (mean over seeds): {values}.")
+    binned = [a for a in comparison.algos if len(a.ratio_bins) >= 2]
+    for a in binned:
+        short, long_ = a.ratio_bins[0], a.ratio_bins[-1]
+        lines.append(
+            f"- {a.label}, ratios after each logged step on its own completions: from "
+            f"{short['length_from']:.0f}-{short['length_to']:.0f} to "
+            f"{long_['length_from']:.0f}-{long_['length_to']:.0f} tokens the token-ratio product "
+            f"moved by up to e^{short['token_product']:.2g} -> e^{long_['token_product']:.2g}, "
+            f"the length-normalised sequence ratio by e^{short['sequence']:.2g} -> "
+            f"e^{long_['sequence']:.2g}."
+        )
+    if binned:
+        longest = max(b["length_to"] for a in binned for b in a.ratio_bins)
+        lines.append(
+            "- A product of token ratios compounds with length (a drift of 0.1 per token is e^200 "
+            "over 2,000 tokens) while GSPO's length-normalised ratio stays on the per-token "
+            f"scale (e^0.1). These completions are at most {longest:.0f} tokens long; on long "
+            "reasoning traces the gap, and with it the case for a sequence ratio, grows."
+        )
+    return lines
+
+
+def _ratio_table(comparison: Comparison) -> list[str]:
+    binned = [a for a in comparison.algos if a.ratio_bins]
+    if not binned:
+        return []
+    lines = [
+        "## Ratio spread by completion length",
+        "",
+        f"|log ratio| after one step, {RATIO_PERCENTILE:.0%} percentile over the logged "
+        "completions (`ratios.jsonl`).",
+        "",
+        "| algorithm | length (tokens) | completions | token-ratio product | sequence ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for a in binned:
+        for b in a.ratio_bins:
+            lines.append(
+                f"| {a.label} | {b['length_from']:.0f}-{b['length_to']:.0f} | "
+                f"{b['completions']} | e^{b['token_product']:.2g} | e^{b['sequence']:.2g} |"
+            )
+    return [*lines, ""]
+
+
+def report_numbers(path: Path) -> dict[str, Any]:
+    """report.json of a written report."""
+    return json.loads((Path(path) / "report.json").read_text())

@@ -1,0 +1,470 @@
+"""`grouprl doctor`: the failure modes of GRPO-style training, read off a run's own logs.
+
+Each check looks at metrics.jsonl, eval.jsonl and samples.jsonl (a run finished or still being
+written) and returns findings: a severity, the evidence (steps and values) and one suggestion.
+A `warning` is something that costs the run (compute spent on groups that teach nothing, a
+policy collapsing, a verifier being gamed); `info` is worth knowing but not wrong (the run has
+converged). The same checks run live in `grouprl train` at each evaluation.
+
+Trends compare the median of the first and the last WINDOW_FRACTION of the steps, so one noisy
+step never decides a finding. Every threshold below says where its number comes from.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grouprl.report.runs import RunLog, load_run
+
+# ----- how much of a run a trend is read from ---------------------------------------------------
+#: Steps needed before any trend is judged: fewer and a 10% window is one or two steps.
+MIN_STEPS = 10
+#: Trends compare the medians of the first and the last tenth of the steps (at least 3 steps).
+WINDOW_FRACTION = 0.1
+MIN_WINDOW = 3
+
+# ----- zero-variance groups ---------------------------------------------------------------------
+#: Share of sampled groups whose completions all fail, over the last half of the run, above
+#: which a warning fires: such a group's advantages are all 0, so it costs its rollout and
+#: teaches nothing. REFERENCES.md's collapsing TRL run had 0.35 rising to 0.95; DAPO (arXiv
+#: 2503.14476, §3.2) introduced dynamic sampling because this share grows during training.
+ALL_WRONG_WARN = 0.5
+#: Share of all-correct groups, over the last tenth of the run, from which a run with high,
+#: flat held-out pass@1 counts as converged (the bundled task's demo ends at about 0.85).
+ALL_CORRECT_HIGH = 0.5
+#: Held-out pass@1 counted as high (the demo ends at 0.94; its base policy starts at 0.40).
+HIGH_PASS_AT_1 = 0.8
+#: Held-out pass@1 is flat when its last evaluations lie within this band: a 200-problem
+#: evaluation with 4 samples each has a standard error of about 0.015 at pass@1 0.9.
+FLAT_BAND = 0.03
+#: Evaluations (after step 0) needed to call held-out pass@1 flat.
+FLAT_EVALS = 3
+
+# ----- entropy ----------------------------------------------------------------------------------
+#: Entropy has collapsed when its last-window median is under this share of its first-window
+#: median (the demo falls 0.17 -> 0.01 while converging; REFERENCES.md's lr-1e-3 TRL run fell
+#: the same way while its reward fell to 0.13: the ratio alone cannot tell them apart, the
+#: reward and held-out pass@1 do).
+ENTROPY_COLLAPSE_RATIO = 0.1
+#: Training accuracy (the pass reward's pass rate) under which a collapse is a warning.
+LOW_ACCURACY = 0.5
+#: A fall of the training reward (first window -> last window) that counts as falling.
+REWARD_FALL = 0.05
+
+# ----- clipping (off-policy updates only: one on-policy update has ratio 1, nothing clips) -----
+#: Clipped share of tokens (low + high), as the median of a window, above which the step moves
+#: the policy further than the clip range allows on most of the batch. Token ratio, eps 0.2:
+#: GRPO clips a small fraction of a percent in the GSPO paper's runs (arXiv 2507.18071), and
+#: PPO practice (Spinning Up, cleanrl) reads a clip fraction above ~0.2 as a too-large step.
+TOKEN_CLIP_WARN = 0.2
+#: Sequence ratio with GSPO's 3e-4 / 4e-4: the paper clips about two orders of magnitude more
+#: tokens than GRPO and learns faster; this project's default GSPO run peaks at a window median
+#: of 0.58 early and then clips almost nothing. Above 0.75, most of each off-policy minibatch
+#: is clipped away.
+SEQUENCE_CLIP_WARN = 0.75
+
+# ----- KL, ratio and gradient blow-ups ----------------------------------------------------------
+#: approx KL(old || new) per token after an update, as a window median: PPO implementations
+#: stop an update at 1.5 x a 0.01 target (Spinning Up's target_kl); 0.05 is well past it.
+APPROX_KL_WARN = 0.05
+#: KL to the reference policy (per token) counts as blowing up when its last-window median is
+#: above this and has grown this many times since a quarter into the run.
+REF_KL_WARN = 0.1
+REF_KL_GROWTH = 10.0
+#: Extreme importance ratios (max above, min below 1/this) on this many steps: e^2.3 is outside
+#: any clip range in use (verl's dual clip bounds the loss at 3).
+RATIO_EXTREME = 10.0
+EXTREME_STEPS = 3
+#: A gradient-norm spike: this many times the median of the previous 20 steps, and above the
+#: clipping norm. The demo's GSPO run, whose norm varies 30x with the share of groups trained,
+#: has one such step in 200; this many make a warning.
+GRAD_SPIKE_FACTOR = 20.0
+GRAD_SPIKE_HISTORY = 20
+GRAD_SPIKES_WARN = 3
+
+# ----- length -----------------------------------------------------------------------------------
+#: Share of completions hitting max_new_tokens (last window) that makes a warning when it rose
+#: by TRUNCATED_RISE: their ends are cut, so the verifier scores a half-written answer
+#: (DAPO §3.4 calls it reward noise and masks or penalises them).
+TRUNCATED_WARN = 0.2
+TRUNCATED_RISE = 0.1
+#: Mean completion length growing this many times (first window -> last) with truncation up.
+LENGTH_GROWTH = 1.5
+
+# ----- reward against held-out ------------------------------------------------------------------
+#: Training reward gain (first window -> last) that, with held-out pass@1 up by at most
+#: HELDOUT_FLAT_GAIN since step 0, suggests the reward is being gamed (or the train prompts
+#: memorised). 0.1 is ten held-out standard errors at the default evaluation size.
+REWARD_GAIN = 0.1
+HELDOUT_FLAT_GAIN = 0.02
+#: Example completions shown with that finding.
+EXAMPLES = 3
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing the doctor found: what, how sure (warning or info), the numbers, what to do."""
+
+    code: str
+    severity: str  # "warning" | "info"
+    title: str
+    evidence: str
+    suggestion: str
+    examples: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ----- helpers ----------------------------------------------------------------------------------
+
+
+def _window(n: int) -> int:
+    return max(MIN_WINDOW, int(n * WINDOW_FRACTION))
+
+
+def _values(run: RunLog, key: str) -> tuple[list[int], list[float]]:
+    steps, values = run.series(key)
+    keep = [(s, v) for s, v in zip(steps, values, strict=True) if math.isfinite(v)]
+    return [s for s, _ in keep], [v for _, v in keep]
+
+
+def _ends(run: RunLog, key: str) -> tuple[float, float, str, str] | None:
+    """Medians of `key` over the first and the last window, and the steps each covers."""
+    steps, values = _values(run, key)
+    if len(values) < MIN_STEPS:
+        return None
+    w = _window(len(values))
+    first, last = statistics.median(values[:w]), statistics.median(values[-w:])
+    return first, last, f"steps {steps[0]}-{steps[w - 1]}", f"steps {steps[-w]}-{steps[-1]}"
+
+
+def _heldout(run: RunLog) -> tuple[list[int], list[float]]:
+    return run.series("pass_at_1", source="evals")
+
+
+def _converged(run: RunLog) -> tuple[bool, str]:
+    """Held-out pass@1 high and flat over its last FLAT_EVALS evaluations."""
+    steps, values = _heldout(run)
+    later = [(s, v) for s, v in zip(steps, values, strict=True) if s > 0][-FLAT_EVALS:]
+    if len(later) < FLAT_EVALS:
+        return False, ""
+    vals = [v for _, v in later]
+    high, flat = min(vals) >= HIGH_PASS_AT_1, max(vals) - min(vals) <= FLAT_BAND
+    text = ", ".join(f"{v:.3f}" for v in vals)
+    return high and flat, f"held-out pass@1 {text} at steps {later[0][0]}-{later[-1][0]}"
+
+
+def _off_policy(run: RunLog) -> bool:
+    return int(run.config.get("minibatches") or 1) > 1 or int(run.config.get("epochs") or 1) > 1
+
+
+# ----- the checks -------------------------------------------------------------------------------
+
+
+def check_zero_variance(run: RunLog) -> list[Finding]:
+    steps, none_pass = _values(run, "frac_none_pass")
+    if len(none_pass) < MIN_STEPS:
+        return []
+    half = len(none_pass) // 2
+    wrong = statistics.fmean(none_pass[half:])
+    _, token_share = _values(run, "zero_std_token_frac")
+    cost = f"; zero-variance groups took {statistics.fmean(token_share):.0%} of the sampled " \
+        "tokens" if token_share else ""  # fmt: skip
+    out = []
+    if wrong >= ALL_WRONG_WARN:
+        out.append(
+            Finding(
+                "all_wrong_groups",
+                "warning",
+                "most groups teach nothing: every completion fails",
+                f"{wrong:.0%} of sampled groups at steps {steps[half]}-{steps[-1]} had no "
+                f"completion passing{cost}",
+                "use easier data or a supervised warm start (grouprl sft), a larger "
+                "--group-size, or --dynamic-sampling",
+            )
+        )
+    ends = _ends(run, "frac_all_pass")
+    if ends is not None and ends[1] >= ALL_CORRECT_HIGH:
+        converged, heldout = _converged(run)
+        if converged:
+            out.append(
+                Finding(
+                    "converged_groups",
+                    "info",
+                    "converged: most groups are solved by every completion",
+                    f"{ends[1]:.0%} of groups all correct at {ends[3]}; {heldout}",
+                    "stop here (or train on harder prompts): further steps mostly sample "
+                    "groups that teach nothing",
+                )
+            )
+    return out
+
+
+def check_entropy(run: RunLog) -> list[Finding]:
+    ends = _ends(run, "entropy")
+    if ends is None or ends[0] <= 0:
+        return []
+    first, last, first_steps, last_steps = ends
+    if last >= ENTROPY_COLLAPSE_RATIO * first:
+        return []
+    evidence = f"entropy {first:.3f} ({first_steps}) -> {last:.3f} ({last_steps})"
+    converged, heldout = _converged(run)
+    if converged:
+        return [
+            Finding(
+                "converged_entropy",
+                "info",
+                "converged: the policy has become near-deterministic",
+                f"{evidence}; {heldout}",
+                "stop here: with entropy this low, more steps change little",
+            )
+        ]
+    acc = _ends(run, "accuracy")
+    reward = _ends(run, "reward_mean")
+    low = acc is not None and acc[1] < LOW_ACCURACY
+    falling = reward is not None and reward[1] < reward[0] - REWARD_FALL
+    if low or falling:
+        how = f"accuracy {acc[1]:.2f}" if low else f"reward {reward[0]:.3f} -> {reward[1]:.3f}"
+        return [
+            Finding(
+                "entropy_collapse",
+                "warning",
+                "entropy collapse: the policy became deterministic without getting it right",
+                f"{evidence}, while {how}",
+                "lower --lr, sample at a higher --temperature, or raise --clip-high "
+                "(clip-higher, DAPO)",
+            )
+        ]
+    return [
+        Finding(
+            "low_entropy",
+            "info",
+            "entropy has fallen by more than 10x",
+            evidence,
+            "exploration is limited from here; if held-out pass@1 stalls, raise --temperature",
+        )
+    ]
+
+
+def check_clipping(run: RunLog) -> list[Finding]:
+    if not _off_policy(run):
+        return []
+    steps, low = _values(run, "clip_frac_low")
+    _, high = _values(run, "clip_frac_high")
+    if len(low) < MIN_STEPS or len(high) != len(low):
+        return []
+    total = [a + b for a, b in zip(low, high, strict=True)]
+    sequence = run.config.get("ratio_level") == "sequence"
+    limit = SEQUENCE_CLIP_WARN if sequence else TOKEN_CLIP_WARN
+    w = _window(len(total))
+    medians = [statistics.median(total[i : i + w]) for i in range(len(total) - w + 1)]
+    worst = max(range(len(medians)), key=medians.__getitem__)
+    if medians[worst] <= limit:
+        return []
+    unit = "sequences" if sequence else "tokens"
+    return [
+        Finding(
+            "clip_fraction",
+            "warning",
+            f"most {unit} are clipped: each update moves further than the clip range",
+            f"clipped share {medians[worst]:.2f} (median of steps {steps[worst]}-"
+            f"{steps[worst + w - 1]}; usual for this ratio level: below {limit})",
+            "lower --lr, or use fewer --minibatches (fewer off-policy updates per rollout)",
+        )
+    ]
+
+
+def check_blowups(run: RunLog) -> list[Finding]:
+    out = []
+    steps, kl = _values(run, "approx_kl")
+    if len(kl) >= MIN_STEPS:
+        w = _window(len(kl))
+        medians = [statistics.median(kl[i : i + w]) for i in range(len(kl) - w + 1)]
+        worst = max(range(len(medians)), key=medians.__getitem__)
+        if medians[worst] > APPROX_KL_WARN:
+            out.append(
+                Finding(
+                    "approx_kl",
+                    "warning",
+                    "each update moves the policy far (approx KL old->new)",
+                    f"approx KL {medians[worst]:.3f} per token (median of steps {steps[worst]}-"
+                    f"{steps[worst + w - 1]}; PPO practice stops an update near 0.015)",
+                    "lower --lr or --clip-high, or use fewer --minibatches / --epochs",
+                )
+            )
+    ref_steps, ref_kl = _values(run, "kl")
+    if len(ref_kl) >= MIN_STEPS:
+        w = _window(len(ref_kl))
+        quarter = statistics.median(ref_kl[len(ref_kl) // 4 : len(ref_kl) // 4 + w])
+        last = statistics.median(ref_kl[-w:])
+        if last > REF_KL_WARN and last > REF_KL_GROWTH * max(quarter, 1e-12):
+            out.append(
+                Finding(
+                    "ref_kl",
+                    "warning",
+                    "KL to the reference policy is blowing up",
+                    f"KL to ref {quarter:.4f} (a quarter in) -> {last:.4f} (steps "
+                    f"{ref_steps[-w]}-{ref_steps[-1]})",
+                    "raise --beta or lower --lr",
+                )
+            )
+    r_steps, r_max = _values(run, "ratio_max")
+    _, r_min = _values(run, "ratio_min")
+    if r_max and len(r_min) == len(r_max):
+        extreme = [
+            (s, hi, lo)
+            for s, hi, lo in zip(r_steps, r_max, r_min, strict=True)
+            if hi > RATIO_EXTREME or lo < 1 / RATIO_EXTREME
+        ]
+        if len(extreme) >= EXTREME_STEPS:
+            shown = ", ".join(f"{s} ({lo:.2g}-{hi:.2g})" for s, hi, lo in extreme[:5])
+            out.append(
+                Finding(
+                    "ratio_spread",
+                    "warning",
+                    "importance ratios far from 1",
+                    f"{len(extreme)} steps with a ratio outside [{1 / RATIO_EXTREME:g}, "
+                    f"{RATIO_EXTREME:g}]: steps {shown}",
+                    "lower --lr or use fewer --minibatches; for long completions a sequence "
+                    "ratio (--algo gspo) keeps the ratio near 1",
+                )
+            )
+    g_steps, grad = _values(run, "grad_norm")
+    clip_norm = float(run.config.get("max_grad_norm") or 0) or 0.0
+    spikes = []
+    for i in range(GRAD_SPIKE_HISTORY // 4, len(grad)):
+        before = statistics.median(grad[max(0, i - GRAD_SPIKE_HISTORY) : i])
+        if grad[i] > GRAD_SPIKE_FACTOR * before and grad[i] > clip_norm:
+            spikes.append((g_steps[i], grad[i], before))
+    if spikes:
+        shown = ", ".join(f"step {s}: {g:.3g} (median {m:.2g})" for s, g, m in spikes[:5])
+        out.append(
+            Finding(
+                "grad_spikes",
+                "warning" if len(spikes) >= GRAD_SPIKES_WARN else "info",
+                f"gradient-norm spikes ({len(spikes)})",
+                shown,
+                "lower --lr or --max-grad-norm; look at the batches of those steps in "
+                "samples.jsonl",
+            )
+        )
+    return out
+
+
+def check_nonfinite(run: RunLog) -> list[Finding]:
+    bad = [
+        r["step"]
+        for r in run.metrics
+        if (r.get("nonfinite_updates") or 0) > 0
+        or ("loss" in r and r["loss"] is None)
+        or ("grad_norm" in r and r["grad_norm"] is None)
+    ]
+    if not bad:
+        return []
+    shown = ", ".join(str(s) for s in bad[:10]) + (" ..." if len(bad) > 10 else "")
+    return [
+        Finding(
+            "nonfinite",
+            "warning",
+            "non-finite loss or gradient (those updates were skipped)",
+            f"{len(bad)} step(s): {shown}",
+            "lower --lr, check the reward functions for NaN or inf, or use fp32 (--precision)",
+        )
+    ]
+
+
+def check_length(run: RunLog) -> list[Finding]:
+    trunc = _ends(run, "truncated_frac")
+    length = _ends(run, "completion_len_mean")
+    if trunc is None or length is None:
+        return []
+    rising = trunc[1] >= trunc[0] + TRUNCATED_RISE
+    if rising and (trunc[1] >= TRUNCATED_WARN or length[1] >= LENGTH_GROWTH * length[0]):
+        return [
+            Finding(
+                "length_runaway",
+                "warning",
+                "completions are running into the length limit",
+                f"truncated share {trunc[0]:.2f} ({trunc[2]}) -> {trunc[1]:.2f} ({trunc[3]}); "
+                f"mean length {length[0]:.0f} -> {length[1]:.0f} tokens",
+                "raise --max-new-tokens if answers need the room; else --overlong-penalty "
+                "or --mask-truncated (DAPO) so cut-off completions stop being rewarded",
+            )
+        ]
+    return []
+
+
+def check_reward_vs_heldout(run: RunLog) -> list[Finding]:
+    reward = _ends(run, "reward_mean")
+    steps, heldout = _heldout(run)
+    if reward is None or len(heldout) < 1 + FLAT_EVALS or steps[0] != 0:
+        return []
+    gain = reward[1] - reward[0]
+    held_gain = heldout[-1] - heldout[0]
+    if gain < REWARD_GAIN or held_gain > HELDOUT_FLAT_GAIN:
+        return []
+    last_step = run.metrics[-1]["step"] if run.metrics else 0
+    late = [s for s in run.samples() if s.get("step", 0) >= last_step - _window(last_step)]
+    examples = sorted(late, key=lambda s: -(s.get("reward") or 0))[:EXAMPLES]
+    return [
+        Finding(
+            "reward_not_heldout",
+            "warning",
+            "training reward rises but held-out pass@1 does not (is the verifier gamed?)",
+            f"train reward {reward[0]:.3f} ({reward[2]}) -> {reward[1]:.3f} ({reward[3]}); "
+            f"held-out pass@1 {heldout[0]:.3f} (step 0) -> {heldout[-1]:.3f} (step {steps[-1]})",
+            "read the high-reward completions below: if they are wrong but rewarded, fix the "
+            "reward function; if right, the training prompts differ from the held-out ones",
+            examples=[
+                {k: s.get(k) for k in ("step", "prompt", "completion", "reward", "answer")}
+                for s in examples
+            ],
+        )
+    ]
+
+
+CHECKS: list[Callable[[RunLog], list[Finding]]] = [
+    check_zero_variance,
+    check_entropy,
+    check_clipping,
+    check_blowups,
+    check_nonfinite,
+    check_length,
+    check_reward_vs_heldout,
+]
+
+
+def diagnose(run: RunLog | Path) -> list[Finding]:
+    """Every check's findings on `run` (a RunLog or a run directory), warnings first."""
+    if not isinstance(run, RunLog):
+        run = load_run(run)
+    findings = [f for check in CHECKS for f in check(run)]
+    return sorted(findings, key=lambda f: f.severity != "warning")
+
+
+def format_findings(run: RunLog, findings: list[Finding]) -> str:
+    """The doctor's transcript: a header line, then each finding with its evidence and advice."""
+    steps = run.metrics[-1]["step"] if run.metrics else 0
+    state = f"finished at step {run.finished_at}" if run.finished_at else "not finished"
+    lines = [f"{run.path}: {run.algo}, {steps} steps logged ({state})"]
+    if not findings:
+        lines.append("no findings: nothing in this run's logs looks wrong")
+    for f in findings:
+        lines.append(f"{f.severity:<8}{f.title}")
+        lines.append(f"        evidence: {f.evidence}")
+        lines.append(f"        suggest:  {f.suggestion}")
+        for ex in f.examples:
+            text = str(ex.get("completion", ""))[:120].replace("\n", "\\n")
+            lines.append(
+                f"        e.g. step {ex.get('step')}: {ex.get('prompt')!r} -> {text!r} "
+                f"(reward {ex.get('reward')}, answer {ex.get('answer')!r})"
+            )
+    warnings_ = sum(f.severity == "warning" for f in findings)
+    lines.append(f"{warnings_} warning(s), {len(findings) - warnings_} info")
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""`grouprl compare`: the algorithms on the same model, data, prompts and seeds, then a report.
+
+Each algorithm and seed is an ordinary run directory, OUTPUT_DIR/<algo>-s<seed>/, trained by
+`grouprl train` with the same flags; OUTPUT_DIR/compare.yaml records what was asked, so the same
+command run again continues an interrupted comparison: finished runs are kept, an unfinished one
+resumes from its latest checkpoint, missing ones start. Then OUTPUT_DIR/report.md and figures/
+are (re)written from the run directories (`grouprl.report.compare`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import tyro
+import yaml
+
+from grouprl.errors import UserError
+from grouprl.report.runs import finished_at, load_run
+from grouprl.train.config import PRESETS, Preset, parse_train_args, resolve
+
+#: Flags that compare itself sets for every run.
+OWN_FLAGS = ("--algo", "--output-dir", "--resume")
+
+
+@dataclass
+class CompareArgs:
+    """Train several algorithms on the same model, data, prompts and seeds and write a report
+    (report.md, figures/). Every other flag is a `grouprl train` flag, given to every run."""
+
+    algos: str = "grpo,gspo"
+    """Comma-separated presets to compare: grpo, gspo, dr_grpo, dapo."""
+    seeds: int = 1
+    """Seeds per algorithm: --seed, --seed + 1, ... (the spread over seeds decides the verdict)."""
+    output_dir: Path | None = None
+    """Where the runs and the report go. None: runs/compare-<date>-<time>. The same command with
+    the same directory continues an interrupted comparison."""
+    from_: Annotated[list[Path] | None, tyro.conf.arg(name="from")] = None
+    """Build the report from these existing run directories instead of training."""
+
+
+def parse_compare_args(argv: list[str]) -> tuple[CompareArgs, list[str]]:
+    """Compare's own flags, and the rest (train flags for every run)."""
+    args, rest = tyro.cli(CompareArgs, args=argv, prog="grouprl compare", return_unknown_args=True)
+    return args, list(rest)
+
+
+def main(argv: list[str]) -> int:
+    args, rest = parse_compare_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise UserError(
+            "compare runs its runs one after another in one process; under torchrun, train each "
+            "run with `torchrun ... -m grouprl train --algo A --seed S --output-dir D/A-sS` and "
+            "build the report with `grouprl compare --from D/*`"
+        )
+    if args.from_:
+        if rest:
+            raise UserError(
+                f"--from builds the report from finished runs; train flags such as {rest[0]} do "
+                "not apply (drop them)"
+            )
+        out = args.output_dir or _default_dir()
+        _report([load_run(p) for p in args.from_], out, command=None)
+        return 0
+    return run_comparison(args, rest)
+
+
+def _default_dir() -> Path:
+    return Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _algos(spec: str) -> list[str]:
+    algos = [a.strip() for a in spec.split(",") if a.strip()]
+    unknown = [a for a in algos if a not in PRESETS]
+    if unknown:
+        raise UserError(f"--algos: {unknown[0]!r} is not one of {', '.join(PRESETS)}")
+    if len(set(algos)) != len(algos) or len(algos) < 2:
+        raise UserError("--algos needs two or more different presets, e.g. --algos grpo,gspo")
+    return algos
+
+
+def run_comparison(args: CompareArgs, rest: list[str]) -> int:
+    from grouprl.train import loop
+
+    algos = _algos(args.algos)
+    if args.seeds < 1:
+        raise UserError("--seeds must be at least 1")
+    for flag in OWN_FLAGS:
+        if any(token == flag or token.startswith(flag + "=") for token in rest):
+            raise UserError(f"{flag} is set by compare for each run; drop it (see --help)")
+    base = parse_train_args(rest)  # every flag checked once, before anything runs
+    overridden = [f.name for f in dataclasses.fields(Preset) if getattr(base, f.name) is not None]
+    if overridden:
+        flags = ", ".join("--" + name.replace("_", "-") for name in overridden)
+        warnings.warn(
+            f"{flags} set an algorithm-defining field, so it overrides every preset "
+            f"({', '.join(algos)}): the runs differ only in what the presets still set",
+            stacklevel=1,
+        )
+    for algo in algos:  # and each preset with them (e.g. GSPO's minibatches must divide B)
+        resolve(dataclasses.replace(base, algo=algo),
+                task_max_new_tokens=base.max_new_tokens or 1024)  # fmt: skip
+    out = args.output_dir or _default_dir()
+    record = {"algos": algos, "seeds": args.seeds, "train_flags": rest}
+    _claim(out, record)
+    seeds = [base.seed + i for i in range(args.seeds)]
+    plan = [(algo, seed) for seed in seeds for algo in algos]  # every algorithm early on
+    for i, (algo, seed) in enumerate(plan, 1):
+        run_dir = out / f"{algo}-s{seed}"
+        head = f"compare: run {i}/{len(plan)}: {algo}, seed {seed} -> {run_dir}"
+        if (run_dir / "config.yaml").is_file():
+            if finished_at(run_dir) is not None:
+                print(f"{head} (finished earlier)")
+                continue
+            print(f"{head} (continuing)")
+            cfg = parse_train_args(["--resume", str(run_dir)])
+        else:
+            print(head)
+            cfg = parse_train_args(
+                [*rest, "--algo", algo, "--seed", str(seed), "--output-dir", str(run_dir)]
+            )
+        summary = loop.train(cfg)
+        if summary.interrupted:
+            print(f"compare: stopped; run the same command again to continue ({out})")
+            return 130 if summary.stopped_by != "SIGTERM" else 143
+    command = shlex.join(["grouprl", "compare", "--algos", ",".join(algos), "--seeds",
+                          str(args.seeds), "--output-dir", str(out), *rest])  # fmt: skip
+    _report([load_run(out / f"{a}-s{s}") for a, s in plan], out, command=command)
+    return 0
+
+
+def _claim(out: Path, record: dict) -> None:
+    """Record what this comparison is in OUT/compare.yaml, or check that a directory from an
+    earlier, interrupted call holds the same comparison."""
+    path = out / "compare.yaml"
+    if path.is_file():
+        saved = yaml.safe_load(path.read_text()) or {}
+        if saved != record:
+            raise UserError(
+                f"{out} holds another comparison ({saved.get('algos')}, {saved.get('seeds')} "
+                f"seed(s), flags {saved.get('train_flags')}); choose another --output-dir"
+            )
+        return
+    if out.exists() and any(out.iterdir()):
+        raise UserError(
+            f"{out} already exists and is not a comparison; choose another --output-dir"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(record, sort_keys=False))
+
+
+def _report(runs: list, out: Path, command: str | None) -> Path:
+    """Write the report and print where it is and its verdict."""
+    from grouprl.report.compare import write_report
+
+    report = write_report(runs, out, command=command)
+    verdict = json.loads((out / "report.json").read_text())["verdict"]
+    print(f"report: {report}\n{verdict}")
+    return report

@@ -1,0 +1,156 @@
+"""`grouprl doctor` on synthetic run directories built to show one failure each (and a healthy
+and a converged run): exactly the expected findings, and the exit codes."""
+
+import json
+
+import pytest
+from synthetic_runs import make_run, ramp
+
+from grouprl.cli import main
+from grouprl.report import doctor
+from grouprl.report.doctor import diagnose
+
+
+def codes(path):
+    return {(f.code, f.severity) for f in diagnose(path)}
+
+
+CONVERGED_EVAL = {0: 0.4, 50: 0.93, 55: 0.94, 60: 0.935}
+
+CASES = {
+    "healthy": ({}, {}, set()),
+    "converged": (  # the demo's shape: most groups all right, entropy down 17x, held-out flat
+        dict(
+            accuracy=ramp(0.5, 0.93),
+            reward_mean=ramp(0.5, 0.93),
+            entropy=ramp(0.17, 0.005),
+            frac_all_pass=ramp(0.0, 0.85),
+            frac_zero_std=ramp(0.0, 0.9),
+        ),
+        {"evals": CONVERGED_EVAL},
+        {("converged_groups", "info"), ("converged_entropy", "info")},
+    ),
+    "all_wrong": (
+        dict(
+            frac_none_pass=lambda s: 0.7,
+            frac_zero_std=lambda s: 0.75,
+            zero_std_token_frac=lambda s: 0.8,
+        ),
+        {},
+        {("all_wrong_groups", "warning")},
+    ),
+    "entropy_collapse": (  # REFERENCES.md's lr-1e-3 TRL run: deterministic and wrong
+        dict(
+            entropy=ramp(0.5, 0.01),
+            accuracy=ramp(0.3, 0.1),
+            reward_mean=ramp(0.3, 0.1),
+            frac_none_pass=ramp(0.3, 0.9),
+        ),
+        {"evals": {0: 0.3, 15: 0.25, 30: 0.2, 45: 0.15, 60: 0.12}},
+        {("entropy_collapse", "warning"), ("all_wrong_groups", "warning")},
+    ),
+    "clipping": (  # off-policy GSPO clipping 90% of sequences for the whole run
+        dict(clip_frac_low=lambda s: 0.45, clip_frac_high=lambda s: 0.45),
+        {"config": {"algo": "gspo", "minibatches": 4, "ratio_level": "sequence"}},
+        {("clip_fraction", "warning")},
+    ),
+    "clipping_on_policy": (  # the same numbers with one update per rollout: not checked
+        dict(clip_frac_low=lambda s: 0.45, clip_frac_high=lambda s: 0.45),
+        {},
+        set(),
+    ),
+    "blowups": (
+        dict(
+            approx_kl=lambda s: 1e-4 if s < 30 else 0.2,
+            kl=lambda s: 0.001 if s < 30 else 0.5,
+            ratio_max=lambda s: 30.0 if s in (40, 41, 42, 50) else 1.2,
+            ratio_min=lambda s: 0.8,
+            grad_norm=lambda s: 50.0 if s in (25, 35, 45) else 0.2,
+        ),
+        {"config": {"minibatches": 2, "beta": 0.04}},
+        {
+            ("approx_kl", "warning"),
+            ("ref_kl", "warning"),
+            ("ratio_spread", "warning"),
+            ("grad_spikes", "warning"),
+        },
+    ),
+    "one_grad_spike": (  # one spike above the clipping norm: worth knowing, not a warning
+        dict(grad_norm=lambda s: 50.0 if s == 40 else 0.2),
+        {},
+        {("grad_spikes", "info")},
+    ),
+    "nonfinite": (
+        dict(nonfinite_updates=lambda s: int(s == 7), loss=lambda s: None if s == 7 else 0.01),
+        {},
+        {("nonfinite", "warning")},
+    ),
+    "length": (
+        dict(completion_len_mean=ramp(50, 120), truncated_frac=ramp(0.0, 0.4)),
+        {},
+        {("length_runaway", "warning")},
+    ),
+    "gaming": (
+        dict(reward_mean=ramp(0.2, 0.8)),
+        {"evals": {0: 0.3, 15: 0.31, 30: 0.29, 45: 0.3, 60: 0.3}},
+        {("reward_not_heldout", "warning")},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_failure_gives_exactly_its_findings_and_exit_code(tmp_path, case, capsys):
+    series, kwargs, expected = CASES[case]
+    run = make_run(tmp_path / case, **kwargs, **series)
+    assert codes(run) == expected
+    status = main(["doctor", str(run)])
+    out = capsys.readouterr().out
+    assert status == (1 if any(sev == "warning" for _, sev in expected) else 0)
+    for _code, severity in expected:
+        assert severity in out
+    if not expected:
+        assert "no findings" in out
+
+
+def test_findings_carry_steps_values_and_a_suggestion(tmp_path):
+    run = make_run(tmp_path / "r", frac_none_pass=lambda s: 0.7)
+    (finding,) = diagnose(run)
+    assert "70%" in finding.evidence and "steps 31-60" in finding.evidence
+    assert "--group-size" in finding.suggestion and "--dynamic-sampling" in finding.suggestion
+
+
+def test_gaming_shows_example_completions(tmp_path):
+    samples = [
+        {"step": s, "prompt": f"{s}+1=", "completion": "|1", "reward": float(s % 2), "answer": "2"}
+        for s in range(50, 61)
+    ]
+    run = make_run(
+        tmp_path / "r",
+        reward_mean=ramp(0.2, 0.8),
+        evals={0: 0.3, 15: 0.31, 30: 0.29, 45: 0.3, 60: 0.3},
+        samples=samples,
+    )
+    (finding,) = diagnose(run)
+    assert len(finding.examples) == doctor.EXAMPLES
+    assert all(ex["reward"] == 1.0 and ex["step"] >= 54 for ex in finding.examples)
+
+
+def test_json_output_and_a_partial_last_line(tmp_path, capsys):
+    run = make_run(tmp_path / "r", frac_none_pass=lambda s: 0.7)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 61, "reward_me')  # a run still writing
+    assert main(["doctor", str(run), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [f["code"] for f in report["findings"]] == ["all_wrong_groups"]
+    assert report["findings"][0]["severity"] == "warning"
+
+
+def test_short_or_not_a_run(tmp_path, capsys):
+    assert main(["doctor", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a grouprl run directory" in err and err.count("\n") == 1
+    short = make_run(tmp_path / "short", frac_none_pass=lambda s: 0.9)
+    (short / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "frac_none_pass": 0.9}) + "\n" for s in range(1, 5))
+    )
+    assert diagnose(short) == []  # four steps: too few to judge a trend
