@@ -102,8 +102,7 @@ def _plot(argv: list[str]) -> int:
 def _compare(argv: list[str]) -> int:
     from grouprl.train.compare import main
 
-    _quiet_hf()
-    return main(argv)
+    return main(argv, before_training=_quiet_hf)
 
 
 def _doctor(argv: list[str]) -> int:

@@ -47,7 +47,16 @@ CASES = {
             frac_none_pass=ramp(0.3, 0.9),
         ),
         {"evals": {0: 0.3, 15: 0.25, 30: 0.2, 45: 0.15, 60: 0.12}},
-        {("entropy_collapse", "warning"), ("all_wrong_groups", "warning")},
+        {
+            ("entropy_collapse", "warning"),
+            ("all_wrong_groups", "warning"),
+            ("heldout_drop", "warning"),
+        },
+    ),
+    "heldout_drop": (  # training looks fine, held-out pass@1 falls from its best
+        {},
+        {"evals": {0: 0.3, 15: 0.5, 30: 0.45, 45: 0.4, 60: 0.35}},
+        {("heldout_drop", "warning")},
     ),
     "clipping": (  # off-policy GSPO clipping 90% of sequences for the whole run
         dict(clip_frac_low=lambda s: 0.45, clip_frac_high=lambda s: 0.45),

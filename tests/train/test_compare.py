@@ -32,6 +32,7 @@ def test_compare_runs_continues_and_reports_the_runs_own_numbers(tmp_path, stop_
     for name, run in runs.items():
         assert finished_at(run) == 3, name
         assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+        assert [r["step"] for r in read_jsonl(run / "ratios.jsonl")] == [1, 2, 3]  # no repeats
     assert yaml.safe_load((out / "gspo-s1" / "config.yaml").read_text())["seed"] == 1
 
     report = json.loads((out / "report.json").read_text())

@@ -237,14 +237,15 @@ def test_resume_changes_only_what_may_change(tmp_path, capsys):
 
 
 def test_help_and_version_need_no_torch():
-    """`grouprl train --help` answers without importing torch or transformers; `--version`
-    and `python -m grouprl` work."""
+    """`grouprl train|eval|compare|doctor --help` answer without importing torch or
+    transformers; `--version` and `python -m grouprl` work."""
     import subprocess
     import sys
 
     code = (
         "import sys\nfrom grouprl.cli import main\n"
-        "for argv in (['train', '--help'], ['eval', '--help']):\n"
+        "for argv in (['train', '--help'], ['eval', '--help'], ['compare', '--help'],\n"
+        "             ['doctor', '--help']):\n"
         "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0\n"
         "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'peft') if m in sys.modules))\n"
     )

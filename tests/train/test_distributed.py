@@ -75,7 +75,8 @@ TRAIN = ["-m", "grouprl", "train", "--threads", "1", "--prompts-per-step", "8",
 
 
 def test_torchrun_cli_trains_resumes_and_counts_the_global_batch(tmp_path):
-    done = torchrun(*TRAIN, "--steps", "3", "--output-dir", "run", cwd=tmp_path)
+    done = torchrun(*TRAIN, "--steps", "3", "--output-dir", "run", "--log-ratios", "6",
+                    "--log-ratios-every", "1", cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # one run directory
     assert done.stderr.count("run directory:") == 1  # rank 0 alone prints
@@ -93,6 +94,10 @@ def test_torchrun_cli_trains_resumes_and_counts_the_global_batch(tmp_path):
     assert "resuming run from step 3" in done.stderr
     lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    # the ratio probe: 3 completions from each rank, gathered (under ddp, then fsdp)
+    ratios = [json.loads(x) for x in (tmp_path / "run/ratios.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ratios] == [1, 2, 3, 4]
+    assert all(len(r["lengths"]) == len(r["log_ratio_sum"]) == 6 for r in ratios)
     assert "strategy: fsdp" in (tmp_path / "run/config.yaml").read_text()
     assert (tmp_path / "run/checkpoints/step_000004/model.safetensors").is_file()
 

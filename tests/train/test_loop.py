@@ -181,12 +181,17 @@ def test_bf16_recomputes_old_logp_so_an_unmoved_policy_has_ratio_one(tmp_path, m
     (the recompute takes the same path)."""
     summary = _run(
         tmp_path, algo="gspo", precision="bf16", steps=1, lr=1e-12, warmup_steps=0,
-        prompts_per_step=8, group_size=2, minibatches=2, **memory,
+        prompts_per_step=8, group_size=2, minibatches=2, log_ratios=4, log_ratios_every=1,
+        **memory,
     )  # fmt: skip
     (record,) = _metrics(summary.run_dir)
     assert 0 < record["trained_frac"] < 1
     assert record["clip_frac_low"] == 0 and record["clip_frac_high"] == 0
     assert abs(record["ratio_min"] - 1) < 1e-5 and abs(record["ratio_max"] - 1) < 1e-5
+    # ratios.jsonl's probe recomputes its old_logp the same way: an unmoved policy logs ~0
+    (probe,) = [json.loads(x) for x in (summary.run_dir / "ratios.jsonl").read_text().splitlines()]
+    assert len(probe["log_ratio_sum"]) == 4
+    assert max(abs(v) for v in probe["log_ratio_sum"]) < 1e-4
 
 
 def _update_from(policy, cfg, batch, advantages):

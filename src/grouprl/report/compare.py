@@ -20,8 +20,17 @@ from grouprl.errors import UserError
 from grouprl.report.plots import pyplot
 from grouprl.report.runs import RunLog
 
-#: Completions are binned by length into this many bins for the ratio figure and table.
+#: Completions are binned by length into at most this many bins of equal counts, each of at
+#: least MIN_BIN completions, for the ratio figure and table.
 LENGTH_BINS = 6
+MIN_BIN = 20
+#: Config fields that do not make runs different experiments (where and how they ran, what
+#: they log); runs of one algorithm that differ in any other field are labelled apart.
+INCIDENTAL = {
+    "seed", "output_dir", "device", "threads", "progress", "eval_every", "save_every",
+    "keep_last", "log_samples", "log_ratios", "log_ratios_every", "doctor", "reward_timeout",
+    "strategy", "steps",
+}  # fmt: skip
 #: The ratio spread is read as this percentile of |log ratio| in a bin.
 RATIO_PERCENTILE = 0.9
 #: Steps at the start of a run whose clip fraction the report quotes (off-policy updates clip
@@ -39,6 +48,7 @@ class RunNumbers:
     finished: bool
     final_pass_at_1: float | None  # held-out pass@1 at the last evaluation
     final_step: int | None  # the step of that evaluation
+    last_eval_step: int  # the run's own last evaluation (it may go beyond final_step)
     train_seconds: float  # cumulative step_seconds: sampling + updates, evaluation excluded
     tokens_per_s: float  # sampled completion tokens / train_seconds
 
@@ -57,13 +67,15 @@ class AlgoNumbers:
     tokens_per_s_mean: float
     clip_early: float | None  # mean clipped share (low + high) over the first EARLY_STEPS steps
     clip_late: float | None  # ... over the last EARLY_STEPS steps
+    on_policy: bool  # one update per rollout: the ratio is 1, nothing clips
     ratio_bins: list[dict[str, float]] = field(default_factory=list)
     pass_at_1_curve: list[tuple[int, float]] = field(default_factory=list)  # mean over seeds
 
     @property
     def spread(self) -> float | None:
-        """max - min of the final held-out pass@1 over seeds (None with one seed)."""
-        if self.pass_at_1_min is None or len(self.runs) < 2:
+        """max - min of the final held-out pass@1 over seeds (None unless at least two seeds were
+        evaluated)."""
+        if sum(n.final_pass_at_1 is not None for n in self.runs) < 2:
             return None
         return self.pass_at_1_max - self.pass_at_1_min
 
@@ -73,49 +85,71 @@ class Comparison:
     algos: list[AlgoNumbers]
     verdict: str
     winner: str | None
+    at_step: int | None  # the step the final held-out pass@1 of every run is taken at
 
 
 # ----- numbers ----------------------------------------------------------------------------------
 
 
-def run_numbers(run: RunLog) -> RunNumbers:
+def run_numbers(run: RunLog, at_step: int | None) -> RunNumbers:
+    """The run's numbers, its held-out pass@1 taken at its last evaluation at or before
+    `at_step` (the last step every compared run has been evaluated at)."""
     seconds = sum(r.get("step_seconds") or 0.0 for r in run.metrics)
     tokens = sum((r.get("tokens_per_s") or 0.0) * (r.get("step_seconds") or 0.0)
                  for r in run.metrics)  # fmt: skip
-    steps, values = run.series("pass_at_1", source="evals")
+    points = [
+        (s, v)
+        for s, v in zip(*run.series("pass_at_1", source="evals"), strict=True)
+        if s > 0 and (at_step is None or s <= at_step)
+    ]
     last = run.metrics[-1]["step"] if run.metrics else 0
     return RunNumbers(
         name=run.name,
         seed=run.seed,
         steps=last,
         finished=run.finished_at is not None,
-        final_pass_at_1=values[-1] if values else None,
-        final_step=steps[-1] if steps else None,
+        final_pass_at_1=points[-1][1] if points else None,
+        final_step=points[-1][0] if points else None,
+        last_eval_step=max(run.series("pass_at_1", source="evals")[0], default=0),
         train_seconds=seconds,
         tokens_per_s=tokens / seconds if seconds else 0.0,
     )
 
 
 def _labels(runs: list[RunLog]) -> list[str]:
-    """Each run's group: its algorithm, or its directory name when an algorithm and seed pair
-    repeats (runs that differ in something else than the algorithm)."""
-    pairs = [(r.algo, r.seed) for r in runs]
-    if len(set(pairs)) == len(pairs):
-        return [r.algo for r in runs]
-    return [r.name for r in runs]
+    """Each run's group: its algorithm, plus `field=value` for every field (not INCIDENTAL) in
+    which runs of that algorithm differ, so that only seeds of one experiment are pooled; runs
+    still alike in everything but their directory are told apart by it."""
+    labels = []
+    for run in runs:
+        peers = [r for r in runs if r.algo == run.algo]
+        keys = sorted({k for r in peers for k in r.config} - INCIDENTAL)
+        differ = [k for k in keys if len({repr(r.config.get(k)) for r in peers}) > 1]
+        labels.append(run.algo + "".join(f" {k}={run.config.get(k)}" for k in differ))
+    pairs = list(zip(labels, (r.seed for r in runs), strict=True))
+    return [
+        f"{label} ({run.path.parent.name}/{run.name})" if pairs.count((label, run.seed)) > 1
+        else label
+        for label, run in zip(labels, runs, strict=True)
+    ]  # fmt: skip
 
 
-def _mean_over(runs: list[RunLog], key: str, steps: slice) -> float | None:
+def _clip(runs: list[RunLog], end: str) -> float | None:
+    """Mean clipped share (low + high) over the first or the last EARLY_STEPS steps of each run
+    (at most half its steps, so that the two never overlap)."""
     values = []
     for run in runs:
-        _, ys = run.series(key)
-        values += ys[steps]
+        _, low = run.series("clip_frac_low")
+        _, high = run.series("clip_frac_high")
+        total = [a + b for a, b in zip(low, high, strict=False)]
+        w = min(EARLY_STEPS, len(total) // 2)
+        if w:
+            values += total[:w] if end == "first" else total[-w:]
     return statistics.fmean(values) if values else None
 
 
-def _clip(runs: list[RunLog], steps: slice) -> float | None:
-    low, high = _mean_over(runs, "clip_frac_low", steps), _mean_over(runs, "clip_frac_high", steps)
-    return None if low is None or high is None else low + high
+def _percentile_name() -> str:
+    return f"{round(RATIO_PERCENTILE * 100)}th"
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -136,13 +170,13 @@ def ratio_bins(runs: list[RunLog], edges: list[float]) -> list[dict[str, float]]
     ]
     out = []
     for lo, hi in itertools.pairwise(edges):
-        inside = [(n, v) for n, v in points if lo <= n < hi or (hi == edges[-1] and n == hi)]
+        inside = [(n, v) for n, v in points if lo <= n < hi]
         if not inside:
             continue
         out.append(
             {
                 "length_from": lo,
-                "length_to": hi,
+                "length_to": hi - 1,  # inclusive
                 "completions": len(inside),
                 "token_product": _percentile([abs(v) for _, v in inside], RATIO_PERCENTILE),
                 "sequence": _percentile([abs(v) / n for n, v in inside], RATIO_PERCENTILE),
@@ -152,14 +186,14 @@ def ratio_bins(runs: list[RunLog], edges: list[float]) -> list[dict[str, float]]
 
 
 def _length_edges(runs: list[RunLog]) -> list[float]:
-    lengths = [n for run in runs for rec in run.ratios for n in rec["lengths"] if n > 0]
+    """Bin edges over the logged completions' lengths: up to LENGTH_BINS bins of equal counts,
+    each of at least MIN_BIN completions (one bin when there are fewer)."""
+    lengths = sorted(n for run in runs for rec in run.ratios for n in rec["lengths"] if n > 0)
     if not lengths:
         return []
-    lo, hi = min(lengths), max(lengths)
-    if lo == hi:
-        return [lo, hi]
-    width = (hi - lo) / LENGTH_BINS
-    return [lo + i * width for i in range(LENGTH_BINS)] + [hi]
+    bins = max(1, min(LENGTH_BINS, len(lengths) // MIN_BIN))
+    starts = sorted({lengths[i * len(lengths) // bins] for i in range(bins)})
+    return [*starts, lengths[-1] + 1]  # bins [lo, hi): lengths are whole tokens
 
 
 def compare_runs(runs: list[RunLog]) -> Comparison:
@@ -168,10 +202,14 @@ def compare_runs(runs: list[RunLog]) -> Comparison:
         raise UserError("no runs to compare")
     labels = _labels(runs)
     edges = _length_edges(runs)
+    evaluated = [r.series("pass_at_1", source="evals")[0] for r in runs]
+    # the last step every run evaluated after step 0 has reached (a run killed before its
+    # first evaluation after step 0 has no final number and does not hold the others back)
+    at_step = min((steps[-1] for steps in evaluated if steps and steps[-1] > 0), default=None)
     algos = []
     for label in dict.fromkeys(labels):
         mine = [r for r, lab in zip(runs, labels, strict=True) if lab == label]
-        numbers = [run_numbers(r) for r in mine]
+        numbers = [run_numbers(r, at_step) for r in mine]
         finals = [n.final_pass_at_1 for n in numbers if n.final_pass_at_1 is not None]
         curve = _mean_curve(mine, "pass_at_1", "evals")  # (steps, mean, min, max, time)
         algos.append(
@@ -184,23 +222,31 @@ def compare_runs(runs: list[RunLog]) -> Comparison:
                 pass_at_1_max=max(finals) if finals else None,
                 train_seconds_mean=statistics.fmean(n.train_seconds for n in numbers),
                 tokens_per_s_mean=statistics.fmean(n.tokens_per_s for n in numbers),
-                clip_early=_clip(mine, slice(0, EARLY_STEPS)),
-                clip_late=_clip(mine, slice(-EARLY_STEPS, None)),
+                clip_early=_clip(mine, "first"),
+                clip_late=_clip(mine, "last"),
+                on_policy=all(
+                    int(r.config.get("minibatches") or 1) == 1
+                    and int(r.config.get("epochs") or 1) == 1
+                    for r in mine
+                ),
                 ratio_bins=ratio_bins(mine, edges) if edges else [],
                 pass_at_1_curve=list(zip(*curve[:2], strict=True)),
             )
         )
-    winner, verdict = _verdict(algos)
-    return Comparison(algos, verdict, winner)
+    winner, verdict = _verdict(algos, at_step)
+    return Comparison(algos, verdict, winner, at_step)
 
 
-def _verdict(algos: list[AlgoNumbers]) -> tuple[str | None, str]:
+def _verdict(algos: list[AlgoNumbers], at_step: int | None) -> tuple[str | None, str]:
     scored = sorted(
         (a for a in algos if a.pass_at_1_mean is not None),
         key=lambda a: -a.pass_at_1_mean,
     )
-    if len(scored) < 2:
-        return None, "Fewer than two algorithms have a held-out evaluation: nothing to compare."
+    if len(scored) < 2 or not at_step:
+        return None, (
+            "Fewer than two algorithms have a held-out evaluation after step 0: nothing to "
+            "compare yet."
+        )
     best, second = scored[0], scored[1]
     gap = best.pass_at_1_mean - second.pass_at_1_mean
     spreads = [a.spread for a in (best, second)]
@@ -214,24 +260,31 @@ def _verdict(algos: list[AlgoNumbers]) -> tuple[str | None, str]:
         if ratio > 1.1
         else " They cost about the same time per run."
     )
+    unfinished = sum(not n.finished for a in algos for n in a.runs)
+    if any(n.last_eval_step > at_step for a in algos for n in a.runs):
+        speed += (
+            f" Every run is compared at step {at_step}, the last step all of them have been "
+            f"evaluated at ({unfinished} run(s) have not finished)."
+        )
     if any(s is None for s in spreads):
         return None, (
-            f"{best.label} ended highest (held-out pass@1 {best.pass_at_1_mean:.3f} against "
-            f"{second.label}'s {second.pass_at_1_mean:.3f}), but with one seed there is no spread "
-            f"to compare the gap of {gap:.3f} with: run more seeds (--seeds 3) before choosing."
-            + speed
+            f"{best.label} is highest (held-out pass@1 at step {at_step}: "
+            f"{best.pass_at_1_mean:.3f} against {second.label}'s {second.pass_at_1_mean:.3f}), "
+            f"but with fewer than two evaluated seeds there is no spread to compare the gap of "
+            f"{gap:.3f} with: run more seeds (--seeds 3) before choosing." + speed
         )
     spread = max(spreads)
     if gap > spread:
         return best.label, (
-            f"{best.label} wins: final held-out pass@1 {best.pass_at_1_mean:.3f} against "
-            f"{second.label}'s {second.pass_at_1_mean:.3f}, a gap of {gap:.3f}, larger than the "
-            f"spread across seeds ({spread:.3f})." + speed
+            f"{best.label} wins: held-out pass@1 at step {at_step} {best.pass_at_1_mean:.3f} "
+            f"against {second.label}'s {second.pass_at_1_mean:.3f}, a gap of {gap:.3f}, larger "
+            f"than the spread across seeds ({spread:.3f})." + speed
         )
     return None, (
-        f"These runs do not separate {best.label} and {second.label}: the gap in final "
-        f"held-out pass@1 ({gap:.3f}) is within the spread across seeds ({spread:.3f}). Choose "
-        "on cost and on the learning curves below, or run more seeds." + speed
+        f"These runs do not separate {best.label} and {second.label}: the gap in held-out "
+        f"pass@1 at step {at_step} ({gap:.3f}) is within the spread across seeds "
+        f"({spread:.3f}). Choose on cost and on the learning curves below, or run more seeds."
+        + speed
     )
 
 
@@ -347,7 +400,7 @@ def write_figures(groups: dict[str, list[RunLog]], comparison: Comparison, out: 
                     color=colour, label=f"{algo.label}: sequence ratio (length-normalised)")  # fmt: skip
         ax.set_yscale("log")
         ax.set_xlabel("completion length (tokens)")
-        ax.set_ylabel(f"|log ratio|, {RATIO_PERCENTILE:.0%} percentile")
+        ax.set_ylabel(f"|log ratio|, {_percentile_name()} percentile")
         ax.set_title("How far one step moves each completion's ratio, by length")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
@@ -435,10 +488,10 @@ def _reading(comparison: Comparison) -> list[str]:
         if a.clip_early is not None:
             lines.append(
                 f"- {a.label}: clipped share {a.clip_early:.3f} over the first {EARLY_STEPS} "
-                f"steps, {a.clip_late:.3f} over the last {EARLY_STEPS}"
+                f"steps (or first half), {a.clip_late:.3f} over the last"
                 + (
                     " (one on-policy update per rollout: the ratio is 1, nothing clips)."
-                    if a.clip_early == 0
+                    if a.on_policy
                     else "."
                 )
             )
@@ -448,24 +501,27 @@ def _reading(comparison: Comparison) -> list[str]:
         values = ", ".join(f"{a.label} {dict(a.pass_at_1_curve)[middle]:.3f}"
                            for a in comparison.algos)  # fmt: skip
         lines.append(f"- Held-out pass@1 halfway, at step {middle} (mean over seeds): {values}.")
-    binned = [a for a in comparison.algos if len(a.ratio_bins) >= 2]
+    full = {a.label: [b for b in a.ratio_bins if b["completions"] >= MIN_BIN]
+            for a in comparison.algos}  # fmt: skip
+    binned = [a for a in comparison.algos if len(full[a.label]) >= 2]
     for a in binned:
-        short, long_ = a.ratio_bins[0], a.ratio_bins[-1]
+        short, long_ = full[a.label][0], full[a.label][-1]
         lines.append(
-            f"- {a.label}, ratios after each logged step on its own completions: from "
-            f"{short['length_from']:.0f}-{short['length_to']:.0f} to "
-            f"{long_['length_from']:.0f}-{long_['length_to']:.0f} tokens the token-ratio product "
-            f"moved by up to e^{short['token_product']:.2g} -> e^{long_['token_product']:.2g}, "
-            f"the length-normalised sequence ratio by e^{short['sequence']:.2g} -> "
+            f"- {a.label}, how far one step moved its own completions ({_percentile_name()} "
+            f"percentile of |log ratio|; {short['completions']} and {long_['completions']} "
+            f"completions): from {short['length_from']:.0f}-{short['length_to']:.0f} to "
+            f"{long_['length_from']:.0f}-{long_['length_to']:.0f} tokens, the token-ratio "
+            f"product e^{short['token_product']:.2g} -> e^{long_['token_product']:.2g}, the "
+            f"length-normalised sequence ratio e^{short['sequence']:.2g} -> "
             f"e^{long_['sequence']:.2g}."
         )
     if binned:
-        longest = max(b["length_to"] for a in binned for b in a.ratio_bins)
+        longest = max(b["length_to"] for a in binned for b in full[a.label])
         lines.append(
-            "- A product of token ratios compounds with length (a drift of 0.1 per token is e^200 "
-            "over 2,000 tokens) while GSPO's length-normalised ratio stays on the per-token "
-            f"scale (e^0.1). These completions are at most {longest:.0f} tokens long; on long "
-            "reasoning traces the gap, and with it the case for a sequence ratio, grows."
+            f"- These completions are at most {longest:.0f} tokens long. A product of token "
+            "ratios compounds with length, a length-normalised ratio does not: in the seeds' "
+            "example a drift of 0.1 per token is e^200 over 2,000 tokens for the product and "
+            "e^0.1 for the sequence ratio, the case for GSPO's ratio on long reasoning traces."
         )
     return lines
 
@@ -477,7 +533,7 @@ def _ratio_table(comparison: Comparison) -> list[str]:
     lines = [
         "## Ratio spread by completion length",
         "",
-        f"|log ratio| after one step, {RATIO_PERCENTILE:.0%} percentile over the logged "
+        f"|log ratio| after one step, {_percentile_name()} percentile over the logged "
         "completions (`ratios.jsonl`).",
         "",
         "| algorithm | length (tokens) | completions | token-ratio product | sequence ratio |",

@@ -27,6 +27,9 @@ MIN_STEPS = 10
 #: Trends compare the medians of the first and the last tenth of the steps (at least 3 steps).
 WINDOW_FRACTION = 0.1
 MIN_WINDOW = 3
+#: Per-update quantities (clip fraction, approx KL) swing from step to step as the share of
+#: groups trained changes: their window medians span at least this many steps.
+MIN_UPDATE_WINDOW = 10
 
 # ----- zero-variance groups ---------------------------------------------------------------------
 #: Share of sampled groups whose completions all fail, over the last half of the run, above
@@ -76,13 +79,16 @@ APPROX_KL_WARN = 0.05
 #: above this and has grown this many times since a quarter into the run.
 REF_KL_WARN = 0.1
 REF_KL_GROWTH = 10.0
-#: Extreme importance ratios (max above, min below 1/this) on this many steps: e^2.3 is outside
-#: any clip range in use (verl's dual clip bounds the loss at 3).
+#: Extreme importance ratios (max above, min below 1/this) on at least EXTREME_STEPS steps and
+#: EXTREME_RATE of them: e^2.3 is outside any clip range in use (verl's dual clip bounds the
+#: loss at 3).
 RATIO_EXTREME = 10.0
 EXTREME_STEPS = 3
-#: A gradient-norm spike: this many times the median of the previous 20 steps, and above the
-#: clipping norm. The demo's GSPO run, whose norm varies 30x with the share of groups trained,
-#: has one such step in 200; this many make a warning.
+EXTREME_RATE = 0.01
+#: A gradient-norm spike: this many times the median of the previous 20 steps that trained
+#: something (a step with every group skipped logs 0), and above the clipping norm. The demo's
+#: GSPO run, whose norm varies 30x with the share of groups trained, has one such step in 200;
+#: at least GRAD_SPIKES_WARN spikes on more than EXTREME_RATE of the steps make a warning.
 GRAD_SPIKE_FACTOR = 20.0
 GRAD_SPIKE_HISTORY = 20
 GRAD_SPIKES_WARN = 3
@@ -104,6 +110,11 @@ REWARD_GAIN = 0.1
 HELDOUT_FLAT_GAIN = 0.02
 #: Example completions shown with that finding.
 EXAMPLES = 3
+#: Held-out pass@1 falling this far below its best evaluation (or training accuracy this far
+#: below its first window) means the updates made the policy worse: ten standard errors of a
+#: default evaluation. A learning rate 60x the default collapses the bundled task's policy from
+#: 0.40 to 0.00 within 20 steps.
+ACCURACY_DROP = 0.1
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,18 @@ def _converged(run: RunLog) -> tuple[bool, str]:
     return high and flat, f"held-out pass@1 {text} at steps {later[0][0]}-{later[-1][0]}"
 
 
+def _accuracy_fell(run: RunLog) -> str | None:
+    """'accuracy A (steps) -> B (steps)' when training accuracy fell by ACCURACY_DROP or more."""
+    acc = _ends(run, "accuracy")
+    if acc is None or acc[0] - acc[1] < ACCURACY_DROP:
+        return None
+    return f"training accuracy {acc[0]:.2f} ({acc[2]}) -> {acc[1]:.2f} ({acc[3]})"
+
+
+#: What to do when the updates broke a policy that used to pass.
+BROKEN = "lower --lr (or set --beta to hold the policy near the reference) and start again"
+
+
 def _off_policy(run: RunLog) -> bool:
     return int(run.config.get("minibatches") or 1) > 1 or int(run.config.get("epochs") or 1) > 1
 
@@ -173,20 +196,29 @@ def check_zero_variance(run: RunLog) -> list[Finding]:
         return []
     half = len(none_pass) // 2
     wrong = statistics.fmean(none_pass[half:])
-    _, token_share = _values(run, "zero_std_token_frac")
-    cost = f"; zero-variance groups took {statistics.fmean(token_share):.0%} of the sampled " \
-        "tokens" if token_share else ""  # fmt: skip
+    t_steps, token_share = _values(run, "zero_std_token_frac")
+    late = [v for t, v in zip(t_steps, token_share, strict=True) if t >= steps[half]]
+    cost = (
+        f"; zero-variance groups took {statistics.fmean(late):.0%} of the sampled tokens"
+        if late
+        else ""
+    )
+    remedies = "a larger --group-size" + (
+        "" if run.config.get("dynamic_sampling") else ", or --dynamic-sampling"
+    )
     out = []
     if wrong >= ALL_WRONG_WARN:
+        fell = _accuracy_fell(run)
         out.append(
             Finding(
                 "all_wrong_groups",
                 "warning",
                 "most groups teach nothing: every completion fails",
                 f"{wrong:.0%} of sampled groups at steps {steps[half]}-{steps[-1]} had no "
-                f"completion passing{cost}",
-                "use easier data or a supervised warm start (grouprl sft), a larger "
-                "--group-size, or --dynamic-sampling",
+                f"completion passing{cost}" + (f"; {fell}" if fell else ""),
+                f"the policy used to pass, so the data is not too hard: {BROKEN}"
+                if fell
+                else f"use easier data or a supervised warm start (grouprl sft), {remedies}",
             )
         )
     ends = _ends(run, "frac_all_pass")
@@ -227,7 +259,8 @@ def check_entropy(run: RunLog) -> list[Finding]:
         ]
     acc = _ends(run, "accuracy")
     reward = _ends(run, "reward_mean")
-    low = acc is not None and acc[1] < LOW_ACCURACY
+    # low and not climbing: a run that went 0.1 -> 0.45 is learning, however low it still is
+    low = acc is not None and acc[1] < LOW_ACCURACY and acc[1] <= acc[0] + REWARD_FALL
     falling = reward is not None and reward[1] < reward[0] - REWARD_FALL
     if low or falling:
         how = f"accuracy {acc[1]:.2f}" if low else f"reward {reward[0]:.3f} -> {reward[1]:.3f}"
@@ -262,7 +295,9 @@ def check_clipping(run: RunLog) -> list[Finding]:
     total = [a + b for a, b in zip(low, high, strict=True)]
     sequence = run.config.get("ratio_level") == "sequence"
     limit = SEQUENCE_CLIP_WARN if sequence else TOKEN_CLIP_WARN
-    w = _window(len(total))
+    w = max(MIN_UPDATE_WINDOW, _window(len(total)))
+    if len(total) < w:
+        return []
     medians = [statistics.median(total[i : i + w]) for i in range(len(total) - w + 1)]
     worst = max(range(len(medians)), key=medians.__getitem__)
     if medians[worst] <= limit:
@@ -283,8 +318,8 @@ def check_clipping(run: RunLog) -> list[Finding]:
 def check_blowups(run: RunLog) -> list[Finding]:
     out = []
     steps, kl = _values(run, "approx_kl")
-    if len(kl) >= MIN_STEPS:
-        w = _window(len(kl))
+    if len(kl) >= max(MIN_STEPS, MIN_UPDATE_WINDOW):
+        w = max(MIN_UPDATE_WINDOW, _window(len(kl)))
         medians = [statistics.median(kl[i : i + w]) for i in range(len(kl) - w + 1)]
         worst = max(range(len(medians)), key=medians.__getitem__)
         if medians[worst] > APPROX_KL_WARN:
@@ -322,7 +357,7 @@ def check_blowups(run: RunLog) -> list[Finding]:
             for s, hi, lo in zip(r_steps, r_max, r_min, strict=True)
             if hi > RATIO_EXTREME or lo < 1 / RATIO_EXTREME
         ]
-        if len(extreme) >= EXTREME_STEPS:
+        if len(extreme) >= max(EXTREME_STEPS, EXTREME_RATE * len(r_max)):
             shown = ", ".join(f"{s} ({lo:.2g}-{hi:.2g})" for s, hi, lo in extreme[:5])
             out.append(
                 Finding(
@@ -337,17 +372,22 @@ def check_blowups(run: RunLog) -> list[Finding]:
             )
     g_steps, grad = _values(run, "grad_norm")
     clip_norm = float(run.config.get("max_grad_norm") or 0) or 0.0
-    spikes = []
-    for i in range(GRAD_SPIKE_HISTORY // 4, len(grad)):
-        before = statistics.median(grad[max(0, i - GRAD_SPIKE_HISTORY) : i])
-        if grad[i] > GRAD_SPIKE_FACTOR * before and grad[i] > clip_norm:
-            spikes.append((g_steps[i], grad[i], before))
+    spikes, history = [], []
+    for s, g in zip(g_steps, grad, strict=True):
+        if len(history) >= GRAD_SPIKE_HISTORY // 4:
+            before = statistics.median(history[-GRAD_SPIKE_HISTORY:])
+            if g > GRAD_SPIKE_FACTOR * before and g > clip_norm:
+                spikes.append((s, g, before))
+        if g > 0:  # a step that trained nothing has no gradient to compare with
+            history.append(g)
     if spikes:
         shown = ", ".join(f"step {s}: {g:.3g} (median {m:.2g})" for s, g, m in spikes[:5])
         out.append(
             Finding(
                 "grad_spikes",
-                "warning" if len(spikes) >= GRAD_SPIKES_WARN else "info",
+                "warning"
+                if len(spikes) >= max(GRAD_SPIKES_WARN, EXTREME_RATE * len(grad))
+                else "info",
                 f"gradient-norm spikes ({len(spikes)})",
                 shown,
                 "lower --lr or --max-grad-norm; look at the batches of those steps in "
@@ -361,9 +401,9 @@ def check_nonfinite(run: RunLog) -> list[Finding]:
     bad = [
         r["step"]
         for r in run.metrics
-        if (r.get("nonfinite_updates") or 0) > 0
-        or ("loss" in r and r["loss"] is None)
-        or ("grad_norm" in r and r["grad_norm"] is None)
+        # not a null grad_norm alone: an fp16 loss scaler's overflow steps log inf there, skip
+        # the step and lower the scale, as designed
+        if (r.get("nonfinite_updates") or 0) > 0 or ("loss" in r and r["loss"] is None)
     ]
     if not bad:
         return []
@@ -385,6 +425,7 @@ def check_length(run: RunLog) -> list[Finding]:
     if trunc is None or length is None:
         return []
     rising = trunc[1] >= trunc[0] + TRUNCATED_RISE
+    fell = _accuracy_fell(run)
     if rising and (trunc[1] >= TRUNCATED_WARN or length[1] >= LENGTH_GROWTH * length[0]):
         return [
             Finding(
@@ -392,8 +433,11 @@ def check_length(run: RunLog) -> list[Finding]:
                 "warning",
                 "completions are running into the length limit",
                 f"truncated share {trunc[0]:.2f} ({trunc[2]}) -> {trunc[1]:.2f} ({trunc[3]}); "
-                f"mean length {length[0]:.0f} -> {length[1]:.0f} tokens",
-                "raise --max-new-tokens if answers need the room; else --overlong-penalty "
+                f"mean length {length[0]:.0f} -> {length[1]:.0f} tokens"
+                + (f"; {fell}" if fell else ""),
+                f"the policy is degenerating into long outputs: {BROKEN}"
+                if fell
+                else "raise --max-new-tokens if answers need the room; else --overlong-penalty "
                 "or --mask-truncated (DAPO) so cut-off completions stop being rewarded",
             )
         ]
@@ -429,7 +473,31 @@ def check_reward_vs_heldout(run: RunLog) -> list[Finding]:
     ]
 
 
+def check_heldout_drop(run: RunLog) -> list[Finding]:
+    steps, values = _heldout(run)
+    if len(values) < 2:
+        return []
+    best = max(range(len(values)), key=values.__getitem__)
+    # and three standard errors of pass@1 over eval_size problems: a small evaluation is noisy
+    n = max(1, int(run.config.get("eval_size") or 200))
+    noise = 3 * math.sqrt(values[best] * (1 - values[best]) / n)
+    if values[best] - values[-1] < max(ACCURACY_DROP, noise):
+        return []
+    fell = _accuracy_fell(run)
+    return [
+        Finding(
+            "heldout_drop",
+            "warning",
+            "held-out pass@1 fell: the updates made the policy worse",
+            f"held-out pass@1 {values[best]:.3f} (step {steps[best]}) -> {values[-1]:.3f} "
+            f"(step {steps[-1]})" + (f"; {fell}" if fell else ""),
+            f"{BROKEN}; checkpoints/ keeps the last --keep-last steps to restart from",
+        )
+    ]
+
+
 CHECKS: list[Callable[[RunLog], list[Finding]]] = [
+    check_heldout_drop,
     check_zero_variance,
     check_entropy,
     check_clipping,

@@ -15,6 +15,7 @@ import os
 import shlex
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -52,22 +53,31 @@ def parse_compare_args(argv: list[str]) -> tuple[CompareArgs, list[str]]:
     return args, list(rest)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], before_training: Callable[[], None] = lambda: None) -> int:
+    """`grouprl compare`; `before_training` runs once the flags are parsed (`--help` exits
+    before it, without importing torch or transformers)."""
     args, rest = parse_compare_args(argv)
+    before_training()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         raise UserError(
             "compare runs its runs one after another in one process; under torchrun, train each "
             "run with `torchrun ... -m grouprl train --algo A --seed S --output-dir D/A-sS` and "
             "build the report with `grouprl compare --from D/*`"
         )
-    if args.from_:
-        if rest:
+    if args.from_ is not None:
+        defaults = CompareArgs()
+        given = [flag for flag, same in (("--algos", args.algos == defaults.algos),
+                                         ("--seeds", args.seeds == defaults.seeds)) if not same]  # fmt: skip
+        if rest or given:
             raise UserError(
-                f"--from builds the report from finished runs; train flags such as {rest[0]} do "
-                "not apply (drop them)"
+                f"--from builds the report from existing runs as they are; {(rest or given)[0]} "
+                "does not apply (drop it)"
             )
+        runs = [load_run(p) for p in args.from_]
+        if len(runs) < 2:
+            raise UserError("--from needs two or more run directories to compare")
         out = args.output_dir or _default_dir()
-        _report([load_run(p) for p in args.from_], out, command=None)
+        _report(runs, out, command=None)
         return 0
     return run_comparison(args, rest)
 
@@ -140,8 +150,15 @@ def _claim(out: Path, record: dict) -> None:
     """Record what this comparison is in OUT/compare.yaml, or check that a directory from an
     earlier, interrupted call holds the same comparison."""
     path = out / "compare.yaml"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file; --output-dir must be a directory")
     if path.is_file():
-        saved = yaml.safe_load(path.read_text()) or {}
+        try:
+            saved = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError:
+            raise UserError(f"{path} is not valid YAML; choose another --output-dir") from None
+        if not isinstance(saved, dict):
+            raise UserError(f"{path} does not record a comparison; choose another --output-dir")
         if saved != record:
             raise UserError(
                 f"{out} holds another comparison ({saved.get('algos')}, {saved.get('seeds')} "

@@ -668,8 +668,14 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         sinks.log_eval(step, result)
         line = "  ".join(f"{k} {v:.3f}" for k, v in result.items())
         console.print(f"step {step:>5}  held-out  {line}")
-        if cfg.doctor and dist.is_main and step > 0:  # `grouprl doctor`, live: each once
-            for finding in diagnose(run_dir):
+        if cfg.doctor and dist.is_main and step > 0 and "off" not in reported:
+            try:  # `grouprl doctor`, live: each warning once
+                findings = diagnose(run_dir)
+            except Exception as err:  # never let a diagnosis stop training
+                reported.add("off")
+                warn(f"doctor: stopped checking this run ({type(err).__name__}: {err})")
+                findings = []
+            for finding in findings:
                 if finding.severity == "warning" and finding.code not in reported:
                     reported.add(finding.code)
                     warn(f"doctor: {finding.title}: {finding.evidence}; {finding.suggestion}")
@@ -827,9 +833,8 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
 class _Probe:
     """Completions whose ratio against the sampling policy is measured after the step."""
 
-    rollout: Rollout  # whole groups, spread over the batch
-    rows: int  # how many of its completions are logged
-    old_logp: torch.Tensor  # (n, T) the sampling policy's log-probs, by the trainer's forward
+    rollout: Rollout  # one completion per group (groups of 1), spread over the batch
+    old_logp: torch.Tensor  # (k, T) the sampling policy's log-probs, by the trainer's forward
     dtype: torch.dtype | None
 
 
@@ -837,19 +842,20 @@ def _ratio_probe(
     cfg: TrainConfig, step: int, batch: Batch, policy: nn.Module, sampler: Sampler
 ) -> _Probe | None:
     """This rank's share of the `log_ratios` completions of a logged step (every
-    `log_ratios_every` steps), before the update. Under bf16 their sampling-policy log-probs are
-    recomputed by the trainer's forward (the sampler's differ from it by rounding, see
-    `trainer_old_logp`); under fp32 they are the sampler's own."""
+    `log_ratios_every` steps), before the update: one completion from each of as many groups
+    as possible, a different member of each, so lengths and prompts vary. Under bf16 their
+    sampling-policy log-probs are recomputed by the trainer's forward (the sampler's differ
+    from it by rounding, see `trainer_old_logp`): a second extra forward."""
     if not cfg.log_ratios or (step + 1) % cfg.log_ratios_every:
         return None
-    rollout, G = batch.rollout, batch.rollout.group_size
-    k = -(-cfg.log_ratios // sampler.dist.world_size)  # this rank's share
-    n_groups = min(rollout.num_prompts, -(-k // G))
-    groups = [i * rollout.num_prompts // n_groups for i in range(n_groups)]
-    sub = rollout.select_groups(groups)
+    rollout = batch.rollout
+    B, G = rollout.num_prompts, rollout.group_size
+    k = min(-(-cfg.log_ratios // sampler.dist.world_size), B * G)  # this rank's share
+    rows = [(i % B) * G + (i // B + i) % G for i in range(k)]  # distinct: groups first
+    sub = rollout.regroup(1).select_groups(rows)
     dtype = sampler.dtype
     old = sub.old_logp if dtype is None else no_grad_logprobs(cfg, policy, sub, dtype)
-    return _Probe(sub, min(k, n_groups * G), old, dtype)
+    return _Probe(sub, old, dtype)
 
 
 def _probe_ratios(
@@ -859,10 +865,10 @@ def _probe_ratios(
     GSPO's log sequence ratio) of the probe's completions under the policy after the step's last
     update, every rank's together. One extra no-grad forward: for an on-policy step the ratio
     inside the update is 1 by construction; this is how far the update moved those sequences."""
-    sub, n = probe.rollout, probe.rows
-    logp = no_grad_logprobs(cfg, policy, sub, probe.dtype)  # (n_all, T)
-    log_ratio = ((logp - probe.old_logp) * sub.mask).sum(-1)[:n]  # (n,)
-    mine = (sub.lengths[:n].tolist(), log_ratio.tolist())
+    sub = probe.rollout
+    logp = no_grad_logprobs(cfg, policy, sub, probe.dtype)  # (k, T)
+    log_ratio = ((logp - probe.old_logp) * sub.mask).sum(-1)  # (k,)
+    mine = (sub.lengths.tolist(), log_ratio.tolist())
     shares = dist.gather(mine) if dist.enabled else [mine]
     return [x for s in shares for x in s[0]], [x for s in shares for x in s[1]]
 
