@@ -68,6 +68,7 @@ class AlgoNumbers:
     clip_early: float | None  # mean clipped share (low + high) over the first EARLY_STEPS steps
     clip_late: float | None  # ... over the last EARLY_STEPS steps
     on_policy: bool  # one update per rollout: the ratio is 1, nothing clips
+    clip_steps: int  # steps at each end that clip_early and clip_late average over
     ratio_bins: list[dict[str, float]] = field(default_factory=list)
     pass_at_1_curve: list[tuple[int, float]] = field(default_factory=list)  # mean over seeds
 
@@ -134,15 +135,18 @@ def _labels(runs: list[RunLog]) -> list[str]:
     ]  # fmt: skip
 
 
+def _clip_steps(runs: list[RunLog]) -> int:
+    """EARLY_STEPS, or half the shortest run, so that the first and last windows never overlap."""
+    return min([EARLY_STEPS, *(len(run.series("clip_frac_low")[0]) // 2 for run in runs)])
+
+
 def _clip(runs: list[RunLog], end: str) -> float | None:
-    """Mean clipped share (low + high) over the first or the last EARLY_STEPS steps of each run
-    (at most half its steps, so that the two never overlap)."""
-    values = []
+    """Mean clipped share (low + high) over the first or the last `_clip_steps` steps."""
+    w, values = _clip_steps(runs), []
     for run in runs:
         _, low = run.series("clip_frac_low")
         _, high = run.series("clip_frac_high")
         total = [a + b for a, b in zip(low, high, strict=False)]
-        w = min(EARLY_STEPS, len(total) // 2)
         if w:
             values += total[:w] if end == "first" else total[-w:]
     return statistics.fmean(values) if values else None
@@ -224,6 +228,7 @@ def compare_runs(runs: list[RunLog]) -> Comparison:
                 tokens_per_s_mean=statistics.fmean(n.tokens_per_s for n in numbers),
                 clip_early=_clip(mine, "first"),
                 clip_late=_clip(mine, "last"),
+                clip_steps=_clip_steps(mine),
                 on_policy=all(
                     int(r.config.get("minibatches") or 1) == 1
                     and int(r.config.get("epochs") or 1) == 1
@@ -487,8 +492,8 @@ def _reading(comparison: Comparison) -> list[str]:
     for a in comparison.algos:
         if a.clip_early is not None:
             lines.append(
-                f"- {a.label}: clipped share {a.clip_early:.3f} over the first {EARLY_STEPS} "
-                f"steps (or first half), {a.clip_late:.3f} over the last"
+                f"- {a.label}: clipped share {a.clip_early:.3f} over the first {a.clip_steps} "
+                f"steps, {a.clip_late:.3f} over the last {a.clip_steps}"
                 + (
                     " (one on-policy update per rollout: the ratio is 1, nothing clips)."
                     if a.on_policy

@@ -255,8 +255,13 @@ def rank_device(spec: str) -> str:
     return f"cuda:{env[2]}"
 
 
-def shutdown() -> None:
+def shutdown(*, together: bool = False) -> None:
+    """Leave the torchrun job. `together` (a run that ended normally on every rank): first wait
+    for every rank, so that no rank tears its process group down while rank 0 is still writing
+    the final policy and plots (a gloo group destroyed early was seen to abort a rank)."""
     if dist.is_available() and dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 

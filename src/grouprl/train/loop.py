@@ -966,10 +966,12 @@ EXIT_STATUS = {"SIGINT": 130, "SIGTERM": 143}
 
 
 def main(cfg: TrainConfig) -> int:
+    ended = False
     try:
         summary = train(cfg)
+        ended = True
     finally:
-        distributed.shutdown()
+        distributed.shutdown(together=ended)
     return EXIT_STATUS.get(summary.stopped_by, 130) if summary.interrupted else 0
 
 
