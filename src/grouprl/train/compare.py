@@ -120,6 +120,9 @@ def run_comparison(args: CompareArgs, rest: list[str]) -> int:
     out = args.output_dir or _default_dir()
     record = {"algos": algos, "seeds": args.seeds, "train_flags": rest}
     _claim(out, record)
+    # what continues this comparison (the default directory's name has the time in it)
+    command = shlex.join(["grouprl", "compare", "--algos", ",".join(algos), "--seeds",
+                          str(args.seeds), "--output-dir", str(out), *rest])  # fmt: skip
     seeds = [base.seed + i for i in range(args.seeds)]
     plan = [(algo, seed) for seed in seeds for algo in algos]  # every algorithm early on
     for i, (algo, seed) in enumerate(plan, 1):
@@ -138,10 +141,8 @@ def run_comparison(args: CompareArgs, rest: list[str]) -> int:
             )
         summary = loop.train(cfg)
         if summary.interrupted:
-            print(f"compare: stopped; run the same command again to continue ({out})")
+            print(f"compare: stopped; to continue: {command}")
             return 130 if summary.stopped_by != "SIGTERM" else 143
-    command = shlex.join(["grouprl", "compare", "--algos", ",".join(algos), "--seeds",
-                          str(args.seeds), "--output-dir", str(out), *rest])  # fmt: skip
     _report([load_run(out / f"{a}-s{s}") for a, s in plan], out, command=command)
     return 0
 
