@@ -8,8 +8,14 @@ import torch
 from scipy import stats
 
 from grouprl.errors import UserError
-from grouprl.rollout import HFRolloutEngine, RolloutEngine, completion_logprobs, sample_groups
-from grouprl.rollout._hf import PreallocatedLayer
+from grouprl.rollout import (
+    HFRolloutEngine,
+    RolloutEngine,
+    completion_logprobs,
+    sample_groups,
+    sampling,
+)
+from grouprl.rollout._hf import PreallocatedLayer, SharedPromptLayer
 from grouprl.rollout.sampling import (
     _StopStrings,
     sample_categorical,
@@ -189,15 +195,19 @@ def test_prompt_alone_and_in_padded_batch_agree(model, tokenizer):
     torch.testing.assert_close(batch.old_logp[1, :n], alone.old_logp[0, :n], atol=1e-5, rtol=0)
 
 
-def test_eos_ends_rows_and_mask_stops_there(llama, tokenizer, monkeypatch):
+@pytest.mark.parametrize("layer", [PreallocatedLayer, SharedPromptLayer])
+def test_eos_ends_rows_and_mask_stops_there(llama, tokenizer, monkeypatch, layer):
     # A frequent character as a second EOS id (via generation_config, as instruct models do)
-    # makes many rows end early, which also exercises compaction of finished rows.
+    # makes many rows end early, which also exercises compaction of finished rows (of per-row
+    # caches, and of one prompt copy per group, which then writes out per-row copies).
     extra_eos = tokenizer.convert_tokens_to_ids("7")
     monkeypatch.setattr(llama.generation_config, "eos_token_id", [EOS, extra_eos])
+    if layer is SharedPromptLayer:  # the test prompts are short: share them anyway
+        monkeypatch.setattr(sampling, "SHARED_PROMPT_MIN_TOKENS", 1)
     compactions = []
-    select = PreallocatedLayer.batch_select_indices
+    select = layer.batch_select_indices
     monkeypatch.setattr(
-        PreallocatedLayer,
+        layer,
         "batch_select_indices",
         lambda self, idx: compactions.append(len(idx)) or select(self, idx),
     )
@@ -320,3 +330,34 @@ def test_engine_implements_protocol(llama, tokenizer):
     a = engine.sample(PROMPTS[:1], group_size=2, max_new_tokens=4, seed=5)
     b = sample_groups(llama, tokenizer, PROMPTS[:1], group_size=2, max_new_tokens=4, seed=5)
     assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_one_prompt_copy_per_group_samples_what_per_row_copies_do(make_model, tokenizer, arch,
+                                                                  monkeypatch):  # fmt: skip
+    """Decode attention over one copy of each prompt (grouped-query heads, left-padded prompts
+    of different lengths) gives the per-row cache's tokens and log-probs, and is what plain
+    architectures use; a sliding-window model keeps per-row copies."""
+    from grouprl.rollout import _hf
+
+    model = make_model(arch)
+    monkeypatch.setattr(sampling, "SHARED_PROMPT_MIN_TOKENS", 1)  # the test prompts are short
+    built = []
+    init = SharedPromptLayer.__init__
+    monkeypatch.setattr(
+        SharedPromptLayer, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k)
+    )
+    shared = sample_groups(model, tokenizer, PROMPTS, group_size=4, max_new_tokens=16, seed=3)
+    assert len(built) == 4  # one per layer
+    plain = _hf.shares_prompt_attention
+    monkeypatch.setattr(_hf, "shares_prompt_attention", lambda model: False)
+    per_row = sample_groups(model, tokenizer, PROMPTS, group_size=4, max_new_tokens=16, seed=3)
+    assert torch.equal(shared.completion_ids, per_row.completion_ids)
+    torch.testing.assert_close(shared.old_logp, per_row.old_logp, atol=1e-5, rtol=0)
+    assert model.config._attn_implementation != _hf.SHARED_PROMPT_ATTENTION  # restored
+    monkeypatch.setattr(_hf, "shares_prompt_attention", plain)
+    assert not _hf.shares_prompt_attention(make_model("qwen2", sliding_window=8))
+    built.clear()  # prompts under SHARED_PROMPT_MIN_TOKENS keep per-row copies
+    monkeypatch.setattr(sampling, "SHARED_PROMPT_MIN_TOKENS", 32)
+    sample_groups(model, tokenizer, PROMPTS, group_size=4, max_new_tokens=4, seed=3)
+    assert built == []
