@@ -206,8 +206,8 @@ class SharedPromptLayer(DynamicLayer if DynamicLayer is not None else object):  
         self.group_size = repeats
         self.prompt_keys, self.prompt_values = keys, values  # (B, Hkv, P, D)
         # additive mask over the prompt positions: left padding is never attended to
-        self.prompt_bias = torch.zeros(prompt_mask.shape, dtype=keys.dtype, device=keys.device)
-        self.prompt_bias.masked_fill_(~prompt_mask.bool(), torch.finfo(keys.dtype).min)  # (B, P)
+        self.prompt_bias = torch.zeros(prompt_mask.shape, device=keys.device)  # fp32 scores
+        self.prompt_bias.masked_fill_(~prompt_mask.bool(), torch.finfo(torch.float32).min)
         n = rows * repeats
         self._k = keys.new_empty(n, heads, capacity - length, dim)  # (N, Hkv, C, D)
         self._v = values.new_empty(n, values.shape[1], capacity - length, values.shape[-1])
@@ -272,9 +272,10 @@ def shared_prompt_attention(
     scale = dim**-0.5 if scaling is None else scaling
     q = query.reshape(n, kv_heads, rep, dim) * scale  # (N, Hkv, rep, D)
     qg = q.view(b, g, kv_heads, rep, dim).transpose(1, 2).reshape(b, kv_heads, g * rep, dim)
-    s_p = torch.matmul(qg, layer.prompt_keys.transpose(-1, -2))  # (B, Hkv, G·rep, P)
+    # scores and softmax in fp32 whatever the cache dtype (as SDPA's kernels accumulate)
+    s_p = torch.matmul(qg, layer.prompt_keys.transpose(-1, -2)).float()  # (B, Hkv, G·rep, P)
     s_p = s_p + layer.prompt_bias[:, None, None, :]
-    s_c = torch.matmul(q, key.transpose(-1, -2))  # (N, Hkv, rep, t)
+    s_c = torch.matmul(q, key.transpose(-1, -2)).float()  # (N, Hkv, rep, t)
     p_width = s_p.shape[-1]
     s_p_rows = s_p.view(b, kv_heads, g, rep, p_width).transpose(1, 2)  # (B, G, Hkv, rep, P)
     m = torch.maximum(s_p_rows.amax(-1).reshape(n, kv_heads, rep), s_c.amax(-1)).unsqueeze(
@@ -286,10 +287,10 @@ def shared_prompt_attention(
     z = e_p.sum(-1, keepdim=True).view(b, kv_heads, g, rep, 1).transpose(1, 2).reshape(
         n, kv_heads, rep, 1
     ) + e_c.sum(-1, keepdim=True)  # (N, Hkv, rep, 1)
-    o_p = torch.matmul(e_p, layer.prompt_values)  # (B, Hkv, G·rep, D)
+    o_p = torch.matmul(e_p.to(value.dtype), layer.prompt_values)  # (B, Hkv, G·rep, D)
     o_p = o_p.view(b, kv_heads, g, rep, dim).transpose(1, 2).reshape(n, kv_heads, rep, dim)
-    out = (o_p + torch.matmul(e_c, value)) / z  # (N, Hkv, rep, D)
-    return out.reshape(n, 1, heads, dim), None
+    out = (o_p.float() + torch.matmul(e_c.to(value.dtype), value).float()) / z  # (N, Hkv, rep, D)
+    return out.to(query.dtype).reshape(n, 1, heads, dim), None
 
 
 def shares_prompt_attention(model: nn.Module) -> bool:
