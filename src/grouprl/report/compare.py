@@ -332,6 +332,13 @@ def write_figures(groups: dict[str, list[RunLog]], comparison: Comparison, out: 
     out.mkdir(parents=True, exist_ok=True)
     colours = {label: f"C{i}" for i, label in enumerate(groups)}
     written = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png")
+        plt.close(fig)
+        written.append(out / f"{name}.png")
+
     longest = max((len(r.metrics) for runs in groups.values() for r in runs), default=1)
     smooth = max(1, longest // 40)
 
@@ -359,10 +366,7 @@ def write_figures(groups: dict[str, list[RunLog]], comparison: Comparison, out: 
             curves(axes[row][col], key, source, use_time, smoothed=source == "metrics")
             axes[row][col].set_ylabel(name)
     fig.suptitle("Reward and held-out pass@1: mean over seeds, band = min to max")
-    fig.tight_layout()
-    fig.savefig(out / "learning.png")
-    plt.close(fig)
-    written.append(out / "learning.png")
+    save(fig, "learning")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), dpi=100)
     for ax, key, name in zip(axes, ("clip_frac_low", "clip_frac_high"), ("low", "high"),
@@ -370,10 +374,7 @@ def write_figures(groups: dict[str, list[RunLog]], comparison: Comparison, out: 
         curves(ax, key, "metrics", False, smoothed=True)
         ax.set_ylabel(f"clipped share ({name})")
     fig.suptitle("Clipped share of tokens per step (mean over seeds)")
-    fig.tight_layout()
-    fig.savefig(out / "clip.png")
-    plt.close(fig)
-    written.append(out / "clip.png")
+    save(fig, "clip")
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6), dpi=100)
     for ax, (key, name) in zip(
@@ -387,10 +388,7 @@ def write_figures(groups: dict[str, list[RunLog]], comparison: Comparison, out: 
     ):
         curves(ax, key, "metrics", False, smoothed=True)
         ax.set_ylabel(name)
-    fig.tight_layout()
-    fig.savefig(out / "dynamics.png")
-    plt.close(fig)
-    written.append(out / "dynamics.png")
+    save(fig, "dynamics")
 
     if any(a.ratio_bins for a in comparison.algos):
         fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=100)
@@ -409,10 +407,7 @@ def write_figures(groups: dict[str, list[RunLog]], comparison: Comparison, out: 
         ax.set_title("How far one step moves each completion's ratio, by length")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "ratios.png")
-        plt.close(fig)
-        written.append(out / "ratios.png")
+        save(fig, "ratios")
     return written
 
 
