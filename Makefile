@@ -50,6 +50,7 @@ $(VENV)/.bench: $(STAMP)
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/rollout.py
 	$(BIN)/python benchmarks/vs_trl.py
+	$(BIN)/python benchmarks/shapes.py
 
 clean:
 	rm -rf $(VENV) $(COMPAT) build dist src/*.egg-info .pytest_cache .ruff_cache

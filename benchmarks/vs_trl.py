@@ -47,40 +47,40 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import resource
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import tyro
 
+from harness import (
+    GROUPRL,
+    LLAMA_20M,
+    ChildResult,
+    ModelSpec,
+    SpeedRun,
+    check_trl_equivalent,
+    fmt,
+    matmul_rate,
+    md_table,
+    read_jsonl,
+    run_child,
+    summarize,
+    tail,
+    trl_kwargs,
+    versions,
+)
+
 SYSTEMS = ("grouprl", "trl")
 #: ratio level -> the grouprl preset that trains at that level
 LEVEL_ALGO = {"token": "grpo", "sequence": "gspo"}
-#: grouprl loss aggregation -> TRL loss_type with the same per-token weights
-TRL_LOSS_TYPE = {
-    "seq_mean_token_mean": "grpo",
-    "token_mean": "dapo",
-    "seq_mean_token_sum_norm": "dr_grpo",
-}
-#: the ~20M-parameter random Llama (hidden 512, 6 layers, MLP 1536): 20.5M parameters
-LLAMA_20M = {"hidden_size": 512, "num_layers": 6, "num_heads": 8, "intermediate_size": 1536}
-CHILD_ENV = {
-    "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-}
 
 
 @dataclass
@@ -160,16 +160,6 @@ def apply_quick(args: BenchArgs) -> BenchArgs:
 # Models
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str  # what the tables call it
-    path: str  # the model directory both systems load from disk
-    params: int
-    hidden_size: int
-    intermediate_size: int
-    note: str
-
-
 def prepare_model(name: str, workdir: Path) -> ModelSpec:
     """Resolve a --models entry to a directory on disk, building random models as needed."""
     import torch
@@ -221,64 +211,6 @@ def train_rows(seed: int, count: int) -> list[dict]:
 # Children
 
 
-@dataclass(frozen=True)
-class ChildResult:
-    returncode: int
-    maxrss_mb: float  # the child's own peak resident set (ru_maxrss of wait4)
-    wall_s: float
-    log: Path
-
-
-def child_env(threads: int) -> dict[str, str]:
-    env = dict(os.environ, **CHILD_ENV)
-    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-    return env
-
-
-def run_child(
-    cmd: list[str], log: Path, threads: int, *, poll=None, poll_every: float = 1.0
-) -> ChildResult:
-    """Run `cmd` to completion; its peak RSS comes from wait4, so it is this child's alone.
-
-    `poll(proc)` (optional) is called every `poll_every` seconds while it runs (the
-    time-to-accuracy runs use it to stop grouprl at the target).
-    """
-    log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(threads))
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG if poll else 0)
-            if pid:
-                break
-            poll(proc)
-            time.sleep(poll_every)
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-    return ChildResult(
-        proc.returncode, usage.ru_maxrss / 1024, time.perf_counter() - t0, log
-    )  # ru_maxrss is in KiB on Linux
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    text = path.read_text(errors="replace").splitlines() if path.exists() else []
-    return "\n".join(text[-lines:])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written right now
-            break
-    return out
-
-
-GROUPRL = [sys.executable, "-c", "import sys; from grouprl.cli import main; sys.exit(main())"]
-
-
 def grouprl_speed_cmd(args: BenchArgs, model: ModelSpec, level: str, run_dir: Path) -> list[str]:
     steps = args.warmup_steps + args.measured_steps
     cmd = [*GROUPRL, "train", "--algo", LEVEL_ALGO[level], "--model", model.path]
@@ -321,8 +253,7 @@ def grouprl_config(algo: str, **overrides) -> Any:
 
 def trl_spec(cfg: Any, model_dir: str, rollouts: int, out_dir: Path, tta: dict | None) -> dict:
     """The TRL child's settings, derived field by field from a resolved grouprl TrainConfig."""
-    if cfg.loss_agg not in TRL_LOSS_TYPE or cfg.ratio_level not in ("token", "sequence"):
-        raise SystemExit(f"TRL has no equivalent of {cfg.loss_agg} / {cfg.ratio_level}")
+    check_trl_equivalent(cfg)
     return {
         "model_dir": model_dir,
         "out_dir": str(out_dir),
@@ -335,59 +266,6 @@ def trl_spec(cfg: Any, model_dir: str, rollouts: int, out_dir: Path, tta: dict |
         "tta": tta,
         "max_new_tokens": cfg.max_new_tokens,
         "trl": trl_kwargs(cfg, rollouts),
-    }
-
-
-def trl_kwargs(cfg: Any, rollouts: int) -> dict[str, Any]:
-    """GRPOConfig keyword arguments matching a resolved grouprl TrainConfig on a CPU."""
-    k = cfg.minibatches  # optimizer steps per rollout in both systems
-    n = cfg.prompts_per_step * cfg.group_size
-    return {
-        # one rollout of B*G completions, then k optimizer steps on N/k completions each
-        "per_device_train_batch_size": n // k,
-        "gradient_accumulation_steps": 1,
-        "steps_per_generation": k,
-        "num_generations": cfg.group_size,
-        "max_steps": rollouts * k,
-        "num_iterations": cfg.epochs,
-        "max_completion_length": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "top_k": cfg.top_k,
-        # objective
-        "beta": cfg.beta,
-        "epsilon": cfg.clip_low,
-        "epsilon_high": cfg.clip_high,
-        "importance_sampling_level": cfg.ratio_level,
-        "loss_type": TRL_LOSS_TYPE[cfg.loss_agg],
-        "scale_rewards": cfg.adv_scale,
-        "mask_truncated_completions": cfg.mask_truncated,
-        # optimizer and schedule (grouprl's warm-up counts rollouts; TRL's counts optimizer steps)
-        "learning_rate": cfg.lr,
-        "lr_scheduler_type": "constant_with_warmup" if cfg.warmup_steps else "constant",
-        "warmup_steps": cfg.warmup_steps * k,
-        "adam_beta1": cfg.adam_betas[0],
-        "adam_beta2": cfg.adam_betas[1],
-        "weight_decay": cfg.weight_decay,
-        "max_grad_norm": cfg.max_grad_norm,
-        # the CPU, fp32, nothing that trades speed for memory
-        "use_cpu": True,
-        "bf16": False,
-        "fp16": False,
-        # (TRL defaults gradient checkpointing on; `activation_checkpointing` is its new name)
-        "activation_checkpointing": False,
-        "torch_compile": False,
-        # data: grouprl's prompt order, no reshuffling
-        "shuffle_dataset": False,
-        "dataloader_num_workers": 0,
-        "remove_unused_columns": False,
-        "seed": cfg.seed,
-        # logging and saving off the clock (and off disk)
-        "report_to": "none",
-        "save_strategy": "no",
-        "logging_steps": 1,
-        "disable_tqdm": True,
-        "log_completions": False,
     }
 
 
@@ -539,18 +417,6 @@ def trl_child(spec_path: str) -> int:
     return 0
 
 
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in ("torch", "transformers", "trl", "accelerate", "datasets", "grouprl"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "-"
-    return out
-
-
 def trl_cmd(spec: dict, run_dir: Path) -> list[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "trl_spec.json"
@@ -560,20 +426,6 @@ def trl_cmd(spec: dict, run_dir: Path) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # Step speed
-
-
-@dataclass
-class SpeedRun:
-    """The measured steps of one child process."""
-
-    system: str
-    seconds: list[float]  # per measured step (one rollout each)
-    tokens: list[int]  # completion tokens per measured step
-    maxrss_mb: float
-    failed: str | None = None
-    # per measured step: grouprl's rollout_seconds (sampling + scoring); TRL's time in
-    # _generate_single_turn (model.generate + EOS masking)
-    generation: list[float] = dataclasses.field(default_factory=list)
 
 
 def speed_grouprl(args: BenchArgs, model: ModelSpec, level: str, run_dir: Path) -> SpeedRun:
@@ -662,33 +514,8 @@ def speed_benchmark(args: BenchArgs, models: list[ModelSpec], out: Path) -> dict
     return results
 
 
-def summarize(runs: list[SpeedRun]) -> dict | None:
-    seconds = [s for run in runs for s in run.seconds]
-    tokens = [t for run in runs for t in run.tokens]
-    if not seconds or len(tokens) != len(seconds):
-        return None
-    return {
-        "median_step_s": statistics.median(seconds),
-        "tokens_per_s": sum(tokens) / sum(seconds),
-        "completion_tokens_per_step": statistics.mean(tokens),
-        "peak_rss_mb": max(run.maxrss_mb for run in runs),
-        "median_generation_s": statistics.median(g for run in runs for g in run.generation),
-        "steps": len(seconds),
-    }
-
-
 # ---------------------------------------------------------------------------------------------
 # FLOP floor
-
-
-def matmul_rate(threads: int, shapes: Sequence[tuple[int, int, int]], reps: int = 10) -> dict:
-    """Median fp32 GEMM rate (FLOP/s) for each (m, k, n) shape, on `threads` threads."""
-    import torch
-
-    from _gemm import matmul_rates  # benchmarks/ is on sys.path when a script here runs
-
-    torch.set_num_threads(threads)
-    return matmul_rates(shapes, reps)
 
 
 def prompt_tokens_per_step(args: BenchArgs, model: ModelSpec, steps: int) -> list[int]:
@@ -821,12 +648,6 @@ def tta_benchmark(args: BenchArgs, model: ModelSpec, out: Path) -> dict:
 # Report
 
 
-def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def describe(cfg: Any) -> str:
     """One line of the grouprl settings that define the objective and the optimizer."""
     std = "sample" if cfg.unbiased_std else "population"
@@ -906,10 +727,6 @@ def settings_table(args: BenchArgs, models: list[ModelSpec]) -> str:
 
 def fmt_kwargs(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-
-
-def fmt(x: float | None, spec: str = ".3f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
 def speed_tables(speed: dict, floors: dict, rate: float) -> str:

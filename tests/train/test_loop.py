@@ -579,3 +579,13 @@ def test_the_doctor_warns_live_once_per_finding(tmp_path, capsys):
     lines = [line for line in err.splitlines() if "doctor:" in line]
     assert len(lines) == 1 and "every completion fails" in lines[0], err
     assert "--dynamic-sampling" in err
+
+
+def test_freed_cpu_memory_is_kept_for_reuse_only_on_a_cpu():
+    """glibc's mallopt takes the settings on a Linux CPU run; any other device is left alone."""
+    import sys
+
+    from grouprl.train.build import keep_freed_memory
+
+    assert keep_freed_memory(torch.device("meta")) is False
+    assert keep_freed_memory(torch.device("cpu")) is sys.platform.startswith("linux")

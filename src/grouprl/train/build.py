@@ -167,3 +167,32 @@ def rows_that_fit(
         else:
             too_long += 1
     return kept, too_long
+
+
+#: glibc mallopt parameters (malloc.h): the largest trim-free top of the heap, and how many
+#: chunks may be mmap()ed.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_memory(device: torch.device) -> bool:
+    """On a CPU with glibc, let freed tensors' memory be reused instead of returned to the OS.
+
+    glibc serves allocations over its mmap threshold (at most 32 MB) with mmap() and unmaps
+    them on free(), so every large activation or gradient of every step is a fresh mapping
+    whose pages fault in on first touch: about 3 million minor page faults in 4 steps of a
+    20M model at 150-token prompts and 128 new tokens, G = 8, where elementwise ops ran at
+    2-3 GB/s. With mmap off and the heap never trimmed, the pages stay mapped and are reused:
+    1.1 million faults, the update 17% faster, the same peak RSS (the heap grows to the peak
+    working set, which the mappings reached anyway). No-op elsewhere (returns False)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))

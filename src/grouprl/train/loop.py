@@ -77,6 +77,7 @@ from grouprl.train.build import (
     build_rewards,
     build_task,
     forward_dtype,
+    keep_freed_memory,
     load_policy,
     prompt_budget,
     prompt_ids,
@@ -552,6 +553,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
     for warning in caught:
         warn(str(warning.message))
     device = resolve_device(distributed.rank_device(cfg.device))
+    keep_freed_memory(device)  # large CPU tensors reuse freed pages instead of faulting anew
     dist = distributed.init(cfg.strategy, device)
     _check_world(cfg, dist)
     run_dir = _on_main(dist, lambda: prepare_run_dir(cfg))  # rank 0 picks the name

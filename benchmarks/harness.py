@@ -1,0 +1,277 @@
+"""What the benchmark scripts share: child processes with their own peak RSS, models built on
+disk, grouprl's config turned into TRL's GRPOConfig, the FLOP floor's matmul rate, and tables.
+
+Every measurement runs in a child process, so that its peak resident set is its own
+(`ru_maxrss` from `os.wait4`) and one system's allocations never count against the other's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: the ~20M-parameter random Llama (hidden 512, 6 layers, MLP 1536): 20.5M parameters
+LLAMA_20M = {"hidden_size": 512, "num_layers": 6, "num_heads": 8, "intermediate_size": 1536}
+#: a ~100M-parameter random Llama (hidden 768, 12 layers, MLP 3072)
+LLAMA_100M = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072}
+#: grouprl loss aggregation -> TRL loss_type with the same per-token weights
+TRL_LOSS_TYPE = {
+    "seq_mean_token_mean": "grpo",
+    "token_mean": "dapo",
+    "seq_mean_token_sum_norm": "dr_grpo",
+}
+CHILD_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+#: grouprl's CLI in a child process (no console-script lookup)
+GROUPRL = [sys.executable, "-c", "import sys; from grouprl.cli import main; sys.exit(main())"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Children
+
+
+@dataclass(frozen=True)
+class ChildResult:
+    returncode: int
+    maxrss_mb: float  # the child's own peak resident set (ru_maxrss of wait4)
+    wall_s: float
+    log: Path
+
+
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ, **CHILD_ENV)
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_child(
+    cmd: list[str], log: Path, threads: int, *, poll=None, poll_every: float = 1.0
+) -> ChildResult:
+    """Run `cmd` to completion; its peak RSS comes from wait4, so it is this child's alone.
+
+    `poll(proc)` (optional) is called every `poll_every` seconds while it runs.
+    """
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(threads))
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG if poll else 0)
+            if pid:
+                break
+            poll(proc)
+            time.sleep(poll_every)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    return ChildResult(
+        proc.returncode, usage.ru_maxrss / 1024, time.perf_counter() - t0, log
+    )  # ru_maxrss is in KiB on Linux
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return "\n".join(text[-lines:])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            break
+    return out
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "transformers", "trl", "accelerate", "datasets", "grouprl"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "-"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # what the tables call it
+    path: str  # the model directory both systems load from disk
+    params: int
+    hidden_size: int
+    intermediate_size: int
+    note: str
+
+
+def random_llama_dir(path: Path, size: dict[str, int], *, eos: bool = True) -> Path:
+    """A random Llama with the character tokenizer, saved to `path` (kept if already there).
+
+    eos=False: the EOS token of the tokenizer and of the generation config is one the model
+    cannot emit (added to the tokenizer after the model was sized, so it has no logit): both
+    systems decode every completion to the full budget (equal work without a trainer flag)."""
+    import torch
+
+    from grouprl.models.tiny import TinySize, build_tiny_llama
+    from grouprl.models.tokenizer import build_char_tokenizer
+
+    if (path / "config.json").is_file():
+        return path
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = build_tiny_llama(tokenizer, TinySize(**size, max_positions=1024))
+    if not eos:
+        tokenizer.add_special_tokens({"eos_token": "<never>"})  # id == the model's vocab size
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def model_spec(name: str, path: Path | str, note: str) -> ModelSpec:
+    from grouprl.models import load_model
+
+    model = load_model(str(path))
+    params = sum(p.numel() for p in model.parameters())
+    cfg = model.config
+    return ModelSpec(name, str(path), params, cfg.hidden_size, cfg.intermediate_size, note)
+
+
+# ---------------------------------------------------------------------------------------------
+# grouprl's settings as TRL's
+
+
+def trl_kwargs(cfg: Any, rollouts: int) -> dict[str, Any]:
+    """GRPOConfig keyword arguments matching a resolved grouprl TrainConfig on a CPU."""
+    k = cfg.minibatches  # optimizer steps per rollout in both systems
+    n = cfg.prompts_per_step * cfg.group_size
+    return {
+        # one rollout of B*G completions, then k optimizer steps on N/k completions each
+        "per_device_train_batch_size": n // k,
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": k,
+        "num_generations": cfg.group_size,
+        "max_steps": rollouts * k,
+        "num_iterations": cfg.epochs,
+        "max_completion_length": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+        # objective
+        "beta": cfg.beta,
+        "epsilon": cfg.clip_low,
+        "epsilon_high": cfg.clip_high,
+        "importance_sampling_level": cfg.ratio_level,
+        "loss_type": TRL_LOSS_TYPE[cfg.loss_agg],
+        "scale_rewards": cfg.adv_scale,
+        "mask_truncated_completions": cfg.mask_truncated,
+        # optimizer and schedule (grouprl's warm-up counts rollouts; TRL's counts optimizer steps)
+        "learning_rate": cfg.lr,
+        "lr_scheduler_type": "constant_with_warmup" if cfg.warmup_steps else "constant",
+        "warmup_steps": cfg.warmup_steps * k,
+        "adam_beta1": cfg.adam_betas[0],
+        "adam_beta2": cfg.adam_betas[1],
+        "weight_decay": cfg.weight_decay,
+        "max_grad_norm": cfg.max_grad_norm,
+        # the CPU, fp32, nothing that trades speed for memory
+        "use_cpu": True,
+        "bf16": cfg.precision == "bf16",
+        "fp16": False,
+        # (TRL defaults gradient checkpointing on; `activation_checkpointing` is its new name)
+        "activation_checkpointing": False,
+        "torch_compile": False,
+        # data: grouprl's prompt order, no reshuffling
+        "shuffle_dataset": False,
+        "dataloader_num_workers": 0,
+        "remove_unused_columns": False,
+        "seed": cfg.seed,
+        # logging and saving off the clock (and off disk)
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "log_completions": False,
+    }
+
+
+def check_trl_equivalent(cfg: Any) -> None:
+    if cfg.loss_agg not in TRL_LOSS_TYPE or cfg.ratio_level not in ("token", "sequence"):
+        raise SystemExit(f"TRL has no equivalent of {cfg.loss_agg} / {cfg.ratio_level}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Step speed
+
+
+@dataclass
+class SpeedRun:
+    """The measured steps of one child process."""
+
+    system: str
+    seconds: list[float]  # per measured step (one rollout each)
+    tokens: list[int]  # completion tokens per measured step
+    maxrss_mb: float
+    failed: str | None = None
+    # per measured step: grouprl's rollout_seconds (sampling + scoring); TRL's time in
+    # _generate_single_turn (model.generate + EOS masking)
+    generation: list[float] = field(default_factory=list)
+
+
+def summarize(runs: list[SpeedRun]) -> dict | None:
+    seconds = [s for run in runs for s in run.seconds]
+    tokens = [t for run in runs for t in run.tokens]
+    if not seconds or len(tokens) != len(seconds):
+        return None
+    return {
+        "median_step_s": statistics.median(seconds),
+        "tokens_per_s": sum(tokens) / sum(seconds),
+        "completion_tokens_per_step": statistics.mean(tokens),
+        "peak_rss_mb": max(run.maxrss_mb for run in runs),
+        "median_generation_s": statistics.median(g for run in runs for g in run.generation),
+        "steps": len(seconds),
+    }
+
+
+def matmul_rate(threads: int, shapes: Sequence[tuple[int, int, int]], reps: int = 10) -> dict:
+    """Median fp32 GEMM rate (FLOP/s) for each (m, k, n) shape, on `threads` threads."""
+    import torch
+
+    from _gemm import matmul_rates  # benchmarks/ is on sys.path when a script here runs
+
+    torch.set_num_threads(threads)
+    return matmul_rates(shapes, reps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)

@@ -1,0 +1,342 @@
+"""grouprl against TRL's GRPOTrainer at the shapes real runs have: long prompts, long
+completions, bigger models.
+
+Each cell is MODEL:PROMPT_TOKENS:NEW_TOKENS:G. Both systems read the same JSONL dataset file
+through their normal data paths (grouprl: `grouprl train --dataset FILE --rewards FILE.py:fn`;
+TRL: `datasets.load_dataset("json")` and the same function) and run in their own child
+process, alternating, `warmup + measured` steps each, fp32, the same threads. Equal work (the
+default): the model directory names no EOS token, so every completion runs to the budget in
+both; `--natural` keeps EOS. Reported per cell and system: median step seconds split into
+generation and the rest (scoring, update), completion tokens per step-second, peak RSS, and the
+step as a multiple of the FLOP floor (2·P·generated + 6·P·trained) / the best measured fp32
+GEMM rate, with each prompt counted once per group.
+
+Usage (from the repository root, with the bench extra installed):
+
+    .venv/bin/python benchmarks/shapes.py                       # the 20M cell (~6 minutes)
+    .venv/bin/python benchmarks/shapes.py --cells 20m:150:128:8 20m:300:128:8 100m:150:128:8
+    .venv/bin/python benchmarks/shapes.py --quick                # smoke run (~1 minute)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tyro
+
+from harness import (
+    GROUPRL,
+    LLAMA_20M,
+    LLAMA_100M,
+    ModelSpec,
+    SpeedRun,
+    check_trl_equivalent,
+    fmt,
+    matmul_rate,
+    md_table,
+    model_spec,
+    random_llama_dir,
+    read_jsonl,
+    run_child,
+    summarize,
+    tail,
+    trl_kwargs,
+    versions,
+)
+
+SIZES = {"tiny": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 512},
+         "20m": LLAMA_20M, "100m": LLAMA_100M}  # fmt: skip
+REWARD = '''"""The benchmark's reward: whether a completion holds an even number of "a"s (cheap, and
+groups get mixed scores, so every group has a learning signal in both systems)."""
+
+
+def even_a(completions, **kwargs):
+    return [float(str(c).count("a") % 2 == 0) for c in completions]
+'''
+
+
+@dataclass
+class ShapesArgs:
+    """Benchmark grouprl against TRL's GRPOTrainer at realistic shapes (module docstring)."""
+
+    cells: tuple[str, ...] = ("20m:150:128:8",)
+    """MODEL:PROMPT_TOKENS:NEW_TOKENS:G cells; MODEL is tiny, 20m or 100m (random Llamas with
+    the character tokenizer)."""
+    prompts_per_step: int | None = None
+    """Prompts per step. None: 8, or 4 in cells with 512 or more new tokens."""
+    algo: str = "grpo"
+    """grouprl preset both systems follow (grpo: token ratio, one update per rollout)."""
+    warmup_steps: int = 1
+    """Steps run before the measured ones (excluded)."""
+    measured_steps: int = 3
+    """Measured steps per system and cell."""
+    natural: bool = False
+    """Keep EOS (natural completion lengths) instead of decoding every completion in full."""
+    threads: int = os.cpu_count() or 1
+    """torch threads in both children."""
+    quick: bool = False
+    """Smoke run: the tiny model at 32:16:4, 1 + 1 steps."""
+    out_dir: Path | None = None
+    """Where runs, data and results.json go. None: runs/bench/shapes-<date>-<time>."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    prompt_tokens: int
+    new_tokens: int
+    group_size: int
+    prompts_per_step: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}:{self.prompt_tokens}:{self.new_tokens}:{self.group_size}"
+
+
+def parse_cells(args: ShapesArgs) -> list[Cell]:
+    cells = []
+    for spec in ("tiny:32:16:4",) if args.quick else args.cells:
+        model, p, t, g = spec.split(":")
+        if model not in SIZES:
+            raise SystemExit(f"unknown model {model!r} in cell {spec}; one of {', '.join(SIZES)}")
+        b = args.prompts_per_step or (4 if int(t) >= 512 else 8)
+        cells.append(Cell(model, int(p), int(t), int(g), b))
+    return cells
+
+
+def write_data(cell: Cell, steps: int, out: Path) -> Path:
+    """A JSONL dataset of prompts of exactly `prompt_tokens` tokens (one character each, with
+    the tokenizer's BOS), enough rows for every step after grouprl's held-out split."""
+    path = out / f"data-{cell.prompt_tokens}.jsonl"
+    rng = random.Random(cell.prompt_tokens)
+    alphabet = "abcdefghijklmnopqrstuvwxyz +-=0123456789"
+    rows = max(64, 2 * steps * cell.prompts_per_step)
+    with path.open("w") as f:
+        for _ in range(rows):
+            text = "".join(rng.choice(alphabet) for _ in range(cell.prompt_tokens - 1))
+            f.write(json.dumps({"prompt": text, "answer": ""}) + "\n")
+    return path
+
+
+def grouprl_cfg(cell: Cell, args: ShapesArgs, data: Path, reward: Path) -> Any:
+    from grouprl.train.config import TrainConfig, resolve
+
+    cfg = TrainConfig(
+        algo=args.algo, dataset=str(data), rewards={f"{reward}:even_a": 1.0},
+        prompts_per_step=cell.prompts_per_step, group_size=cell.group_size,
+        max_new_tokens=cell.new_tokens, lr=1e-5, warmup_steps=0, threads=args.threads, seed=0,
+        skip_zero_advantage=False,
+    )  # fmt: skip
+    return resolve(cfg, task_max_new_tokens=cell.new_tokens)
+
+
+def run_grouprl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, reward: Path,
+                run_dir: Path) -> SpeedRun:  # fmt: skip
+    steps = args.warmup_steps + args.measured_steps
+    cmd = [*GROUPRL, "train", "--algo", args.algo, "--model", model.path]
+    cmd += ["--dataset", str(data), "--rewards", f"{reward}:even_a", "1.0"]
+    cmd += ["--steps", str(steps), "--prompts-per-step", str(cell.prompts_per_step)]
+    cmd += ["--group-size", str(cell.group_size), "--max-new-tokens", str(cell.new_tokens)]
+    cmd += ["--max-prompt-length", str(cell.prompt_tokens + 8)]
+    cmd += ["--lr", "1e-5", "--warmup-steps", "0", "--threads", str(args.threads), "--seed", "0"]
+    # equal work: TRL trains every completion, so grouprl does too
+    cmd += ["--no-skip-zero-advantage", "--log-ratios", "0", "--no-doctor", "--no-progress"]
+    cmd += ["--eval-every", "0", "--eval-size", "1", "--eval-samples", "1"]
+    cmd += ["--save-every", str(steps), "--output-dir", str(run_dir)]
+    child = run_child(cmd, run_dir.with_suffix(".log"), args.threads)
+    if child.returncode != 0:
+        return SpeedRun("grouprl", [], [], child.maxrss_mb, failed=f"exit {child.returncode}")
+    n = cell.prompts_per_step * cell.group_size
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] > args.warmup_steps]
+    return SpeedRun(
+        "grouprl",
+        [m["step_seconds"] for m in metrics],
+        [round(m["completion_len_mean"] * n) for m in metrics],
+        child.maxrss_mb,
+        generation=[m["rollout_seconds"] for m in metrics],
+    )
+
+
+def run_trl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, reward: Path,
+            run_dir: Path) -> SpeedRun:  # fmt: skip
+    cfg = grouprl_cfg(cell, args, data, reward)
+    check_trl_equivalent(cfg)
+    rollouts = args.warmup_steps + args.measured_steps
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"model_dir": model.path, "data": str(data), "reward": str(reward),
+            "threads": args.threads, "out_dir": str(run_dir),
+            "minibatches": cfg.minibatches, "trl": trl_kwargs(cfg, rollouts)}  # fmt: skip
+    (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_trl-child", str(run_dir / "spec.json")]
+    child = run_child(cmd, run_dir.with_suffix(".log"), args.threads)
+    result_path = run_dir / "trl_result.json"
+    if child.returncode != 0 or not result_path.exists():
+        return SpeedRun("trl", [], [], child.maxrss_mb, failed=f"exit {child.returncode}")
+    result = json.loads(result_path.read_text())
+    k = result["steps_per_rollout"]
+    opt = result["optimizer_steps"]
+    per_rollout = [sum(opt[i * k : (i + 1) * k]) for i in range(len(opt) // k)]
+    w = args.warmup_steps
+    return SpeedRun(
+        "trl",
+        per_rollout[w:],
+        [g["tokens"] for g in result["generations"]][w:],
+        child.maxrss_mb,
+        generation=[g["seconds"] for g in result["generations"]][w:],
+    )
+
+
+def trl_child(spec_path: str) -> int:
+    """TRL's GRPOTrainer on the JSONL file with the reward function from the reward file."""
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    module_spec = importlib.util.spec_from_file_location("bench_reward", spec["reward"])
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    generations: list[dict] = []
+    generate_seconds: list[float] = []
+
+    def even_a(completions, completion_ids=None, **kwargs):
+        generations.append({"tokens": sum(len(c) for c in completion_ids),
+                            "seconds": generate_seconds[-1]})  # fmt: skip
+        return module.even_a(completions, **kwargs)
+
+    steps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            steps.append(time.perf_counter() - self.begin)
+
+    out_dir = Path(spec["out_dir"])
+    trainer = GRPOTrainer(
+        model=spec["model_dir"],
+        reward_funcs=even_a,
+        args=GRPOConfig(output_dir=str(out_dir / "trl"), **spec["trl"]),
+        train_dataset=load_dataset("json", data_files=spec["data"], split="train"),
+        processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]),
+        callbacks=[Clock()],
+    )
+    generate = trainer._generate_single_turn  # time TRL's generation inside the step
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        out = generate(*a, **kw)
+        generate_seconds.append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate_single_turn = timed_generate
+    trainer.train()
+    result = {
+        "optimizer_steps": steps,
+        "steps_per_rollout": spec["minibatches"],
+        "generations": generations,
+        "maxrss_self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    (out_dir / "trl_result.json").write_text(json.dumps(result))
+    return 0
+
+
+def floor_seconds(cell: Cell, model: ModelSpec, tokens: float, rate: float) -> float:
+    """(2·P·generated + 6·P·trained) / rate, each prompt once per group (prefill and sharing)."""
+    counted = tokens + cell.prompts_per_step * cell.prompt_tokens
+    return 8 * model.params * counted / rate
+
+
+def main(args: ShapesArgs) -> int:
+    cells = parse_cells(args)
+    out = args.out_dir or Path("runs/bench") / f"shapes-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    reward = out / "bench_reward.py"
+    reward.write_text(REWARD)
+    steps = args.warmup_steps + args.measured_steps
+    models: dict[str, ModelSpec] = {}
+    for cell in cells:
+        if cell.model not in models:
+            suffix = "natural" if args.natural else "no-eos"
+            path = random_llama_dir(out / f"llama-{cell.model}-{suffix}", SIZES[cell.model],
+                                    eos=args.natural)  # fmt: skip
+            models[cell.model] = model_spec(cell.model, path, f"random Llama, {suffix}")
+    gemms = [(1024, 1024, 1024), (64, 768, 3072)]
+    rates = matmul_rate(args.threads, gemms)
+    rate = max(rates.values())  # updated after the runs: a busy moment must not lower a floor
+    print(f"results: {out}\nmatmul GFLOP/s: {rate / 1e9:.0f}; " + ", ".join(
+        f"{k} {v}" for k, v in versions().items()), flush=True)  # fmt: skip
+    # the estimate, from the floor and the multiples measured before (grouprl ~1.7, TRL ~4.8)
+    estimate = 0.0
+    for cell in cells:
+        full = cell.prompts_per_step * cell.group_size * cell.new_tokens
+        floor = floor_seconds(cell, models[cell.model], full, rate)
+        estimate += steps * floor * (1.7 + 4.8) + 60
+    print(f"estimated: {estimate / 60:.0f} minutes for {len(cells)} cell(s)", flush=True)
+    results: dict[str, Any] = {"versions": versions(), "matmul_flops": rates, "cells": {}}
+    measured: dict[Cell, dict[str, dict]] = {}
+    for cell in cells:
+        data = write_data(cell, steps, out)
+        model = models[cell.model]
+        runs = {}
+        for system, runner in (("grouprl", run_grouprl), ("trl", run_trl)):
+            t0 = time.perf_counter()
+            run = runner(
+                cell, args, model, data, reward, out / f"{cell.name.replace(':', '-')}-{system}"
+            )
+            runs[system] = run
+            status = run.failed or f"median {statistics.median(run.seconds):.2f} s/step"
+            print(f"  {cell.name} {system:>7}: {status} ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)  # fmt: skip
+            if run.failed:
+                print(tail(out / f"{cell.name.replace(':', '-')}-{system}.log"))
+        measured[cell] = summaries = {s: summarize([r]) for s, r in runs.items()}
+        results["cells"][cell.name] = {"summary": summaries,
+                                       "runs": {s: vars(r) for s, r in runs.items()}}  # fmt: skip
+    after = matmul_rate(args.threads, gemms)
+    rate = max(rate, *after.values())
+    results["matmul_flops_after"] = after
+    print(f"matmul GFLOP/s after: {max(after.values()) / 1e9:.0f}; the floor uses {rate / 1e9:.0f}")
+    rows = []
+    for cell, summaries in measured.items():
+        model = models[cell.model]
+        for system, summary in summaries.items():
+            if summary is None:
+                rows.append([cell.name, system, "failed", "", "", "", "", ""])
+                continue
+            floor = floor_seconds(cell, model, summary["completion_tokens_per_step"], rate)
+            step = summary["median_step_s"]
+            gen = summary["median_generation_s"]
+            rows.append([cell.name, system, fmt(step, ".2f"), fmt(gen, ".2f"),
+                         fmt(step - gen, ".2f"), f"{summary['tokens_per_s']:.0f}",
+                         f"{summary['peak_rss_mb']:.0f}", fmt(step / floor, ".2f")])  # fmt: skip
+        if all(summaries.values()):
+            g, t = summaries["grouprl"], summaries["trl"]
+            ratio = g["tokens_per_s"] / t["tokens_per_s"]
+            rows.append([cell.name, "grouprl / TRL", f"{t['median_step_s'] / g['median_step_s']:.2f}x faster",
+                         "", "", f"{ratio:.2f}x", "", ""])  # fmt: skip
+    header = ["cell (model:prompt:new:G)", "system", "step s", "generation s", "rest s",
+              "completion tok/s", "peak RSS MB", "x FLOP floor"]  # fmt: skip
+    print("\n" + md_table(header, rows))
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "_trl-child":
+        sys.exit(trl_child(sys.argv[2]))
+    sys.exit(main(tyro.cli(ShapesArgs)))
