@@ -215,6 +215,20 @@ def trl_kwargs(cfg: Any, rollouts: int) -> dict[str, Any]:
     }
 
 
+def time_trl_generation(trainer: Any, seconds: list[float]) -> None:
+    """Append the seconds of each of TRL's generation calls (model.generate and EOS masking,
+    inside its step) to `seconds`."""
+    generate = trainer._generate_single_turn
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        out = generate(*a, **kw)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate_single_turn = timed_generate
+
+
 def check_trl_equivalent(cfg: Any) -> None:
     if cfg.loss_agg not in TRL_LOSS_TYPE or cfg.ratio_level not in ("token", "sequence"):
         raise SystemExit(f"TRL has no equivalent of {cfg.loss_agg} / {cfg.ratio_level}")

@@ -50,6 +50,7 @@ from harness import (
     run_child,
     summarize,
     tail,
+    time_trl_generation,
     trl_kwargs,
     versions,
 )
@@ -235,15 +236,7 @@ def trl_child(spec_path: str) -> int:
         processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]),
         callbacks=[Clock()],
     )
-    generate = trainer._generate_single_turn  # time TRL's generation inside the step
-
-    def timed_generate(*a, **kw):
-        t0 = time.perf_counter()
-        out = generate(*a, **kw)
-        generate_seconds.append(time.perf_counter() - t0)
-        return out
-
-    trainer._generate_single_turn = timed_generate
+    time_trl_generation(trainer, generate_seconds)
     trainer.train()
     result = {
         "optimizer_steps": steps,

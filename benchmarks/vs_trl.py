@@ -74,6 +74,7 @@ from harness import (
     run_child,
     summarize,
     tail,
+    time_trl_generation,
     trl_kwargs,
     versions,
 )
@@ -381,15 +382,7 @@ def trl_child(spec_path: str) -> int:
         processing_class=tokenizer,
         callbacks=[Clock(), Logs()],
     )
-    generate = trainer._generate_single_turn  # time TRL's generation inside the step
-
-    def timed_generate(*a, **kw):
-        t0 = time.perf_counter()
-        out = generate(*a, **kw)
-        generate_seconds.append(time.perf_counter() - t0)
-        return out
-
-    trainer._generate_single_turn = timed_generate
+    time_trl_generation(trainer, generate_seconds)
     t0 = time.perf_counter()
     trainer.train()
     result = {
