@@ -80,3 +80,11 @@ def test_compare_refuses_what_it_cannot_do(tmp_path, capsys, stop_at):
     assert "--clip-high set an algorithm-defining field" in capsys.readouterr().err
     assert main(["compare", "--algos", "grpo,dapo", "--output-dir", str(out), *TINY]) == 2
     assert "holds another comparison" in capsys.readouterr().err
+    # a mistake found only as the first run starts (a missing model) leaves no run behind, so
+    # the corrected command may use the same directory
+    fresh = tmp_path / "typo"
+    assert main(["compare", "--output-dir", str(fresh), "--model", str(tmp_path / "nope"),
+                 *TINY]) == 2  # fmt: skip
+    assert (fresh / "compare.yaml").is_file() and "nope" in capsys.readouterr().err
+    assert main(["compare", "--output-dir", str(fresh), *TINY]) == 130  # stop_at(0) still armed
+    assert "holds another comparison" not in capsys.readouterr().err

@@ -160,7 +160,10 @@ def _claim(out: Path, record: dict) -> None:
             raise UserError(f"{path} is not valid YAML; choose another --output-dir") from None
         if not isinstance(saved, dict):
             raise UserError(f"{path} does not record a comparison; choose another --output-dir")
-        if saved != record:
+        started = any((child / "config.yaml").is_file() for child in out.iterdir())
+        if saved != record and not started:  # a mistake stopped it before any run: retry
+            path.write_text(yaml.safe_dump(record, sort_keys=False))
+        elif saved != record:
             raise UserError(
                 f"{out} holds another comparison ({saved.get('algos')}, {saved.get('seeds')} "
                 f"seed(s), flags {saved.get('train_flags')}); choose another --output-dir"
