@@ -77,9 +77,19 @@ def test_compare_refuses_what_it_cannot_do(tmp_path, capsys, stop_at):
     # an algorithm-defining flag warns that it overrides every preset
     stop_at(0)  # (and the first run stops at once: what matters is what compare printed)
     assert main(["compare", "--output-dir", str(out), "--clip-high", "0.3", *TINY]) == 130
-    assert "--clip-high set an algorithm-defining field" in capsys.readouterr().err
+    assert "--clip-high (from the flags or --config) set an algorithm-defining field" in (
+        capsys.readouterr().err
+    )
     assert main(["compare", "--algos", "grpo,dapo", "--output-dir", str(out), *TINY]) == 2
     assert "holds another comparison" in capsys.readouterr().err
+    # a config saved by an earlier run sets every preset field: all "algorithms" would be one
+    saved = tmp_path / "run.yaml"
+    saved.write_text("algo: gspo\nratio_level: sequence\nclip_low: 0.0003\nclip_high: 0.0004\n"
+                     "loss_agg: seq_mean_token_mean\nadv_scale: group\nbeta: 0.0\n"
+                     "minibatches: 1\ndynamic_sampling: false\nmask_truncated: false\n"
+                     "overlong_penalty: false\n")  # fmt: skip
+    assert main(["compare", "--output-dir", str(tmp_path / "c"), "--config", str(saved)]) == 2
+    assert "every preset would train the same run" in capsys.readouterr().err
     # a mistake found only as the first run starts (a missing model) leaves no run behind, so
     # the corrected command may use the same directory
     fresh = tmp_path / "typo"

@@ -107,10 +107,17 @@ def run_comparison(args: CompareArgs, rest: list[str]) -> int:
             raise UserError(f"{flag} is set by compare for each run; drop it (see --help)")
     base = parse_train_args(rest)  # every flag checked once, before anything runs
     overridden = [f.name for f in dataclasses.fields(Preset) if getattr(base, f.name) is not None]
+    if len(overridden) == len(dataclasses.fields(Preset)):
+        raise UserError(
+            "every algorithm-defining field is set (a run's saved config.yaml records all of "
+            "them), so every preset would train the same run; start from a config without "
+            f"them or drop them ({', '.join(f.name for f in dataclasses.fields(Preset))})"
+        )
     if overridden:
         flags = ", ".join("--" + name.replace("_", "-") for name in overridden)
         warnings.warn(
-            f"{flags} set an algorithm-defining field, so it overrides every preset "
+            f"{flags} (from the flags or --config) set an algorithm-defining field, so it "
+            "overrides every preset "
             f"({', '.join(algos)}): the runs differ only in what the presets still set",
             stacklevel=1,
         )
