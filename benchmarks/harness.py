@@ -252,6 +252,43 @@ class SpeedRun:
     generation: list[float] = field(default_factory=list)
 
 
+def grouprl_speed_run(child: ChildResult, run_dir: Path, completions: int, warmup: int) -> SpeedRun:
+    """The measured steps of a `grouprl train` child, from RUN_DIR/metrics.jsonl (`completions`
+    per step: B·G)."""
+    if child.returncode != 0:
+        return SpeedRun(
+            "grouprl", [], [], child.maxrss_mb, failed=f"exit {child.returncode}: {child.log}"
+        )
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] > warmup]
+    return SpeedRun(
+        "grouprl",
+        [m["step_seconds"] for m in metrics],
+        [round(m["completion_len_mean"] * completions) for m in metrics],
+        child.maxrss_mb,
+        generation=[m["rollout_seconds"] for m in metrics],
+    )
+
+
+def trl_speed_run(child: ChildResult, result_path: Path, warmup: int) -> SpeedRun:
+    """The measured rollouts of a TRL child, from the JSON it wrote: optimizer-step times summed
+    per rollout (k optimizer steps each), completion tokens and generation seconds."""
+    if child.returncode != 0 or not result_path.exists():
+        return SpeedRun(
+            "trl", [], [], child.maxrss_mb, failed=f"exit {child.returncode}: {child.log}"
+        )
+    result = json.loads(result_path.read_text())
+    k = result["steps_per_rollout"]
+    opt = result["optimizer_steps"]
+    per_rollout = [sum(opt[i * k : (i + 1) * k]) for i in range(len(opt) // k)]
+    return SpeedRun(
+        "trl",
+        per_rollout[warmup:],
+        [g["tokens"] for g in result["generations"]][warmup:],
+        child.maxrss_mb,
+        generation=[g["seconds"] for g in result["generations"]][warmup:],
+    )
+
+
 def summarize(runs: list[SpeedRun]) -> dict | None:
     seconds = [s for run in runs for s in run.seconds]
     tokens = [t for run in runs for t in run.tokens]

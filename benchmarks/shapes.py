@@ -42,16 +42,17 @@ from harness import (
     SpeedRun,
     check_trl_equivalent,
     fmt,
+    grouprl_speed_run,
     matmul_rate,
     md_table,
     model_spec,
     random_llama_dir,
-    read_jsonl,
     run_child,
     summarize,
     tail,
     time_trl_generation,
     trl_kwargs,
+    trl_speed_run,
     versions,
 )
 
@@ -155,17 +156,8 @@ def run_grouprl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, rewa
     cmd += ["--eval-every", "0", "--eval-size", "1", "--eval-samples", "1"]
     cmd += ["--save-every", str(steps), "--output-dir", str(run_dir)]
     child = run_child(cmd, run_dir.with_suffix(".log"), args.threads)
-    if child.returncode != 0:
-        return SpeedRun("grouprl", [], [], child.maxrss_mb, failed=f"exit {child.returncode}")
     n = cell.prompts_per_step * cell.group_size
-    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] > args.warmup_steps]
-    return SpeedRun(
-        "grouprl",
-        [m["step_seconds"] for m in metrics],
-        [round(m["completion_len_mean"] * n) for m in metrics],
-        child.maxrss_mb,
-        generation=[m["rollout_seconds"] for m in metrics],
-    )
+    return grouprl_speed_run(child, run_dir, n, args.warmup_steps)
 
 
 def run_trl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, reward: Path,
@@ -180,21 +172,7 @@ def run_trl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, reward: 
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, str(Path(__file__).resolve()), "_trl-child", str(run_dir / "spec.json")]
     child = run_child(cmd, run_dir.with_suffix(".log"), args.threads)
-    result_path = run_dir / "trl_result.json"
-    if child.returncode != 0 or not result_path.exists():
-        return SpeedRun("trl", [], [], child.maxrss_mb, failed=f"exit {child.returncode}")
-    result = json.loads(result_path.read_text())
-    k = result["steps_per_rollout"]
-    opt = result["optimizer_steps"]
-    per_rollout = [sum(opt[i * k : (i + 1) * k]) for i in range(len(opt) // k)]
-    w = args.warmup_steps
-    return SpeedRun(
-        "trl",
-        per_rollout[w:],
-        [g["tokens"] for g in result["generations"]][w:],
-        child.maxrss_mb,
-        generation=[g["seconds"] for g in result["generations"]][w:],
-    )
+    return trl_speed_run(child, run_dir / "trl_result.json", args.warmup_steps)
 
 
 def trl_child(spec_path: str) -> int:

@@ -68,6 +68,7 @@ from harness import (
     SpeedRun,
     check_trl_equivalent,
     fmt,
+    grouprl_speed_run,
     matmul_rate,
     md_table,
     read_jsonl,
@@ -76,6 +77,7 @@ from harness import (
     tail,
     time_trl_generation,
     trl_kwargs,
+    trl_speed_run,
     versions,
 )
 
@@ -425,19 +427,8 @@ def speed_grouprl(args: BenchArgs, model: ModelSpec, level: str, run_dir: Path) 
     child = run_child(
         grouprl_speed_cmd(args, model, level, run_dir), run_dir / "log.txt", args.threads
     )
-    if child.returncode != 0:
-        return SpeedRun(
-            "grouprl", [], [], child.maxrss_mb, failed=f"exit {child.returncode}: {child.log}"
-        )
     n = args.prompts_per_step * args.group_size
-    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] > args.warmup_steps]
-    return SpeedRun(
-        "grouprl",
-        [m["step_seconds"] for m in metrics],
-        [round(m["completion_len_mean"] * n) for m in metrics],
-        child.maxrss_mb,
-        generation=[m["rollout_seconds"] for m in metrics],
-    )
+    return grouprl_speed_run(child, run_dir, n, args.warmup_steps)
 
 
 def speed_config(args: BenchArgs, level: str) -> Any:
@@ -462,19 +453,7 @@ def speed_trl(args: BenchArgs, model: ModelSpec, level: str, run_dir: Path) -> S
     rollouts = args.warmup_steps + args.measured_steps
     spec = trl_spec(speed_config(args, level), model.path, rollouts, run_dir, tta=None)
     child = run_child(trl_cmd(spec, run_dir), run_dir / "log.txt", args.threads)
-    result_path = run_dir / "trl_result.json"
-    if child.returncode != 0 or not result_path.exists():
-        return SpeedRun(
-            "trl", [], [], child.maxrss_mb, failed=f"exit {child.returncode}: {child.log}"
-        )
-    result = json.loads(result_path.read_text())
-    k = result["steps_per_rollout"]
-    opt = result["optimizer_steps"]
-    per_rollout = [sum(opt[i * k : (i + 1) * k]) for i in range(len(opt) // k)]
-    tokens = [g["tokens"] for g in result["generations"]]
-    generation = [g["seconds"] for g in result["generations"]]
-    w = args.warmup_steps
-    return SpeedRun("trl", per_rollout[w:], tokens[w:], child.maxrss_mb, generation=generation[w:])
+    return trl_speed_run(child, run_dir / "trl_result.json", args.warmup_steps)
 
 
 def speed_benchmark(args: BenchArgs, models: list[ModelSpec], out: Path) -> dict:
