@@ -124,8 +124,11 @@ class ModelSpec:
     note: str
 
 
-def random_llama_dir(path: Path, size: dict[str, int], *, eos: bool = True) -> Path:
-    """A random Llama with the character tokenizer, saved to `path` (kept if already there).
+def random_llama_dir(
+    path: Path, size: dict[str, int], *, eos: bool = True, bpe_vocab: int | None = None
+) -> Path:
+    """A random Llama saved to `path` (kept if already there), with the character tokenizer,
+    or with a byte-level BPE tokenizer of `bpe_vocab` tokens trained here (`bpe_tokenizer`).
 
     eos=False: the EOS token of the tokenizer and of the generation config is one the model
     cannot emit (added to the tokenizer after the model was sized, so it has no logit): both
@@ -137,7 +140,7 @@ def random_llama_dir(path: Path, size: dict[str, int], *, eos: bool = True) -> P
 
     if (path / "config.json").is_file():
         return path
-    tokenizer = build_char_tokenizer()
+    tokenizer = bpe_tokenizer(bpe_vocab) if bpe_vocab else build_char_tokenizer()
     torch.manual_seed(0)
     model = build_tiny_llama(tokenizer, TinySize(**size, max_positions=1024))
     if not eos:
@@ -147,6 +150,39 @@ def random_llama_dir(path: Path, size: dict[str, int], *, eos: bool = True) -> P
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def bpe_corpus() -> list[str]:
+    """The text a BPE tokenizer is trained on and benchmark prompts are cut from: the Python
+    standard library's top-level modules (about 8 MB, on every machine, no download)."""
+    root = Path(os.__file__).parent
+    return [p.read_text(errors="replace") for p in sorted(root.glob("*.py"))]
+
+
+def bpe_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer of `vocab_size` tokens trained on `bpe_corpus()`, with <pad>,
+    <bos> (added to every encoded text, as the character tokenizer does) and <eos>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(bpe_corpus(), trainer)
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 1)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        clean_up_tokenization_spaces=False, model_max_length=1024,
+    )  # fmt: skip
 
 
 def model_spec(name: str, path: Path | str, note: str) -> ModelSpec:
@@ -166,11 +202,15 @@ def trl_kwargs(cfg: Any, rollouts: int) -> dict[str, Any]:
     """GRPOConfig keyword arguments matching a resolved grouprl TrainConfig on a CPU."""
     k = cfg.minibatches  # optimizer steps per rollout in both systems
     n = cfg.prompts_per_step * cfg.group_size
+    micro = cfg.micro_batch_size or n // k  # completions per forward/backward in both
+    if (n // k) % micro:
+        raise SystemExit(f"micro-batch {micro} does not divide a minibatch of {n // k}")
     return {
-        # one rollout of B*G completions, then k optimizer steps on N/k completions each
-        "per_device_train_batch_size": n // k,
-        "gradient_accumulation_steps": 1,
-        "steps_per_generation": k,
+        # one rollout of B*G completions, then k optimizer steps on N/k completions each, in
+        # forward/backward passes of `micro` completions whose gradients accumulate
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": n // k // micro,
+        "steps_per_generation": n // micro,
         "num_generations": cfg.group_size,
         "max_steps": rollouts * k,
         "num_iterations": cfg.epochs,

@@ -15,6 +15,10 @@ Usage (from the repository root, with the bench extra installed):
 
     .venv/bin/python benchmarks/shapes.py                       # the 20M cell (~6 minutes)
     .venv/bin/python benchmarks/shapes.py --cells 20m:150:128:8 20m:300:128:8 100m:150:128:8
+    .venv/bin/python benchmarks/shapes.py --cells 20mbpe:150:128:8      # 32k BPE vocabulary
+    .venv/bin/python benchmarks/shapes.py --cells 100m:300:512:16:16 --warmup-steps 0 \
+        --measured-steps 1                                       # memory, micro-batches of 16
+    .venv/bin/python benchmarks/shapes.py --bf16                 # against TRL bf16=True
     .venv/bin/python benchmarks/shapes.py --quick                # smoke run (~1 minute)
 """
 
@@ -40,6 +44,7 @@ from harness import (
     LLAMA_100M,
     ModelSpec,
     SpeedRun,
+    bpe_corpus,
     check_trl_equivalent,
     fmt,
     grouprl_speed_run,
@@ -57,7 +62,13 @@ from harness import (
 )
 
 SIZES = {"tiny": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 512},
-         "20m": LLAMA_20M, "100m": LLAMA_100M}  # fmt: skip
+         "20m": LLAMA_20M, "100m": LLAMA_100M,
+         # 21.7M with the tied 32k x 384 embedding (12.3M): the output head and full-vocabulary
+         # logits weigh as they do in real models
+         "20mbpe": {"hidden_size": 384, "num_layers": 4, "num_heads": 6,
+                    "intermediate_size": 1536}}  # fmt: skip
+#: models whose tokenizer is a byte-level BPE of this many tokens (trained here, harness)
+BPE_VOCAB = {"20mbpe": 32000}
 REWARD = '''"""The benchmark's reward: whether a completion holds an even number of "a"s (cheap, and
 groups get mixed scores, so every group has a learning signal in both systems)."""
 
@@ -72,8 +83,10 @@ class ShapesArgs:
     """Benchmark grouprl against TRL's GRPOTrainer at realistic shapes (module docstring)."""
 
     cells: tuple[str, ...] = ("20m:150:128:8",)
-    """MODEL:PROMPT_TOKENS:NEW_TOKENS:G cells; MODEL is tiny, 20m or 100m (random Llamas with
-    the character tokenizer)."""
+    """MODEL:PROMPT_TOKENS:NEW_TOKENS:G[:MICRO] cells. MODEL is tiny, 20m or 100m (random
+    Llamas with the character tokenizer) or 20mbpe (a 32k byte-level BPE vocabulary). MICRO:
+    completions per forward/backward in both systems (grouprl --micro-batch-size, TRL
+    per_device_train_batch_size with gradient accumulation); default the whole minibatch."""
     prompts_per_step: int | None = None
     """Prompts per step. None: 8, or 4 in cells with 512 or more new tokens."""
     algo: str = "grpo"
@@ -84,6 +97,10 @@ class ShapesArgs:
     """Measured steps per system and cell."""
     natural: bool = False
     """Keep EOS (natural completion lengths) instead of decoding every completion in full."""
+    bf16: bool = False
+    """grouprl --precision bf16 against TRL bf16=True (the floor stays the fp32 one)."""
+    rounds: int = 1
+    """Child runs per system and cell, alternating grouprl, TRL, TRL, grouprl, ..."""
     threads: int = os.cpu_count() or 1
     """torch threads in both children."""
     quick: bool = False
@@ -99,35 +116,62 @@ class Cell:
     new_tokens: int
     group_size: int
     prompts_per_step: int
+    micro_batch_size: int | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.model}:{self.prompt_tokens}:{self.new_tokens}:{self.group_size}"
+        name = f"{self.model}:{self.prompt_tokens}:{self.new_tokens}:{self.group_size}"
+        return name + (f":{self.micro_batch_size}" if self.micro_batch_size else "")
 
 
 def parse_cells(args: ShapesArgs) -> list[Cell]:
     cells = []
     for spec in ("tiny:32:16:4",) if args.quick else args.cells:
-        model, p, t, g = spec.split(":")
+        parts = spec.split(":")
+        if len(parts) not in (4, 5) or not all(x.isdigit() for x in parts[1:]):
+            raise SystemExit(f"cell {spec!r} is not MODEL:PROMPT_TOKENS:NEW_TOKENS:G[:MICRO]")
+        model, p, t, g = parts[:4]
         if model not in SIZES:
             raise SystemExit(f"unknown model {model!r} in cell {spec}; one of {', '.join(SIZES)}")
         b = args.prompts_per_step or (4 if int(t) >= 512 else 8)
-        cells.append(Cell(model, int(p), int(t), int(g), b))
+        micro = int(parts[4]) if len(parts) == 5 else None
+        cells.append(Cell(model, int(p), int(t), int(g), b, micro))
     return cells
 
 
-def write_data(cell: Cell, steps: int, out: Path) -> Path:
-    """A JSONL dataset of prompts of exactly `prompt_tokens` tokens (one character each, with
-    the tokenizer's BOS), enough rows for every step after grouprl's held-out split."""
-    path = out / f"data-{cell.prompt_tokens}.jsonl"
+def write_data(cell: Cell, steps: int, out: Path, model: ModelSpec) -> Path:
+    """A JSONL dataset of prompts of exactly `prompt_tokens` tokens with the tokenizer's BOS,
+    enough rows for every step after grouprl's held-out split. Character vocabularies: random
+    characters; BPE: stretches of the tokenizer's corpus cut at a token boundary."""
+    path = out / f"data-{cell.model}-{cell.prompt_tokens}.jsonl"
     rng = random.Random(cell.prompt_tokens)
-    alphabet = "abcdefghijklmnopqrstuvwxyz +-=0123456789"
     rows = max(64, 2 * steps * cell.prompts_per_step)
+    if cell.model in BPE_VOCAB:
+        texts = bpe_prompts(model.path, cell.prompt_tokens, rows, rng)
+    else:
+        alphabet = "abcdefghijklmnopqrstuvwxyz +-=0123456789"
+        texts = ["".join(rng.choice(alphabet) for _ in range(cell.prompt_tokens - 1))
+                 for _ in range(rows)]  # fmt: skip
     with path.open("w") as f:
-        for _ in range(rows):
-            text = "".join(rng.choice(alphabet) for _ in range(cell.prompt_tokens - 1))
+        for text in texts:
             f.write(json.dumps({"prompt": text, "answer": ""}) + "\n")
     return path
+
+
+def bpe_prompts(model_dir: str, tokens: int, rows: int, rng: random.Random) -> list[str]:
+    """`rows` texts from the corpus that encode to exactly `tokens` tokens (BOS included)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    corpus = "\n".join(bpe_corpus())
+    texts: list[str] = []
+    while len(texts) < rows:
+        start = rng.randrange(len(corpus) - 20 * tokens)
+        ids = tokenizer(corpus[start : start + 20 * tokens])["input_ids"][:tokens]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if len(tokenizer(text)["input_ids"]) == tokens:  # cut where re-encoding agrees
+            texts.append(text)
+    return texts
 
 
 def grouprl_cfg(cell: Cell, args: ShapesArgs, data: Path, reward: Path) -> Any:
@@ -137,7 +181,8 @@ def grouprl_cfg(cell: Cell, args: ShapesArgs, data: Path, reward: Path) -> Any:
         algo=args.algo, dataset=str(data), rewards={f"{reward}:even_a": 1.0},
         prompts_per_step=cell.prompts_per_step, group_size=cell.group_size,
         max_new_tokens=cell.new_tokens, lr=1e-5, warmup_steps=0, threads=args.threads, seed=0,
-        skip_zero_advantage=False,
+        skip_zero_advantage=False, micro_batch_size=cell.micro_batch_size,
+        precision="bf16" if args.bf16 else "fp32",
     )  # fmt: skip
     return resolve(cfg, task_max_new_tokens=cell.new_tokens)
 
@@ -155,6 +200,10 @@ def run_grouprl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, rewa
     cmd += ["--no-skip-zero-advantage", "--log-ratios", "0", "--no-doctor", "--no-progress"]
     cmd += ["--eval-every", "0", "--eval-size", "1", "--eval-samples", "1"]
     cmd += ["--save-every", str(steps), "--output-dir", str(run_dir)]
+    if cell.micro_batch_size:
+        cmd += ["--micro-batch-size", str(cell.micro_batch_size)]
+    if args.bf16:
+        cmd += ["--precision", "bf16"]
     child = run_child(cmd, run_dir.with_suffix(".log"), args.threads)
     n = cell.prompts_per_step * cell.group_size
     return grouprl_speed_run(child, run_dir, n, args.warmup_steps)
@@ -243,9 +292,11 @@ def main(args: ShapesArgs) -> int:
     for cell in cells:
         if cell.model not in models:
             suffix = "natural" if args.natural else "no-eos"
+            print(f"building the {cell.model} model", flush=True)
             path = random_llama_dir(out / f"llama-{cell.model}-{suffix}", SIZES[cell.model],
-                                    eos=args.natural)  # fmt: skip
+                                    eos=args.natural, bpe_vocab=BPE_VOCAB.get(cell.model))  # fmt: skip
             models[cell.model] = model_spec(cell.model, path, f"random Llama, {suffix}")
+            print(f"  {models[cell.model].params / 1e6:.1f}M parameters", flush=True)
     gemms = [(1024, 1024, 1024), (64, 768, 3072)]
     rates = matmul_rate(args.threads, gemms)
     rate = max(rates.values())  # updated after the runs: a busy moment must not lower a floor
@@ -256,28 +307,33 @@ def main(args: ShapesArgs) -> int:
     for cell in cells:
         full = cell.prompts_per_step * cell.group_size * cell.new_tokens
         floor = floor_seconds(cell, models[cell.model], full, rate)
-        estimate += steps * floor * (1.7 + 4.8) + 60
+        estimate += args.rounds * (steps * floor * (1.7 + 4.8) + 60)
     print(f"estimated: {estimate / 60:.0f} minutes for {len(cells)} cell(s)", flush=True)
     results: dict[str, Any] = {"versions": versions(), "matmul_flops": rates, "cells": {}}
     measured: dict[Cell, dict[str, dict]] = {}
     for cell in cells:
-        data = write_data(cell, steps, out)
         model = models[cell.model]
-        runs = {}
-        for system, runner in (("grouprl", run_grouprl), ("trl", run_trl)):
-            t0 = time.perf_counter()
-            run = runner(
-                cell, args, model, data, reward, out / f"{cell.name.replace(':', '-')}-{system}"
-            )
-            runs[system] = run
-            status = run.failed or f"median {statistics.median(run.seconds):.2f} s/step"
-            print(f"  {cell.name} {system:>7}: {status} ({time.perf_counter() - t0:.0f} s)",
-                  flush=True)  # fmt: skip
-            if run.failed:
-                print(tail(out / f"{cell.name.replace(':', '-')}-{system}.log"))
-        measured[cell] = summaries = {s: summarize([r]) for s, r in runs.items()}
-        results["cells"][cell.name] = {"summary": summaries,
-                                       "runs": {s: vars(r) for s, r in runs.items()}}  # fmt: skip
+        data = write_data(cell, steps, out, model)
+        runs: dict[str, list[SpeedRun]] = {"grouprl": [], "trl": []}
+        order = ("grouprl", "trl")
+        for r in range(args.rounds):
+            for system in order if r % 2 == 0 else order[::-1]:
+                runner = run_grouprl if system == "grouprl" else run_trl
+                name = f"{cell.name.replace(':', '-')}-{system}-r{r}"
+                t0 = time.perf_counter()
+                run = runner(cell, args, model, data, reward, out / name)
+                runs[system].append(run)
+                status = run.failed or f"median {statistics.median(run.seconds):.2f} s/step"
+                print(f"  {cell.name} {system:>7} round {r}: {status} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+                if run.failed:
+                    print(tail(out / f"{name}.log"))
+        measured[cell] = summaries = {
+            s: summarize([r for r in rs if not r.failed]) for s, rs in runs.items()
+        }
+        results["cells"][cell.name] = {
+            "summary": summaries, "runs": {s: [vars(r) for r in rs] for s, rs in runs.items()}
+        }  # fmt: skip
     after = matmul_rate(args.threads, gemms)
     rate = max(rate, *after.values())
     results["matmul_flops_after"] = after
