@@ -154,7 +154,7 @@ def random_llama_dir(
 
 def bpe_corpus() -> list[str]:
     """The text a BPE tokenizer is trained on and benchmark prompts are cut from: the Python
-    standard library's top-level modules (about 8 MB, on every machine, no download)."""
+    standard library's top-level modules (about 5 MB, on every machine, no download)."""
     root = Path(os.__file__).parent
     return [p.read_text(errors="replace") for p in sorted(root.glob("*.py"))]
 
@@ -200,19 +200,20 @@ def model_spec(name: str, path: Path | str, note: str) -> ModelSpec:
 
 def trl_kwargs(cfg: Any, rollouts: int) -> dict[str, Any]:
     """GRPOConfig keyword arguments matching a resolved grouprl TrainConfig on a CPU."""
-    k = cfg.minibatches  # optimizer steps per rollout in both systems
+    k = cfg.minibatches
+    steps = optimizer_steps_per_rollout(cfg)  # k per epoch, in both systems
     n = cfg.prompts_per_step * cfg.group_size
-    micro = cfg.micro_batch_size or n // k  # completions per forward/backward in both
+    micro = min(cfg.micro_batch_size or n // k, n // k)  # completions per forward/backward
     if (n // k) % micro:
         raise SystemExit(f"micro-batch {micro} does not divide a minibatch of {n // k}")
     return {
-        # one rollout of B*G completions, then k optimizer steps on N/k completions each, in
-        # forward/backward passes of `micro` completions whose gradients accumulate
+        # one rollout of B*G completions, then k optimizer steps (per epoch) on N/k completions
+        # each, in forward/backward passes of `micro` completions whose gradients accumulate
         "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": n // k // micro,
         "steps_per_generation": n // micro,
         "num_generations": cfg.group_size,
-        "max_steps": rollouts * k,
+        "max_steps": rollouts * steps,
         "num_iterations": cfg.epochs,
         "max_completion_length": cfg.max_new_tokens,
         "temperature": cfg.temperature,
@@ -229,12 +230,12 @@ def trl_kwargs(cfg: Any, rollouts: int) -> dict[str, Any]:
         # optimizer and schedule (grouprl's warm-up counts rollouts; TRL's counts optimizer steps)
         "learning_rate": cfg.lr,
         "lr_scheduler_type": "constant_with_warmup" if cfg.warmup_steps else "constant",
-        "warmup_steps": cfg.warmup_steps * k,
+        "warmup_steps": cfg.warmup_steps * steps,
         "adam_beta1": cfg.adam_betas[0],
         "adam_beta2": cfg.adam_betas[1],
         "weight_decay": cfg.weight_decay,
         "max_grad_norm": cfg.max_grad_norm,
-        # the CPU, fp32, nothing that trades speed for memory
+        # the CPU, grouprl's precision, nothing that trades speed for memory
         "use_cpu": True,
         "bf16": cfg.precision == "bf16",
         "fp16": False,
@@ -253,6 +254,11 @@ def trl_kwargs(cfg: Any, rollouts: int) -> dict[str, Any]:
         "disable_tqdm": True,
         "log_completions": False,
     }
+
+
+def optimizer_steps_per_rollout(cfg: Any) -> int:
+    """Optimizer steps one rollout makes in both systems: minibatches × epochs."""
+    return cfg.minibatches * cfg.epochs
 
 
 def time_trl_generation(trainer: Any, seconds: list[float]) -> None:

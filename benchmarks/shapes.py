@@ -1,23 +1,24 @@
 """grouprl against TRL's GRPOTrainer at the shapes real runs have: long prompts, long
 completions, bigger models.
 
-Each cell is MODEL:PROMPT_TOKENS:NEW_TOKENS:G. Both systems read the same JSONL dataset file
-through their normal data paths (grouprl: `grouprl train --dataset FILE --rewards FILE.py:fn`;
-TRL: `datasets.load_dataset("json")` and the same function) and run in their own child
-process, alternating, `warmup + measured` steps each, fp32, the same threads. Equal work (the
-default): the model directory names no EOS token, so every completion runs to the budget in
-both; `--natural` keeps EOS. Reported per cell and system: median step seconds split into
-generation and the rest (scoring, update), completion tokens per step-second, peak RSS, and the
-step as a multiple of the FLOP floor (2·P·generated + 6·P·trained) / the best measured fp32
-GEMM rate, with each prompt counted once per group.
+Each cell is MODEL:PROMPT_TOKENS:NEW_TOKENS:G[:MICRO]. Both systems read the same JSONL
+dataset file through their normal data paths (grouprl: `grouprl train --dataset FILE --rewards
+FILE.py:fn`; TRL: `datasets.load_dataset("json")` and the same function) and run in their own
+child processes, alternating, `warmup + measured` steps each, fp32 (or `--bf16`), the same
+threads. Equal work (the default): the model directory's EOS is a token the model cannot emit,
+so every completion runs to the budget in both; `--natural` keeps a real EOS. Reported per cell
+and system: median step seconds split into generation (grouprl's includes scoring) and the
+rest (the update), completion tokens per step-second, peak RSS, and the step as a multiple of
+the FLOP floor (2·P·generated + 6·P·trained) / the best measured fp32 GEMM rate, with each
+prompt counted once per group.
 
 Usage (from the repository root, with the bench extra installed):
 
-    .venv/bin/python benchmarks/shapes.py                       # the 20M cell (~6 minutes)
+    .venv/bin/python benchmarks/shapes.py                       # the 20M cell (~5 minutes)
     .venv/bin/python benchmarks/shapes.py --cells 20m:150:128:8 20m:300:128:8 100m:150:128:8
     .venv/bin/python benchmarks/shapes.py --cells 20mbpe:150:128:8      # 32k BPE vocabulary
-    .venv/bin/python benchmarks/shapes.py --cells 100m:300:512:16:16 --warmup-steps 0 \
-        --measured-steps 1                                       # memory, micro-batches of 16
+    .venv/bin/python benchmarks/shapes.py --cells 100m:300:512:16:8 --warmup-steps 0 \
+        --measured-steps 1                                       # memory, micro-batches of 8
     .venv/bin/python benchmarks/shapes.py --bf16                 # against TRL bf16=True
     .venv/bin/python benchmarks/shapes.py --quick                # smoke run (~1 minute)
 """
@@ -51,6 +52,7 @@ from harness import (
     matmul_rate,
     md_table,
     model_spec,
+    optimizer_steps_per_rollout,
     random_llama_dir,
     run_child,
     summarize,
@@ -135,7 +137,17 @@ def parse_cells(args: ShapesArgs) -> list[Cell]:
             raise SystemExit(f"unknown model {model!r} in cell {spec}; one of {', '.join(SIZES)}")
         b = args.prompts_per_step or (4 if int(t) >= 512 else 8)
         micro = int(parts[4]) if len(parts) == 5 else None
-        cells.append(Cell(model, int(p), int(t), int(g), b, micro))
+        if micro == 0:
+            raise SystemExit(f"cell {spec}: MICRO must be at least 1")
+        cell = Cell(model, int(p), int(t), int(g), b, micro)
+        cfg = grouprl_cfg(cell, args, Path("data.jsonl"), Path("reward.py"))
+        minibatch = b * int(g) // cfg.minibatches
+        # checked here, not when the cell's TRL run starts: a grid must not fail halfway
+        if micro is not None and (minibatch % micro or (micro % int(g) and int(g) % micro)):
+            raise SystemExit(f"cell {spec}: MICRO must divide the minibatch of {minibatch} "
+                             f"completions and divide or be a multiple of G = {g}, so that "
+                             "both systems run the same passes")  # fmt: skip
+        cells.append(cell)
     return cells
 
 
@@ -165,13 +177,16 @@ def bpe_prompts(model_dir: str, tokens: int, rows: int, rng: random.Random) -> l
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     corpus = "\n".join(bpe_corpus())
     texts: list[str] = []
-    while len(texts) < rows:
+    for _ in range(100 * rows):
         start = rng.randrange(len(corpus) - 20 * tokens)
         ids = tokenizer(corpus[start : start + 20 * tokens])["input_ids"][:tokens]
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        if len(tokenizer(text)["input_ids"]) == tokens:  # cut where re-encoding agrees
+        # cut where re-encoding agrees; never whitespace only (grouprl refuses empty prompts)
+        if text.strip() and len(tokenizer(text)["input_ids"]) == tokens:
             texts.append(text)
-    return texts
+            if len(texts) == rows:
+                return texts
+    raise SystemExit(f"could not cut {rows} prompts of exactly {tokens} tokens from the corpus")
 
 
 def grouprl_cfg(cell: Cell, args: ShapesArgs, data: Path, reward: Path) -> Any:
@@ -217,7 +232,7 @@ def run_trl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, reward: 
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"model_dir": model.path, "data": str(data), "reward": str(reward),
             "threads": args.threads, "out_dir": str(run_dir),
-            "minibatches": cfg.minibatches, "trl": trl_kwargs(cfg, rollouts)}  # fmt: skip
+            "steps_per_rollout": optimizer_steps_per_rollout(cfg), "trl": trl_kwargs(cfg, rollouts)}  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, str(Path(__file__).resolve()), "_trl-child", str(run_dir / "spec.json")]
     child = run_child(cmd, run_dir.with_suffix(".log"), args.threads)
@@ -267,7 +282,7 @@ def trl_child(spec_path: str) -> int:
     trainer.train()
     result = {
         "optimizer_steps": steps,
-        "steps_per_rollout": spec["minibatches"],
+        "steps_per_rollout": spec["steps_per_rollout"],
         "generations": generations,
         "maxrss_self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -328,6 +343,10 @@ def main(args: ShapesArgs) -> int:
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
                 if run.failed:
                     print(tail(out / f"{name}.log"))
+        for system, rs in runs.items():
+            if any(r.failed for r in rs):  # the table then covers fewer runs of this system
+                print(f"  {cell.name} {system}: {sum(bool(r.failed) for r in rs)} of {len(rs)} "
+                      "runs failed; the summary uses the others", flush=True)  # fmt: skip
         measured[cell] = summaries = {
             s: summarize([r for r in rs if not r.failed]) for s, rs in runs.items()
         }

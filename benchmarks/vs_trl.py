@@ -71,6 +71,7 @@ from harness import (
     grouprl_speed_run,
     matmul_rate,
     md_table,
+    optimizer_steps_per_rollout,
     read_jsonl,
     run_child,
     summarize,
@@ -265,7 +266,7 @@ def trl_spec(cfg: Any, model_dir: str, rollouts: int, out_dir: Path, tta: dict |
         "rollouts": rollouts,
         "prompts_per_step": cfg.prompts_per_step,
         "group_size": cfg.group_size,
-        "minibatches": cfg.minibatches,
+        "steps_per_rollout": optimizer_steps_per_rollout(cfg),
         "tta": tta,
         "max_new_tokens": cfg.max_new_tokens,
         "trl": trl_kwargs(cfg, rollouts),
@@ -305,7 +306,7 @@ def trl_child(spec_path: str) -> int:
         return task.reward_funcs["correct"](completions, **kwargs)
 
     tta = spec["tta"]
-    k = spec["minibatches"]
+    k = spec["steps_per_rollout"]
     steps: list[float] = []
     evals: list[dict] = []
     train_logs: list[dict] = []
