@@ -393,6 +393,70 @@ def test_micro_batches_give_the_unchunked_update(micro, algo, monkeypatch):
         assert diag[key] == pytest.approx(whole_diag[key], rel=1e-4, abs=1e-7), key
 
 
+def test_width_chunks_group_by_longest_completion_where_it_pays():
+    g, t = 2, 100
+    longest = [10, 100, 12, 98]  # per group; each group's other row is 1 token
+    lengths = torch.tensor([[n, 1] for n in longest]).reshape(-1)  # (8,)
+    rollout = Rollout(
+        prompt_ids=torch.ones(4, 2, dtype=torch.long),
+        prompt_mask=torch.ones(4, 2, dtype=torch.bool),
+        completion_ids=torch.zeros(8, t, dtype=torch.long),
+        mask=torch.arange(t)[None] < lengths[:, None],
+        old_logp=torch.zeros(8, t),
+        truncated=torch.zeros(8, dtype=torch.bool),
+        texts=[f"c{i}" for i in range(8)],
+        prompts=[f"p{i}" for i in range(4)],
+        group_size=g,
+        temperature=1.0,
+    )
+    rows = torch.arange(8) + 8  # as if this were the step's second minibatch
+    # one pass: 8 rows x 100 + 50 = 850; groups {1, 3} and {2, 0}: 4 x 100 + 4 x 12 + 2 x 50 =
+    # 548; three passes {1}, {3}, {2, 0}: 200 + 196 + 48 + 150 = 594
+    wide, narrow = train_update.width_chunks(rollout, rows, overhead=50)
+    assert wide.rollout.prompts == ["p1", "p3"] and wide.rows.tolist() == [10, 11, 14, 15]
+    assert narrow.rollout.prompts == ["p2", "p0"] and narrow.rows.tolist() == [12, 13, 8, 9]
+    assert torch.equal(narrow.rollout.mask, rollout.mask[[4, 5, 0, 1]])
+    # at 1,000 per pass a split saves less than it costs: one chunk, the order kept
+    (whole,) = train_update.width_chunks(rollout, rows, overhead=1000)
+    assert whole.rollout is rollout and whole.rows.tolist() == rows.tolist()
+    # the bundled 1M model: a pass costs tens of thousands of positions, so it never splits
+    from grouprl.models import load_model
+
+    assert train_update.pass_overhead(load_model("builtin:arith")) > 30_000
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo"])
+def test_width_chunks_give_the_unsplit_update(algo, monkeypatch):
+    """Groups sorted by their longest completion and cut into passes: the same parameters."""
+    from grouprl.train.config import resolve
+
+    policy, batch = _small_batch([[1, 0, 0, 1], [1, 1, 0, 1], [0, 1, 0, 0], [1, 0, 0, 1]])
+    settings = {"prompts_per_step": 4, "group_size": 4, "lr": 1e-3, "max_grad_norm": 0.0}
+    extra = {"minibatches": 2, "epochs": 2} if algo == "gspo" else {}  # 2 groups per minibatch
+    cfg = resolve(
+        TrainConfig(algo=algo, **settings, max_new_tokens=20, **extra), task_max_new_tokens=20
+    )
+    advantages = loop.group_advantages(batch.rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
+    widths = []
+    original = train_update.completion_logprobs
+
+    def spy(model, rollout, **kwargs):
+        widths.append(int(rollout.lengths.max()))
+        return original(model, rollout, **kwargs)
+
+    monkeypatch.setattr(train_update, "completion_logprobs", spy)
+    whole, whole_diag = _update_from(policy, cfg, batch, advantages)
+    assert len(widths) == cfg.minibatches * cfg.epochs  # the 1M model never splits
+    widths.clear()
+    monkeypatch.setattr(train_update, "pass_overhead", lambda model: 1)
+    split, diag = _update_from(policy, cfg, batch, advantages)
+    assert len(widths) > cfg.minibatches * cfg.epochs and len(set(widths)) > 1
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=0, atol=1e-6)
+    for key in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl"):
+        assert diag[key] == pytest.approx(whole_diag[key], rel=1e-4, abs=1e-7), key
+
+
 def test_gradient_checkpointing_takes_effect_in_eval_mode():
     """transformers checkpoints only layers in training mode; `recomputing` puts the layers
     (not their submodules) in it, so far less is saved for backward, with the same gradients."""
