@@ -124,7 +124,8 @@ def plan_minibatches(
 ) -> list[Minibatch]:
     """`cfg.minibatches` minibatches of whole groups, in order, without the groups that have
     nothing to learn (all advantages 0) when `skip_zero_advantage` applies (beta = 0), each cut
-    into chunks of at most `cfg.micro_batch_size` completions.
+    into chunks of at most `cfg.micro_batch_size` completions, or, without one and with
+    `overhead`, into passes by width (`width_chunks`).
 
     A group is never cut across minibatches: its advantages are normalised over all G of its
     completions. Raises ValueError unless B is divisible by `cfg.minibatches`. advantages: (N,);
@@ -326,7 +327,12 @@ def update(
     # the optimizer's own: under FSDP the model's parameters are the unsharded tensors whenever
     # the root module is unsharded (after a forward), the optimizer's the sharded DTensors
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    plans = plan_minibatches(cfg, rollout, advantages, mask, pass_overhead(policy))
+    # Passes by width where their cost is measured: on a CPU, and not under FSDP, where every
+    # pass is a collective per layer (all ranks must run the same passes) and costs an
+    # all-gather of the model that the position count does not model.
+    by_width = device.type == "cpu" and not dist.fsdp
+    overhead = pass_overhead(policy) if by_width else None
+    plans = plan_minibatches(cfg, rollout, advantages, mask, overhead)
     plans = globalise(plans, rollout, dist)
     if dtype is not None:
         plans = trainer_old_logp(cfg, policy, plans)
