@@ -357,40 +357,60 @@ def _small_batch(group_rewards, seed=3):
     return policy, loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
 
 
-@pytest.mark.parametrize("micro", [1, 3, 4, 6, 16])
-@pytest.mark.parametrize("algo", ["grpo", "gspo", "dapo"])
-def test_micro_batches_give_the_unchunked_update(micro, algo, monkeypatch):
-    """Chunks of `micro` completions (sub-groups sharing their prompt when micro < G), each
-    dividing by the whole minibatch's counts: the same parameters as one forward/backward."""
+def _chunking_case(algo, group_rewards):
+    """The bundled policy, a 4 x 4 batch with `group_rewards`, its resolved config (GSPO: 2
+    minibatches of 2 groups, 2 epochs) and advantages."""
     from grouprl.train.config import resolve
 
-    policy, batch = _small_batch([[1, 0, 0, 1], [1, 1, 1, 1], [0, 1, 0, 0], [1, 1, 0, 1]])
+    policy, batch = _small_batch(group_rewards)
     settings = {"prompts_per_step": 4, "group_size": 4, "lr": 1e-3, "max_grad_norm": 0.0}
     extra = {"minibatches": 2, "epochs": 2} if algo == "gspo" else {}
     cfg = resolve(
         TrainConfig(algo=algo, **settings, max_new_tokens=20, **extra), task_max_new_tokens=20
     )
     advantages = loop.group_advantages(batch.rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
-    sizes = []
+    return policy, batch, cfg, advantages
+
+
+def _record_passes(monkeypatch):
+    """A list that gets (rows, longest completion) of every forward the update runs."""
+    passes = []
     original = train_update.completion_logprobs
 
     def spy(model, rollout, **kwargs):
-        sizes.append(rollout.completion_ids.shape[0])
+        passes.append((rollout.completion_ids.shape[0], int(rollout.lengths.max())))
         return original(model, rollout, **kwargs)
 
     monkeypatch.setattr(train_update, "completion_logprobs", spy)
+    return passes
+
+
+def _assert_same_update(got, got_diag, want, want_diag):
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6)
+    for key in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl"):
+        assert got_diag[key] == pytest.approx(want_diag[key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.parametrize("micro", [1, 3, 4, 6, 16])
+@pytest.mark.parametrize("algo", ["grpo", "gspo", "dapo"])
+def test_micro_batches_give_the_unchunked_update(micro, algo, monkeypatch):
+    """Chunks of `micro` completions (sub-groups sharing their prompt when micro < G), each
+    dividing by the whole minibatch's counts: the same parameters as one forward/backward."""
+    policy, batch, cfg, advantages = _chunking_case(
+        algo, [[1, 0, 0, 1], [1, 1, 1, 1], [0, 1, 0, 0], [1, 1, 0, 1]]
+    )
+    passes = _record_passes(monkeypatch)
     whole, whole_diag = _update_from(policy, cfg, batch, advantages)
-    sizes.clear()
+    passes.clear()
     chunked, diag = _update_from(
         policy, dataclasses.replace(cfg, micro_batch_size=micro), batch, advantages
     )
+    sizes = [rows for rows, _ in passes]
     assert max(sizes) <= micro and sum(sizes) == 12 * cfg.epochs  # one all-right group skipped
     before = {n: p.detach() for n, p in policy.named_parameters()}
     assert max(float((whole[n] - before[n]).abs().max()) for n in whole) > 1e-4
-    for name in whole:
-        torch.testing.assert_close(chunked[name], whole[name], rtol=0, atol=1e-6)
-    for key in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl"):
-        assert diag[key] == pytest.approx(whole_diag[key], rel=1e-4, abs=1e-7), key
+    _assert_same_update(chunked, diag, whole, whole_diag)
 
 
 def test_width_chunks_group_by_longest_completion_where_it_pays():
@@ -428,33 +448,18 @@ def test_width_chunks_group_by_longest_completion_where_it_pays():
 @pytest.mark.parametrize("algo", ["grpo", "gspo"])
 def test_width_chunks_give_the_unsplit_update(algo, monkeypatch):
     """Groups sorted by their longest completion and cut into passes: the same parameters."""
-    from grouprl.train.config import resolve
-
-    policy, batch = _small_batch([[1, 0, 0, 1], [1, 1, 0, 1], [0, 1, 0, 0], [1, 0, 0, 1]])
-    settings = {"prompts_per_step": 4, "group_size": 4, "lr": 1e-3, "max_grad_norm": 0.0}
-    extra = {"minibatches": 2, "epochs": 2} if algo == "gspo" else {}  # 2 groups per minibatch
-    cfg = resolve(
-        TrainConfig(algo=algo, **settings, max_new_tokens=20, **extra), task_max_new_tokens=20
+    policy, batch, cfg, advantages = _chunking_case(
+        algo, [[1, 0, 0, 1], [1, 1, 0, 1], [0, 1, 0, 0], [1, 0, 0, 1]]
     )
-    advantages = loop.group_advantages(batch.rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
-    widths = []
-    original = train_update.completion_logprobs
-
-    def spy(model, rollout, **kwargs):
-        widths.append(int(rollout.lengths.max()))
-        return original(model, rollout, **kwargs)
-
-    monkeypatch.setattr(train_update, "completion_logprobs", spy)
+    passes = _record_passes(monkeypatch)
     whole, whole_diag = _update_from(policy, cfg, batch, advantages)
-    assert len(widths) == cfg.minibatches * cfg.epochs  # the 1M model never splits
-    widths.clear()
+    assert len(passes) == cfg.minibatches * cfg.epochs  # the 1M model never splits
+    passes.clear()
     monkeypatch.setattr(train_update, "pass_overhead", lambda model: 1)
     split, diag = _update_from(policy, cfg, batch, advantages)
+    widths = [width for _, width in passes]
     assert len(widths) > cfg.minibatches * cfg.epochs and len(set(widths)) > 1
-    for name in whole:
-        torch.testing.assert_close(split[name], whole[name], rtol=0, atol=1e-6)
-    for key in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl"):
-        assert diag[key] == pytest.approx(whole_diag[key], rel=1e-4, abs=1e-7), key
+    _assert_same_update(split, diag, whole, whole_diag)
 
 
 def test_gradient_checkpointing_takes_effect_in_eval_mode():
