@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-faults test-compat lint format bench clean
+.PHONY: demo test test-faults test-numerics test-compat lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,17 @@ test: $(STAMP)
 # Runs stopped by SIGKILL and SIGTERM at 20 random points each must resume to the same end.
 test-faults: $(STAMP)
 	FAULT_TRIALS=20 FAULT_SIGNALS=KILL,TERM $(BIN)/python -m pytest tests/test_faults.py
+
+# The tests that compare floating-point results (marked `numerics`), as other CPUs round: with 1
+# and 2 torch threads, each under the default kernels, AVX2 kernels (MKL's and torch's own, as on
+# a CPU without AVX-512), and MKL's reproducible mode (MKL_CBWR=COMPATIBLE).
+NUMERICS_KERNELS := "" "MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2" "MKL_CBWR=COMPATIBLE"
+test-numerics: $(STAMP)
+	@for threads in 1 2; do for kernels in $(NUMERICS_KERNELS); do \
+	  echo "== $$threads thread(s), kernels: $${kernels:-default}"; \
+	  env GROUPRL_TEST_THREADS=$$threads $$kernels $(BIN)/python -m pytest -m numerics \
+	    -p no:cacheprovider -q || exit 1; \
+	done; done
 
 # The suite on the lowest versions pyproject.toml allows, in a second environment.
 COMPAT := .venv-compat

@@ -207,7 +207,7 @@ def train_rows(seed: int, count: int) -> list[dict]:
     from grouprl.tasks import get_task
     from grouprl.tasks.data import PromptStream
 
-    rows = PromptStream(get_task("arithmetic").train, seed).take(count)
+    rows = PromptStream(get_task("arithmetic").train, seed).take(0, count)
     return [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]
 
 

@@ -1,5 +1,5 @@
 """Suite-wide settings: offline Hugging Face libraries, a private datasets cache, one torch
-thread per test.
+thread per test (GROUPRL_TEST_THREADS=2 for two: `make test-numerics` runs both).
 
 Nothing may be downloaded: `HF_HUB_OFFLINE` and `HF_DATASETS_OFFLINE` make a hub id that is not
 cached fail at once instead of retrying the network (set before any HF library is imported).
@@ -26,10 +26,15 @@ def _private_datasets_cache(tmp_path_factory):
     os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf_datasets_cache"))
 
 
+#: torch threads per test: rounding differs with the thread count (reductions split differently),
+#: so the tolerance-bearing tests run under both 1 and 2 (`make test-numerics`).
+THREADS = int(os.environ.get("GROUPRL_TEST_THREADS", "1"))
+
+
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
+def _torch_threads():
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     yield
     torch.set_num_threads(previous)
 
@@ -59,12 +64,12 @@ def stop_at(monkeypatch):
             monkeypatch.setattr(loop, "collect_batch", original)
             return
 
-        def collect(cfg, at, *args):
+        def collect(cfg, sampler, at, position):
             if at == step:
                 if error is not None:
                     raise error
                 os.kill(os.getpid(), signum)
-            return original(cfg, at, *args)
+            return original(cfg, sampler, at, position)
 
         monkeypatch.setattr(loop, "collect_batch", collect)
 

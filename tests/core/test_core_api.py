@@ -1,6 +1,7 @@
 """Contract details of grouprl.core: validation, NaN rewards, empty rows, dual clip, DP counts."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -11,11 +12,14 @@ from grouprl.core import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     RATIO_LEVELS,
+    LossOptions,
+    LossStats,
     PolicyLoss,
     aggregate,
     group_advantages,
     kl_penalty,
     log_ratio,
+    mixed_groups,
     overlong_penalty,
     policy_loss,
     zero_variance_groups,
@@ -251,3 +255,62 @@ def test_zero_variance_groups_by_hand():
         ]
     )
     assert zero_variance_groups(rewards).tolist() == [False, True, True, True, True, False]
+
+
+def test_every_loss_statistic_says_how_it_combines():
+    """A new LossStats field must be a sum or an extreme: nothing becomes an average by default."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(LossStats)]
+    assert sorted(names) == sorted(LossStats.SUMS + LossStats.EXTREMES)
+    assert not set(LossStats.SUMS) & set(LossStats.EXTREMES)
+
+
+def test_stats_of_chunks_combine_to_the_stats_of_the_whole():
+    """Sums add and extremes max over any split of the rows, exactly: the whole batch's means
+    come out of its chunks' stats (rows 0-1 and 2-3; row 3 has no valid token)."""
+    logp, old_logp, ref_logp, adv, mask = batch(n=4, length=5, seed=4)
+    mask[3] = False
+    kwargs = dict(ref_logp=ref_logp, level="sequence", clip_low=0.05, clip_high=0.05)
+    whole = policy_loss(logp, old_logp, adv, mask, **kwargs)
+    parts = [
+        policy_loss(logp[r], old_logp[r], adv[r], mask[r], **{**kwargs, "ref_logp": ref_logp[r]})
+        for r in (slice(0, 2), slice(2, 4))
+    ]
+    sums = sum(p.stats.sums() for p in parts)
+    extremes = torch.maximum(*(p.stats.extremes() for p in parts))
+    combined = LossStats.combine(sums, extremes)
+    tokens = float(mask.sum())
+    assert combined["clipped_low"] / tokens == pytest.approx(float(whole.clip_frac_low), abs=1e-12)
+    assert combined["clipped_high"] / tokens == pytest.approx(
+        float(whole.clip_frac_high), abs=1e-12
+    )
+    for key in ("ratio_mean", "ratio_min", "ratio_max", "approx_kl", "kl"):
+        assert combined[key] == pytest.approx(float(getattr(whole, key)), rel=1e-12), key
+    empty = LossStats.combine(parts[1].stats.sums() * 0, parts[1].stats.extremes() * 0 - math.inf)
+    assert all(math.isnan(empty[k]) for k in ("ratio_mean", "ratio_min", "approx_kl"))
+
+
+def test_loss_options_are_one_object_and_checked_once():
+    logp, old_logp, _, adv, mask = batch(seed=5)
+    options = LossOptions(level="sequence", clip_low=3e-4, clip_high=4e-4, agg="token_mean")
+    by_object = policy_loss(logp, old_logp, adv, mask, options=options)
+    by_keywords = policy_loss(logp, old_logp, adv, mask, level="sequence", clip_low=3e-4,
+                              clip_high=4e-4, agg="token_mean")  # fmt: skip
+    assert by_object.metrics() == by_keywords.metrics()
+    with pytest.raises(TypeError, match="not both"):
+        policy_loss(logp, old_logp, adv, mask, options=options, beta=0.1)
+    for bad, match in (
+        ({"level": "word"}, "unknown ratio level 'word'"),
+        ({"agg": "seq_mean_token_sum_norm"}, "needs norm_len > 0"),
+        ({"clip_low": 1.0}, "clip_low < 1"),
+        ({"dual_clip": 1.0}, "dual_clip must be > 1"),
+        ({"beta": -0.1}, "beta must be >= 0"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            LossOptions(**bad)
+
+
+def test_mixed_groups_are_those_with_a_pass_and_a_fail():
+    passed = torch.tensor([[1, 1, 1], [0, 0, 0], [1, 0, 0], [0, 0, 1]], dtype=torch.bool)
+    assert mixed_groups(passed).tolist() == [False, False, True, True]

@@ -74,3 +74,23 @@ def test_inconsistent_shapes_are_rejected():
         Rollout(**{**r.__dict__, "group_size": 5})
     with pytest.raises(ValueError):
         Rollout(**{**r.__dict__, "entropy": r.entropy[:, :2]})
+
+
+def test_loss_mask_defaults_to_mask_and_travels_with_the_rows():
+    r = _rollout()
+    assert r.loss_mask is r.mask and torch.equal(r.sampled_lengths, r.lengths)
+    loss_mask = r.mask.clone()
+    loss_mask[:, 1] = False  # as if position 1 were a tool's observation in every row
+    t = Rollout(**{**r.__dict__, "loss_mask": loss_mask})
+    assert torch.equal(t.sampled_lengths, r.lengths - r.mask[:, 1].long())
+    s = t.select_groups([2, 0])
+    assert torch.equal(s.loss_mask, loss_mask[t.group_rows([2, 0])])
+    both = Rollout.concat([t.select_groups([0]), r.select_groups([1])])
+    assert torch.equal(both.loss_mask[:3], loss_mask[:3]) and torch.equal(
+        both.loss_mask[3:], r.mask[3:6]
+    )
+    assert torch.equal(t.to("cpu").loss_mask, loss_mask) and t.regroup(1).loss_mask is loss_mask
+    (piece, _), *_ = t.chunks(3)
+    assert torch.equal(piece.loss_mask, loss_mask[:3])
+    with pytest.raises(ValueError, match="subset of mask"):
+        Rollout(**{**r.__dict__, "loss_mask": ~r.mask})

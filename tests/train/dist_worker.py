@@ -17,12 +17,12 @@ import torch
 
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.lora import apply_lora
-from grouprl.rollout import HFRolloutEngine, completion_logprobs, sample_groups
+from grouprl.rollout import HFRolloutEngine, sample_groups
 from grouprl.rollout.logprobs import plain_head
 from grouprl.tasks import get_task
 from grouprl.tasks.data import PromptStream
 from grouprl.train import checkpoint as ckpt
-from grouprl.train import distributed, loop
+from grouprl.train import collect, distributed, fsdp, loop
 from grouprl.train.build import build_rewards
 from grouprl.train.config import TrainConfig, resolve
 from grouprl.train.distributed import SINGLE, Dist
@@ -55,16 +55,16 @@ def train_three_steps(cfg, dist: Dist, policy, batch, lora: bool = False):
     plain_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     if dist.fsdp:
-        distributed.shard(model, logprobs=completion_logprobs, device=torch.device("cpu"))
+        fsdp.shard(model, device=torch.device("cpu"))
         params = [p for p in model.parameters() if p.requires_grad]
         # as in training: sampling leaves the root module unsharded before the update
         tokenizer = load_tokenizer("builtin:arith")
         sample_groups(model, tokenizer, ["1+1="], group_size=2, max_new_tokens=4, seed=0,
-                      all_done=dist.all_done)  # fmt: skip
+                      lockstep=dist.all_done)  # fmt: skip
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, eps=1e-4)
-    advantages = loop._advantages(cfg, batch, dist)
+    advantages = loop.batch_advantages(cfg, batch, dist)
     if dist.fsdp:  # as in training: the step-0 checkpoint gathers states before any update
-        distributed.gather_full_state(model, optimizer)
+        fsdp.gather_full_state(model, optimizer)
     grads, diagnostics = {}, None
     for step in range(3):
         out = update(cfg, model, optimizer, batch, advantages, None, dist=dist)
@@ -129,8 +129,8 @@ def prompts_and_completions(dist: Dist, policy, tokenizer, out: dict) -> None:
     task = get_task("arithmetic")
     cfg = config("grpo")
 
-    def sampler(d: Dist, rows) -> loop.Sampler:
-        return loop.Sampler(
+    def sampler(d: Dist, rows) -> collect.Sampler:
+        return collect.Sampler(
             engine=HFRolloutEngine(policy, tokenizer),
             tokenizer=tokenizer,
             stream=PromptStream(rows, cfg.seed),
@@ -143,20 +143,22 @@ def prompts_and_completions(dist: Dist, policy, tokenizer, out: dict) -> None:
         )
 
     spread, alone = sampler(dist, task.train), sampler(SINGLE, task.train)
-    same = []
+    same, position, single_position = [], 0, 0
     for step in range(2):
-        batch, stats, _ = loop.collect_batch(cfg, step, spread)
+        collected = collect.collect_batch(cfg, spread, step, position)
+        batch, stats, position = collected.kept, collected.metrics(), collected.position
         everyone = {p for part in dist.gather([r["prompt"] for r in batch.rows]) for p in part}
-        single, _ = loop.draw_prompts(alone, B)
+        single, _, single_position, _ = collect.draw_prompts(alone, single_position, B)
         mine = [single[i]["prompt"] for i in dist.my_groups(B, cfg.minibatches)]
         same.append(
             everyone == {r["prompt"] for r in single}
             and [r["prompt"] for r in batch.rows] == mine
             and stats["groups"] == B
+            and position == single_position
         )
     out["prompts_equal_single_process"] = same
     one_prompt = sampler(dist, [task.train[0]] * 64)
-    batch, _, _ = loop.collect_batch(cfg, 0, one_prompt)
+    batch = collect.collect_batch(cfg, one_prompt, 0, 0).kept
     texts = dist.gather(batch.rollout.texts)
     out["same_prompt_on_both_ranks"] = len({r["prompt"] for r in batch.rows}) == 1
     out["completions_differ"] = texts[0] != texts[1]
@@ -165,7 +167,8 @@ def prompts_and_completions(dist: Dist, policy, tokenizer, out: dict) -> None:
     dapo = config("dapo")
     kept = []
     for step in range(2):
-        batch, stats, _ = loop.collect_batch(dapo, step, sampler(dist, task.train))
+        collected = collect.collect_batch(dapo, sampler(dist, task.train), step, 0)
+        batch, stats = collected.kept, collected.metrics()
         groups = dist.gather(
             [(batch.rows[g]["prompt"], tuple(batch.rollout.texts[g * G : (g + 1) * G]),
               tuple(batch.passed[g * G : (g + 1) * G].tolist())) for g in range(len(batch.rows))]
@@ -191,14 +194,14 @@ def fsdp_checkpoint(dist: Dist, policy, run_dir: Path, out: dict) -> None:
     def fresh():
         model = copy.deepcopy(policy)
         plain_head(model)
-        distributed.shard(model, logprobs=completion_logprobs, device=torch.device("cpu"))
+        fsdp.shard(model, device=torch.device("cpu"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         return model, optimizer, scheduler
 
     model, optimizer, scheduler = fresh()
-    update(cfg, model, optimizer, batch, loop._advantages(cfg, batch, here), None, dist=here)
-    weights, opt_state = distributed.gather_full_state(model, optimizer)
+    update(cfg, model, optimizer, batch, loop.batch_advantages(cfg, batch, here), None, dist=here)
+    weights, opt_state = fsdp.gather_full_state(model, optimizer)
     if here.is_main:
         ckpt.save_checkpoint(run_dir, 1, model=model, optimizer=optimizer, scheduler=scheduler,
                              state={}, keep_last=1, full_state=(weights, opt_state))  # fmt: skip
@@ -211,7 +214,7 @@ def fsdp_checkpoint(dist: Dist, policy, run_dir: Path, out: dict) -> None:
         scheduler=scheduler2,
         sharded=True,
     )
-    weights2, opt_state2 = distributed.gather_full_state(again, optimizer2)
+    weights2, opt_state2 = fsdp.gather_full_state(again, optimizer2)
     if here.is_main:
         moments = [
             float((opt_state["state"][i][k] - opt_state2["state"][i][k]).abs().max())

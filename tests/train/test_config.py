@@ -230,7 +230,7 @@ def test_resume_changes_only_what_may_change(tmp_path, capsys):
     recorded = yaml.safe_load((run / "config.yaml").read_text())
     assert (recorded["steps"], recorded["lr"], recorded["eval_size"]) == (2, 1e-4, 3)
     from grouprl.train.config import TrainConfig as Config
-    from grouprl.train.loop import lr_factor
+    from grouprl.train.run import lr_factor
 
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["lr"] == pytest.approx(1e-4 * lr_factor(Config(steps=2), 1))  # the new lr ran
@@ -292,3 +292,54 @@ def test_the_same_model_path_written_another_way_is_no_change(tmp_path, monkeypa
     assert main(["train", "--model", str(model), "--output-dir", str(run), *TINY]) == 0
     relative = os.path.relpath(model, tmp_path)
     assert main(["train", "--resume", str(run), "--steps", "2", "--model", relative]) == 0
+
+
+def test_choice_names_are_the_core_registries_and_the_presets():
+    """The choices live once, in the torch-free config; each must name exactly what the math
+    registers (a new variant in core without a name here, or a stale name, fails)."""
+    from typing import get_args
+
+    from grouprl import core
+    from grouprl.train import config
+
+    for choices, registry in (
+        (config.RatioLevel, core.RATIO_LEVELS),
+        (config.LossAgg, core.AGGREGATIONS),
+        (config.AdvEstimator, core.ADVANTAGE_ESTIMATORS),
+        (config.AdvScale, core.ADVANTAGE_SCALES),
+        (config.KLEstimator, core.KL_ESTIMATORS),
+        (config.Algo, config.PRESETS),
+    ):
+        assert set(get_args(choices)) == set(registry), choices
+
+
+def test_resolve_returns_a_frozen_run_config_without_placeholders():
+    from grouprl.train.config import RunConfig
+
+    cfg = _resolve(algo="dapo")
+    assert type(cfg) is RunConfig
+    filled = [f.name for f in dataclasses.fields(RunConfig) if f.kw_only]
+    assert set(filled) >= {f.name for f in dataclasses.fields(PRESETS["dapo"])}
+    assert all(getattr(cfg, name) is not None for name in filled)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 1.0
+    assert type(dataclasses.replace(cfg, steps=3)) is RunConfig
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    with pytest.raises(ValueError, match="unresolved: clip_low"):
+        RunConfig(**{**values, "clip_low": None})
+
+
+@pytest.mark.parametrize(
+    ("fields", "world", "message"),
+    [
+        ({"prompts_per_step": 8}, 4, "divisible by the world size 4 times minibatches 4 (= 16)"),
+        ({"strategy": "fsdp", "lora_r": 4}, 2, "--strategy fsdp does not shard LoRA models"),
+        ({"dataset": "x.jsonl"}, 1, "--dataset needs --rewards"),
+        ({"eval_dataset": "x.jsonl"}, 1, "--eval-dataset applies to --dataset"),
+    ],
+)
+def test_validation_knows_the_world_size_and_the_data_rules(fields, world, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        resolve(TrainConfig(**fields), task_max_new_tokens=40, world_size=world)
+    if world > 1:  # the same settings are fine in one process
+        resolve(TrainConfig(**fields), task_max_new_tokens=40)

@@ -19,8 +19,8 @@ CASES = ["grpo-ddp", "grpo-fsdp", "gspo-ddp", "gspo-fsdp", "dapo-ddp", "dapo-fsd
          "grpo-ddp-lora", "gspo-ddp-lora", "dapo-fsdp-micro3"]  # fmt: skip
 
 
-def torchrun(*args, cwd, timeout=240):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def torchrun(*args, cwd, timeout=240, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", *map(str, args)]  # fmt: skip
     return subprocess.run(
@@ -119,3 +119,20 @@ def test_a_reward_that_raises_on_one_rank_ends_both(tmp_path):
     assert len(errors) == 1, done.stderr[-3000:]  # rank 0 alone prints the one line
     assert "rank one cannot score this" in errors[0] and "on rank 1" in errors[0]
     assert (tmp_path / "run/checkpoints/step_000000/manifest.json").is_file()
+
+
+@pytest.mark.parametrize("spec", ["checkpoint:2:ENOSPC", "log:1:EACCES"])
+def test_a_write_that_fails_on_rank_0_ends_every_rank_with_one_line(tmp_path, spec):
+    """A full disk while rank 0 writes a checkpoint, or a permission error on its log: every
+    rank leaves at the same point (no rank waits in a collective until torchrun's timeout), rank
+    0 prints the one line, and the last complete checkpoint is intact."""
+    start = time.monotonic()
+    env = {"GROUPRL_FAULT": spec}  # only rank 0 writes, so only rank 0 reaches these points
+    done = torchrun(*TRAIN, "--steps", "3", "--save-every", "1", "--output-dir", "run",
+                    cwd=tmp_path, timeout=120, env=env)  # fmt: skip
+    assert time.monotonic() - start < 100
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if "grouprl train: error:" in line]
+    assert len(errors) == 1 and "cannot write" in errors[0], done.stderr[-3000:]
+    kept = tmp_path / "run/checkpoints" / ("step_000000" if "checkpoint" in spec else "step_000001")
+    assert (kept / "manifest.json").is_file()

@@ -8,6 +8,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -15,6 +16,7 @@ from grouprl.cli import main
 from grouprl.report.runs import finished_at
 from grouprl.train import checkpoint as ckpt
 from grouprl.train import loop
+from grouprl.train import run as run_module
 
 TINY = ["--prompts-per-step", "4", "--group-size", "2", "--eval-size", "2", "--eval-samples",
         "1", "--threads", "1", "--no-progress", "--save-every", "100"]  # fmt: skip
@@ -144,7 +146,7 @@ def test_an_unwritable_output_directory_is_found_first(tmp_path, capsys, monkeyp
         os, "access", lambda path, mode: False if Path(path) == locked else real_access(path, mode)
     )
     loaded = []
-    monkeypatch.setattr(loop, "load_policy", lambda *a: loaded.append(1))
+    monkeypatch.setattr(run_module, "load_policy", lambda *a: loaded.append(1))
     assert main(["train", "--output-dir", str(locked / "run"), "--steps", "1"]) == 2
     assert "is not writable (permissions or a read-only file system)" in capsys.readouterr().err
     assert not loaded and not (locked / "run").exists()
@@ -179,3 +181,62 @@ def test_a_half_written_log_line_does_not_block_a_resume(tmp_path, capsys):
     assert main(["train", "--resume", str(run), "--steps", "2"]) == 0
     assert "samples.jsonl: dropped a half-written line" in " ".join(capsys.readouterr().err.split())
     assert all(isinstance(r, dict) for r in rows(run / "samples.jsonl"))
+
+
+@pytest.fixture
+def fault_at(monkeypatch):
+    """`fault_at("checkpoint:2:ENOSPC")`: arm grouprl.faults in this process (it reads
+    GROUPRL_FAULT once; the plan and its counts are reset here and after the test)."""
+    from grouprl import faults
+
+    def arm(spec):
+        monkeypatch.setenv("GROUPRL_FAULT", spec)
+        monkeypatch.setattr(faults, "_plan", False)
+        monkeypatch.setattr(faults, "_hits", {})
+
+    return arm
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [("checkpoint:2:ENOSPC", "No space left on device"), ("log:2:EACCES", "Permission denied")],
+)
+def test_a_write_that_fails_ends_the_run_in_one_line_and_keeps_the_last_checkpoint(
+    tmp_path, capsys, fault_at, spec, reason
+):
+    """A full disk while a checkpoint is written (the second: step 1's) or a permission error
+    on a log line (step 2's) ends the run with one line that says what and what to do; the last
+    complete checkpoint is intact and resumes to the same end as a run that never failed."""
+    straight = tmp_path / "straight"
+    assert main(["train", "--steps", "3", "--output-dir", str(straight), *TINY[:-2],
+                 "--save-every", "1"]) == 0  # fmt: skip
+    capsys.readouterr()
+    fault_at(spec)
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "3", "--output-dir", str(run), *TINY[:-2],
+                 "--save-every", "1"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert reason in err[-1] and "free disk space or fix the permissions" in err[-1], err
+    assert "Traceback" not in "\n".join(err)
+    latest = ckpt.latest_checkpoint(run)
+    assert ckpt.damage(latest) is None
+    assert latest.name == ("step_000000" if spec.startswith("checkpoint") else "step_000002")
+    fault_at("")
+    assert main(["train", "--resume", str(run)]) == 0
+    a = load_file(str(straight / "final" / "model.safetensors"))
+    b = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_run_state_reads_the_checkpoints_earlier_versions_wrote():
+    """state.json as grouprl wrote it before `RunState` (the same keys), and an older one
+    without the non-finite streak: both give the state a resume continues from."""
+    from grouprl.train.run import RunState
+
+    written = {"data_position": 8, "initial_eval": {"pass_at_1": 0.25}, "nonfinite_in_a_row": 1,
+               "world_size": 1, "step": 2, "scheduler": {}, "optimizer": {},
+               "python_random": [3, [], None]}  # fmt: skip
+    assert RunState.from_json(written) == RunState(2, 8, 1, {"pass_at_1": 0.25})
+    older = {k: v for k, v in written.items() if k != "nonfinite_in_a_row"}
+    assert RunState.from_json(older) == RunState(2, 8, 0, {"pass_at_1": 0.25})
+    assert RunState.from_json({**written, **RunState(2, 8, 1).to_json()}).initial_eval is None

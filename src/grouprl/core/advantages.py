@@ -81,6 +81,17 @@ def zero_variance_groups(rewards: Tensor) -> Tensor:
     return high <= low  # one valid reward: high == low; none: -inf <= inf
 
 
+def mixed_groups(passed: Tensor) -> Tensor:
+    """(B,) True where a group's completions (B, G) neither all pass nor all fail.
+
+    DAPO's dynamic sampling (arXiv 2503.14476, §3.2) keeps only these groups: 0 < accuracy < 1.
+    It judges by pass/fail (`passed`, bool), not by the shaped reward, so a group that differs
+    only in a length penalty or a format bonus is not kept for it.
+    """
+    passed = passed.bool()
+    return passed.any(-1) & ~passed.all(-1)
+
+
 def group_advantages(
     rewards: Tensor,  # (B, G)
     *,

@@ -22,6 +22,7 @@ arithmetic, so NaN, ±inf or 1e9 there reach neither values nor gradients (maski
 would not do: NaN · 0 = NaN). A row without a valid token contributes nothing.
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -215,26 +216,143 @@ def clipped_objective(
 
 
 @dataclass(frozen=True)
-class PolicyLoss:
-    """The loss to minimise and its diagnostics.
+class LossOptions:
+    """The settings of ``policy_loss`` as one frozen object, for callers that keep them (a
+    trainer builds it once from its config). Field names are ``policy_loss``'s keywords; unknown
+    names and impossible values fail here, at construction."""
 
-    Diagnostics are detached 0-dim tensors on the loss's device (no host sync per value; they can
-    be all-reduced across ranks); ``metrics()`` turns them into floats with one sync. Shares are
-    over valid tokens; with no valid token at all every diagnostic is 0.
+    level: str = "token"  # RATIO_LEVELS
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    beta: float = 0.0
+    kl_estimator: str = "k3"  # KL_ESTIMATORS
+    agg: str = "seq_mean_token_mean"  # AGGREGATIONS
+    norm_len: int | None = None  # the constant of seq_mean_token_sum_norm
+
+    def __post_init__(self) -> None:
+        choose(RATIO_LEVELS, self.level, "ratio level")
+        choose(KL_ESTIMATORS, self.kl_estimator, "KL estimator")
+        choose(AGGREGATIONS, self.agg, "loss aggregation")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(
+                f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 (verl's default is 3), got {self.dual_clip}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.agg == "seq_mean_token_sum_norm" and (self.norm_len is None or self.norm_len <= 0):
+            raise ValueError(
+                "aggregation 'seq_mean_token_sum_norm' needs norm_len > 0 (e.g. max_new_tokens)"
+            )
+
+
+@dataclass(frozen=True)
+class LossStats:
+    """What a loss computation saw, as sums over its valid tokens and the ratio's extremes.
+
+    Sums add and extremes take the max, so the stats of micro-batch chunks and of data-parallel
+    ranks combine exactly (`combine`), and a trainer divides once, after combining: a share is
+    never averaged twice. Every field is in exactly one of ``SUMS`` and ``EXTREMES``, so a new
+    statistic has to say how it combines. Detached 0-dim tensors on the loss's device.
+    """
+
+    tokens: Tensor  # valid tokens
+    clipped_low: Tensor  # valid tokens with Â < 0 and r < 1 − clip_low
+    clipped_high: Tensor  # valid tokens with Â > 0 and r > 1 + clip_high
+    ratio_sum: Tensor  # Σ r over valid tokens (r at the chosen level)
+    approx_kl_sum: Tensor  # Σ k3 estimate of KL[π_old‖π_θ] (token level)
+    kl_sum: Tensor  # Σ KL estimate against the reference (0 without one)
+    ratio_max: Tensor  # −inf without a valid token
+    neg_ratio_min: Tensor  # −min r (a max, like ratio_max); −inf without a valid token
+
+    SUMS = ("tokens", "clipped_low", "clipped_high", "ratio_sum", "approx_kl_sum", "kl_sum")
+    EXTREMES = ("ratio_max", "neg_ratio_min")
+
+    def sums(self) -> Tensor:
+        """(len(SUMS),) float64: the fields that combine by addition."""
+        return torch.stack([getattr(self, n) for n in self.SUMS]).double()
+
+    def extremes(self) -> Tensor:
+        """(len(EXTREMES),) float64: the fields that combine by max."""
+        return torch.stack([getattr(self, n) for n in self.EXTREMES]).double()
+
+    @staticmethod
+    def combine(sums: Tensor, extremes: Tensor) -> dict[str, float]:
+        """Means and extremes over every token of combined `sums()` and `extremes()` (added and
+        maxed over chunks and ranks): ``ratio_mean``, ``ratio_min``, ``ratio_max``,
+        ``approx_kl``, ``kl`` per valid token (NaN without one) and the clipped counts as they
+        are (their denominator is the caller's: it may include tokens that were not computed)."""
+        s = dict(zip(LossStats.SUMS, sums.tolist()))
+        e = dict(zip(LossStats.EXTREMES, extremes.tolist()))
+        tokens = s["tokens"]
+        per_token = (lambda v: v / tokens) if tokens > 0 else (lambda v: math.nan)
+        return {
+            "clipped_low": s["clipped_low"],
+            "clipped_high": s["clipped_high"],
+            "ratio_mean": per_token(s["ratio_sum"]),
+            "ratio_min": -e["neg_ratio_min"] if tokens > 0 else math.nan,
+            "ratio_max": e["ratio_max"] if tokens > 0 else math.nan,
+            "approx_kl": per_token(s["approx_kl_sum"]),
+            "kl": per_token(s["kl_sum"]),
+        }
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The loss to minimise, and what it saw (`stats`: sums and extremes, see `LossStats`).
+
+    The properties are the usual diagnostics of one computation: shares and means over its valid
+    tokens, each a detached 0-dim tensor (0 when there is no valid token at all); ``metrics()``
+    turns them into floats with one host sync.
     """
 
     loss: Tensor  # () differentiable
-    clip_frac_low: Tensor  # share of valid tokens with Â < 0 and r < 1 − clip_low
-    clip_frac_high: Tensor  # share of valid tokens with Â > 0 and r > 1 + clip_high
-    ratio_mean: Tensor  # of the ratio at the chosen level, over valid tokens
-    ratio_min: Tensor
-    ratio_max: Tensor
-    approx_kl: Tensor  # mean k3 estimate of KL[π_old‖π_θ] over valid tokens (token level)
-    kl: Tensor | None = None  # mean KL estimate against the reference, when ref_logp was given
+    stats: LossStats
+    has_kl: bool = False  # a reference was given, so `kl` means something
+
+    def _mean(self, total: Tensor) -> Tensor:
+        return total / self.stats.tokens.clamp(min=1)
+
+    @property
+    def clip_frac_low(self) -> Tensor:
+        """Share of valid tokens with Â < 0 and r < 1 − clip_low."""
+        return self._mean(self.stats.clipped_low)
+
+    @property
+    def clip_frac_high(self) -> Tensor:
+        """Share of valid tokens with Â > 0 and r > 1 + clip_high."""
+        return self._mean(self.stats.clipped_high)
+
+    @property
+    def ratio_mean(self) -> Tensor:
+        return self._mean(self.stats.ratio_sum)
+
+    @property
+    def ratio_min(self) -> Tensor:
+        return torch.where(self.stats.tokens > 0, -self.stats.neg_ratio_min, 0.0)
+
+    @property
+    def ratio_max(self) -> Tensor:
+        return torch.where(self.stats.tokens > 0, self.stats.ratio_max, 0.0)
+
+    @property
+    def approx_kl(self) -> Tensor:
+        """Mean k3 estimate of KL[π_old‖π_θ] over valid tokens (token level)."""
+        return self._mean(self.stats.approx_kl_sum)
+
+    @property
+    def kl(self) -> Tensor | None:
+        """Mean KL estimate against the reference, when ref_logp was given."""
+        return self._mean(self.stats.kl_sum) if self.has_kl else None
+
+    METRICS = ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max",
+               "approx_kl", "kl")  # fmt: skip
 
     def metrics(self) -> dict[str, float]:
         """The loss value and every diagnostic as Python floats (one host sync), for logging."""
-        names = [n for n in self.__dataclass_fields__ if getattr(self, n) is not None]
+        names = [n for n in self.METRICS if getattr(self, n) is not None]
         values = torch.stack([getattr(self, n).detach().float() for n in names]).tolist()
         return dict(zip(names, values))
 
@@ -243,19 +361,13 @@ def policy_loss(
     logp: Tensor,  # (N, T) current policy, differentiable
     old_logp: Tensor,  # (N, T) sampling policy
     advantages: Tensor,  # (N,)
-    mask: Tensor,  # (N, T)
+    mask: Tensor,  # (N, T) the tokens the loss trains
     *,
-    level: str = "token",
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
+    options: LossOptions | None = None,
     ref_logp: Tensor | None = None,  # (N, T)
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    agg: str = "seq_mean_token_mean",
-    norm_len: int | None = None,
     num_tokens: int | Tensor | None = None,
     num_seqs: int | Tensor | None = None,
+    **settings,
 ) -> PolicyLoss:
     """GRPO / GSPO loss −J(θ) (arXiv 2402.03300 eq. 3; arXiv 2507.18071), per token
 
@@ -263,61 +375,67 @@ def policy_loss(
 
     with r_it = exp(log_ratio(level)) (log-ratio clamped to ±MAX_LOG_RATIO before exp, as verl
     does), the dual clip of ``clipped_objective`` when set, KL_it = kl_penalty(logp, ref_logp)
-    added when ``beta > 0``; then ``aggregate(l, mask, mode=agg, ...)``. Defaults: GRPO's token
-    ratio and seq_mean_token_mean; GSPO is level="sequence" (or "sequence_token") with its clip
-    range, e.g. 3e-4 / 4e-4. Gradients flow to ``logp`` only: old_logp, ref_logp and advantages
-    are constants. Padded positions never influence loss, gradient or diagnostics.
+    added when ``beta > 0``; then ``aggregate(l, mask, mode=agg, ...)``.
+
+    The settings (level, clip range, dual clip, beta, KL estimator, aggregation, norm_len) are a
+    `LossOptions`, given as ``options`` or as its fields by keyword (``level="sequence"``).
+    Defaults: GRPO's token ratio and seq_mean_token_mean; GSPO is level="sequence" (or
+    "sequence_token") with its clip range, e.g. 3e-4 / 4e-4. Gradients flow to ``logp`` only:
+    old_logp, ref_logp and advantages are constants. Padded positions never influence loss,
+    gradient or diagnostics.
     """
-    choose(KL_ESTIMATORS, kl_estimator, "KL estimator")
-    choose(AGGREGATIONS, agg, "loss aggregation")
+    if options is not None and settings:
+        raise TypeError("give the loss settings as options= or as keywords, not both")
+    opts = options if options is not None else LossOptions(**settings)
     _check_same_shape(logp=logp, old_logp=old_logp, mask=mask, ref_logp=ref_logp)
     if advantages.shape != logp.shape[:1]:
         raise ValueError(
             f"advantages must have shape (N,) = {tuple(logp.shape[:1])}, got {tuple(advantages.shape)}"
         )
-    if beta < 0 or (beta > 0 and ref_logp is None):
-        raise ValueError(f"beta must be >= 0 and beta > 0 needs ref_logp; got beta={beta}")
+    if opts.beta > 0 and ref_logp is None:
+        raise ValueError(f"beta > 0 needs ref_logp; got beta={opts.beta}")
     mask = mask.bool()  # (N, T)
     old_logp = torch.where(mask, old_logp.detach(), 0.0)  # (N, T)
     adv = torch.where(mask, advantages.detach()[:, None], 0.0)  # (N, T)
-    ratio = log_ratio(logp, old_logp, mask, level=level).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    ratio = log_ratio(logp, old_logp, mask, level=opts.level)
+    ratio = ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # (N, T)
     objective = clipped_objective(
-        ratio, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+        ratio, adv, clip_low=opts.clip_low, clip_high=opts.clip_high, dual_clip=opts.dual_clip
     )
     per_token = -objective  # (N, T)
     if ref_logp is not None:
         ref_logp = torch.where(mask, ref_logp.detach(), 0.0)  # (N, T)
-        kl_tok = kl_penalty(torch.where(mask, logp, 0.0), ref_logp, estimator=kl_estimator)
-        if beta > 0:
-            per_token = per_token + beta * kl_tok
+        kl_tok = kl_penalty(torch.where(mask, logp, 0.0), ref_logp, estimator=opts.kl_estimator)
+        if opts.beta > 0:
+            per_token = per_token + opts.beta * kl_tok
     loss = aggregate(
-        per_token, mask, mode=agg, norm_len=norm_len, num_tokens=num_tokens, num_seqs=num_seqs
-    )
+        per_token, mask, mode=opts.agg, norm_len=opts.norm_len, num_tokens=num_tokens,
+        num_seqs=num_seqs,
+    )  # fmt: skip
 
     with torch.no_grad():
-        count = mask.sum()  # ()
-        any_valid = count > 0
 
-        def mean(x: Tensor) -> Tensor:  # over valid tokens, 0 when there is none
-            return torch.where(mask, x, 0.0).sum() / count.clamp(min=1)
+        def total(x: Tensor) -> Tensor:  # over valid tokens
+            return torch.where(mask, x, 0.0).sum()
 
-        def extreme(x: Tensor, fill: float, reduce: Callable[[Tensor], Tensor]) -> Tensor:
-            # the extra `fill` keeps an empty (N·T = 0) batch reducible
-            filled = torch.cat([torch.where(mask, x, fill).flatten(), x.new_full((1,), fill)])
-            return torch.where(any_valid, reduce(filled), 0.0)
+        def highest(x: Tensor) -> Tensor:  # −inf without a valid token (the extra −inf keeps
+            # an empty N·T = 0 batch reducible)
+            filled = torch.where(mask, x, -torch.inf).flatten()
+            return torch.cat([filled, x.new_full((1,), -torch.inf)]).amax()
 
         ratio = ratio.detach()
         new_logp = torch.where(mask, logp.detach(), 0.0)  # (N, T)
-        return PolicyLoss(
-            loss=loss,
-            clip_frac_low=mean(((adv < 0) & (ratio < 1 - clip_low)).to(ratio.dtype)),
-            clip_frac_high=mean(((adv > 0) & (ratio > 1 + clip_high)).to(ratio.dtype)),
-            ratio_mean=mean(ratio),
-            ratio_min=extreme(ratio, torch.inf, torch.amin),
-            ratio_max=extreme(ratio, -torch.inf, torch.amax),
-            approx_kl=mean(kl_penalty(old_logp, new_logp, estimator="k3")),
-            kl=None if ref_logp is None else mean(kl_tok.detach()),
+        stats = LossStats(
+            tokens=mask.sum().to(ratio.dtype),
+            clipped_low=total(((adv < 0) & (ratio < 1 - opts.clip_low)).to(ratio.dtype)),
+            clipped_high=total(((adv > 0) & (ratio > 1 + opts.clip_high)).to(ratio.dtype)),
+            ratio_sum=total(ratio),
+            approx_kl_sum=total(kl_penalty(old_logp, new_logp, estimator="k3")),
+            kl_sum=ratio.new_zeros(()) if ref_logp is None else total(kl_tok.detach()),
+            ratio_max=highest(ratio),
+            neg_ratio_min=highest(-ratio),
         )
+    return PolicyLoss(loss=loss, stats=stats, has_kl=ref_logp is not None)
 
 
 def _check_same_shape(**tensors: Tensor | None) -> None:

@@ -27,7 +27,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from grouprl.errors import UserError
+from grouprl.errors import UserError, one_line
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -94,11 +94,6 @@ def adapter_base(path: Path) -> str:
     return str(base)
 
 
-def _one_line(err: Exception) -> str:
-    first = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {first[0] if first else ''}"
-
-
 def _not_found(spec: str, what: str) -> UserError:
     return UserError(
         f"{what} {spec!r} is neither a local directory nor a hub id found online or in the "
@@ -120,16 +115,16 @@ def _from_pretrained(loader, source: Path | str, what: str, **kwargs):
     except OSError as err:
         if not local:  # the hub library's "not found / cannot connect" errors are OSErrors
             raise _not_found(str(source), what) from None
-        raise UserError(f"cannot load a {what} from {source}: {_one_line(err)}") from None
+        raise UserError(f"cannot load a {what} from {source}: {one_line(err)}") from None
     except ValueError as err:
         if "trust_remote_code" in str(err):
             raise UserError(
                 f"{source} needs code from its repository to load; pass --trust-remote-code "
                 "if you trust it"
             ) from None
-        raise UserError(f"cannot load a {what} from {source}: {_one_line(err)}") from None
+        raise UserError(f"cannot load a {what} from {source}: {one_line(err)}") from None
     except Exception as err:  # a broken user directory fails in many library-specific ways
-        raise UserError(f"cannot load a {what} from {source}: {_one_line(err)}") from None
+        raise UserError(f"cannot load a {what} from {source}: {one_line(err)}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
 

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from grouprl.faults import fault
+
 
 def _clean(value: Any) -> Any:
     """JSON has no NaN or infinity; write them as null rather than invalid JSON."""
@@ -79,6 +81,7 @@ class MetricSinks:
             )
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        fault("log")
         self.metrics.write({"step": step, **metrics})
         self._scalars("train", step, metrics)
 

@@ -7,6 +7,7 @@
 - `RolloutEngine`: the interface the trainer samples through; `HFRolloutEngine` implements it.
 """
 
+from grouprl.rollout._hf import model_device
 from grouprl.rollout.engine import HFRolloutEngine
 from grouprl.rollout.logprobs import completion_logprobs
 from grouprl.rollout.sampling import encode_prompts, sample_groups, stop_token_ids
@@ -18,6 +19,7 @@ __all__ = [
     "RolloutEngine",
     "completion_logprobs",
     "encode_prompts",
+    "model_device",
     "sample_groups",
     "stop_token_ids",
 ]

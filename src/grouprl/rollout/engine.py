@@ -15,12 +15,22 @@ class HFRolloutEngine:
     """Samples with the training model itself (no weight sync: the engine holds a reference).
 
     `chat_template=True` renders string prompts as one user turn with the tokenizer's template.
+    `lockstep`: decode in step with other processes whose forwards are collectives (see
+    `sample_groups`; the trainer's FSDP runs set it, nothing else does).
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Any, *, chat_template: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        chat_template: bool = False,
+        lockstep: Callable[[bool], bool] | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.lockstep = lockstep
 
     def sample(
         self,
@@ -33,7 +43,6 @@ class HFRolloutEngine:
         top_k: int = 0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
-        all_done: Callable[[bool], bool] | None = None,
     ) -> Rollout:
         return sample_groups(
             self.model,
@@ -47,5 +56,5 @@ class HFRolloutEngine:
             stop=stop,
             seed=seed,
             chat_template=self.chat_template,
-            all_done=all_done,
+            lockstep=self.lockstep,
         )

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from grouprl.rollout import _hf
+from grouprl.rollout.sampling import check_temperature
 
 # Elements of (tokens × vocab) logits materialised at once: 2^25 fp32 = 128 MiB.
 _LOGIT_CHUNK_ELEMENTS = 1 << 25
@@ -56,7 +57,8 @@ def completion_logprobs(
     share_prompt: run each prompt once for its group (False: the N full sequences, as under
         gradient checkpointing; the same values in exact arithmetic, other float rounding).
 
-    Returns logp (N, T), or (logp, entropy); both float32 and 0 where `mask` is False.
+    Returns logp (N, T), or (logp, entropy); both float32 (float64 for a float64 model) and 0
+    where `mask` is False.
     Differentiable w.r.t. the model's parameters; wrap in `torch.no_grad()` for old/reference
     log-probs. Positions and masks are built exactly as in `sample_groups`, so on the sampled
     tokens this equals `Rollout.old_logp` to float rounding.
@@ -68,13 +70,13 @@ def completion_logprobs(
     `model.forward`, so a DistributedDataParallel wrapper's forward hooks do not run; pass the
     wrapped module and synchronise gradients yourself (or use FSDP2's per-module hooks).
     """
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_temperature(temperature)
     device = _hf.model_device(model)
     group_size = int(batch.group_size)
     mask = batch.mask.to(device)  # (N, T)
     n, width = mask.shape
-    logp = torch.zeros((n, width), dtype=torch.float32, device=device)
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+    logp = torch.zeros((n, width), dtype=dtype, device=device)
     entropy = torch.zeros_like(logp)
     used = int(mask.sum(-1).max()) if n else 0  # T' ≤ T: trailing all-pad columns skipped
     if used == 0:
@@ -121,8 +123,9 @@ def completion_logprobs(
 def _token_logp(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits (M, V), targets (M,) → log-prob (M,) float32 and entropy (M,) or None."""
-    scores = logits.float()
+    """logits (M, V), targets (M,) → log-prob (M,) float32 (float64 logits stay float64) and
+    entropy (M,) or None."""
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         scores = scores / temperature
     logp_all = F.log_softmax(scores, dim=-1)  # (M, V)

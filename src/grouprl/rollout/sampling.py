@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grouprl.errors import UserError
+from grouprl.messages import is_conversational
 from grouprl.rollout import _hf
 from grouprl.rollout.types import Rollout
 
@@ -54,7 +55,7 @@ def encode_prompts(
     ids: list[list[int]] = []
     texts: list[str] = []
     for i, prompt in enumerate(prompts):
-        if (isinstance(prompt, str) and chat_template) or _is_messages(prompt):
+        if (isinstance(prompt, str) and chat_template) or is_conversational(prompt):
             if not getattr(tokenizer, "chat_template", None):
                 raise UserError(
                     "the prompts are chat messages but the tokenizer has no chat template; use a "
@@ -82,10 +83,6 @@ def encode_prompts(
             raise UserError(f"prompt {i} is empty after tokenization; give it at least one token")
         ids.append(list(row))
     return ids, texts
-
-
-def _is_messages(prompt: Any) -> bool:
-    return isinstance(prompt, Sequence) and len(prompt) > 0 and isinstance(prompt[0], dict)
 
 
 def left_pad(
@@ -247,6 +244,17 @@ class _StopStrings:
 # Sampling
 
 
+def check_temperature(temperature: float, *, greedy: bool = False) -> None:
+    """The sampling temperature's rule, for the sampler (where 0 decodes greedily) and for
+    log-probs (which are taken at it, so it must be > 0)."""
+    low_ok = temperature >= 0.0 if greedy else temperature > 0.0
+    if not (low_ok and math.isfinite(temperature)):
+        rule = ">= 0 (0 decodes greedily)" if greedy else "> 0"
+        raise UserError(
+            f"temperature must be {rule}: log-probs are taken at it; got {temperature!r}"
+        )
+
+
 def _validate(
     group_size: int, max_new_tokens: int, temperature: float, top_p: float, top_k: int, stop: Any
 ) -> None:
@@ -254,8 +262,7 @@ def _validate(
         raise UserError(f"group_size must be an integer >= 1, got {group_size!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not (temperature >= 0.0 and math.isfinite(temperature)):
-        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    check_temperature(temperature, greedy=True)
     if not 0.0 < top_p <= 1.0:
         raise UserError(f"top_p must be in (0, 1], got {top_p!r}")
     if not isinstance(top_k, int) or top_k < 0:
@@ -298,7 +305,7 @@ def sample_groups(
     stop: Sequence[str] | None = None,
     seed: int | None = None,
     chat_template: bool = False,
-    all_done: Callable[[bool], bool] | None = None,
+    lockstep: Callable[[bool], bool] | None = None,
 ) -> Rollout:
     """Sample `group_size` completions for each prompt; returns a group-contiguous `Rollout`.
 
@@ -328,10 +335,12 @@ def sample_groups(
     string, and `texts` is cut right after the stop string (characters the same token added
     after it are dropped from the text only). Texts skip special tokens, so EOS never appears.
 
-    `all_done(done) -> bool`, when given, is asked at every check whether every participant is
-    done (a data-parallel job whose forward passes are collectives, FSDP): this process keeps
-    stepping, feeding its finished rows pad tokens, until all are. Every participant then runs
-    the same number of forward passes.
+    `lockstep(done) -> bool`, when given, is asked at every check whether every participant is
+    done (processes whose forward passes are collectives, as under FSDP): this process keeps
+    stepping, feeding its finished rows pad tokens, until all are, so every participant runs the
+    same number of forward passes. It also samples under `no_grad` rather than
+    `inference_mode`: FSDP all-gathers parameters into buffers it reuses outside this call, which
+    must not become inference tensors.
 
     Same model, prompts, settings and `seed` give the same completions (on the same device and
     library versions). With `seed=None` the global torch RNG is used.
@@ -351,9 +360,7 @@ def sample_groups(
         generator = torch.Generator(device=device)
         generator.manual_seed(int(seed))
 
-    # FSDP (all_done given) all-gathers parameters into buffers it reuses outside this block:
-    # they must not become inference tensors, so there plain no_grad
-    with torch.inference_mode() if all_done is None else torch.no_grad():
+    with torch.inference_mode() if lockstep is None else torch.no_grad():
         tokens, logp, entropy, lengths, ended = _decode(
             model,
             prompt_ids,
@@ -368,7 +375,7 @@ def sample_groups(
             pad_id=pad_id,
             stopper=_StopStrings(tokenizer, stop) if stop else None,
             generator=generator,
-            all_done=all_done,
+            lockstep=lockstep,
         )
     width = int(lengths.max())  # T
     tokens, logp, entropy = tokens[:, :width], logp[:, :width], entropy[:, :width]  # (N, T)
@@ -407,7 +414,7 @@ def _decode(
     pad_id: int,
     stopper: _StopStrings | None,
     generator: torch.Generator | None,
-    all_done: Callable[[bool], bool] | None = None,
+    lockstep: Callable[[bool], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode loop. Returns tokens, old_logp and entropy (N, max_new), lengths and ended (N,)."""
     device = prompt_ids.device
@@ -482,7 +489,7 @@ def _decode(
                 break
             if (t + 1) % check_every == 0:
                 running = int((~done).sum())
-                if (running == 0) if all_done is None else all_done(running == 0):
+                if (running == 0) if lockstep is None else lockstep(running == 0):
                     break
                 if running > 0 and 2 * running <= done.numel():  # compaction: drop finished rows
                     keep = (~done).nonzero().squeeze(1)  # (running,)

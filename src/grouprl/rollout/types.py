@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -22,7 +22,13 @@ class Rollout:
         prompt_mask: (B, P) bool, True on real prompt tokens.
         completion_ids: (N, T) long, right-padded with the pad id (T = longest completion).
         mask: (N, T) bool, True on completion tokens up to and including the first EOS (or the
-            token that completed a stop string), False on padding and everything after.
+            token that completed a stop string), False on padding and everything after: the
+            tokens the model attends to.
+        loss_mask: (N, T) bool, a subset of `mask`: the tokens the policy sampled, which the
+            loss trains. Equal to `mask` for a single-turn rollout; tokens fed to the model
+            that it did not sample (a tool's observation) are in `mask` but not here. Every
+            "trained tokens" consumer reads it: loss aggregation, GSPO's length normalisation,
+            KL, entropy, sampled lengths, the overlong penalty. None at construction: `mask`.
         old_logp: (N, T) float32, log-prob of each sampled token under softmax(logits /
             temperature), i.e. the tempered distribution *before* top-k / top-p truncation; 0 at
             masked positions. This is what `completion_logprobs(model, rollout,
@@ -55,8 +61,11 @@ class Rollout:
     temperature: float
     pad_id: int = 0
     entropy: torch.Tensor | None = None  # (N, T)
+    loss_mask: torch.Tensor | None = None  # (N, T), ⊆ mask; None: mask
 
     def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.mask
         b, g = self.prompt_ids.shape[0], self.group_size
         n = self.completion_ids.shape[0]
         if g < 1 or n != b * g:
@@ -65,6 +74,10 @@ class Rollout:
             raise ValueError("completion_ids, mask and old_logp must all be (N, T)")
         if self.entropy is not None and self.entropy.shape != self.mask.shape:
             raise ValueError("entropy must be (N, T) like mask")
+        if self.loss_mask.shape != self.mask.shape:
+            raise ValueError("loss_mask must be (N, T) like mask")
+        if self.loss_mask is not self.mask and bool((self.loss_mask & ~self.mask).any()):
+            raise ValueError("loss_mask must be a subset of mask: a trained token is attended")
         if len(self.texts) != n or len(self.prompts) != b:
             raise ValueError(
                 f"need {n} texts and {b} prompts, got {len(self.texts)}, {len(self.prompts)}"
@@ -83,8 +96,13 @@ class Rollout:
 
     @property
     def lengths(self) -> torch.Tensor:
-        """(N,) long: completion tokens under the mask (EOS included)."""
+        """(N,) long: completion tokens under the mask (EOS included): how wide each row is."""
         return self.mask.sum(-1)
+
+    @property
+    def sampled_lengths(self) -> torch.Tensor:
+        """(N,) long: tokens under the loss mask, the ones the policy sampled (EOS included)."""
+        return self.loss_mask.sum(-1)
 
     def group_rows(self, idx: Sequence[int]) -> torch.Tensor:
         """(b·G,) long: the completion rows of prompts `idx`, group by group in that order."""
@@ -115,14 +133,24 @@ class Rollout:
             temperature=self.temperature,
             pad_id=self.pad_id,
             entropy=None if self.entropy is None else self.entropy[ri],
+            loss_mask=self._loss_mask_or_none(ri),
         )
+
+    def _loss_mask_or_none(self, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The loss mask where it differs from `mask` (selected by `rows`); None where it is
+        `mask` itself, so that a derived rollout keeps it tied to its own mask."""
+        if self.loss_mask is self.mask:
+            return None
+        return self.loss_mask if rows is None else self.loss_mask[rows]
 
     def to(self, device: torch.device | str) -> Rollout:
         """The same rollout with its tensors on `device`."""
         tensors = ("prompt_ids", "prompt_mask", "completion_ids", "mask", "old_logp", "truncated")
         moved = {name: getattr(self, name).to(device) for name in tensors}
         entropy = None if self.entropy is None else self.entropy.to(device)
-        return dataclasses.replace(self, **moved, entropy=entropy)
+        loss_mask = self._loss_mask_or_none()
+        loss_mask = None if loss_mask is None else loss_mask.to(device)
+        return dataclasses.replace(self, **moved, entropy=entropy, loss_mask=loss_mask)
 
     def completion_id_lists(self) -> list[list[int]]:
         """Each completion's token ids under the mask (EOS included), as TRL passes
@@ -210,6 +238,11 @@ class Rollout:
                 if all(p.entropy is not None for p in parts)
                 else None
             ),
+            loss_mask=(
+                None
+                if all(p.loss_mask is p.mask for p in parts)
+                else torch.cat([right(p.loss_mask, False) for p in parts])
+            ),
         )
 
 
@@ -220,9 +253,7 @@ class RolloutEngine(Protocol):
     The trainer only calls `sample`; an engine owns its model copy, its batching and its cache.
     `old_logp` must be the log-prob under softmax(logits / temperature) before top-k / top-p,
     as documented on `Rollout`, whatever the backend. `entropy` is optional: an engine that
-    cannot provide it returns None, and the trainer then logs no entropy. `all_done`, passed only
-    when the trainer's forward passes are collectives (FSDP), must be called at each decode
-    check with whether this engine is done, and decoding must go on until it returns True.
+    cannot provide it returns None, and the trainer then logs no entropy.
     """
 
     def sample(
@@ -236,5 +267,4 @@ class RolloutEngine(Protocol):
         top_k: int = 0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
-        all_done: Callable[[bool], bool] | None = None,
     ) -> Rollout: ...

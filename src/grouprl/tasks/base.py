@@ -215,11 +215,6 @@ def completion_objects(texts: Sequence[str], conversational: bool) -> list[Any]:
     return list(texts)
 
 
-def is_conversational(prompt: Any) -> bool:
-    """Whether a prompt is a list of chat messages (TRL's conversational format)."""
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)
-
-
 def reward_kwargs(
     completions: Sequence[Any], rows: Sequence[dict], repeats: int, **extra: Any
 ) -> dict[str, Any]:

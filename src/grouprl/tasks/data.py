@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grouprl.errors import UserError
+from grouprl.errors import UserError, one_line
 from grouprl.tasks.base import Task
 
 #: Data file formats by suffix, as `datasets.load_dataset` names their builders.
@@ -70,11 +70,6 @@ def _datasets():
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     return datasets
-
-
-def _one_line(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[-1] if text else ''}"
 
 
 def load_table(source: str, split: str = "train") -> Any:
@@ -116,17 +111,17 @@ def load_table(source: str, split: str = "train") -> Any:
         if "corresponds to no data" in str(err):  # e.g. a CSV file with a header only
             raise UserError(f"dataset {source} has no rows; give it at least one") from None
         if "split" in str(err).lower():
-            raise UserError(f"dataset {source} has no split {split!r}: {_one_line(err)}") from None
-        raise UserError(f"cannot read dataset {source}: {_one_line(err)}") from None
+            raise UserError(f"dataset {source} has no split {split!r}: {one_line(err)}") from None
+        raise UserError(f"cannot read dataset {source}: {one_line(err)}") from None
     except StopIteration:  # an empty JSON file
         raise UserError(f"dataset {source} is empty; give it at least one row") from None
     except Exception as err:  # parse errors, hub lookups offline, ...
         if not path.exists():
             raise UserError(
                 f"dataset {source!r} is not a local file or directory and could not be loaded "
-                f"as a hub dataset ({_one_line(err)}); give a path to a data file"
+                f"as a hub dataset ({one_line(err)}); give a path to a data file"
             ) from None
-        raise UserError(f"cannot read dataset {source}: {_one_line(err)}") from None
+        raise UserError(f"cannot read dataset {source}: {one_line(err)}") from None
     if len(table) == 0:
         raise UserError(f"dataset {source} has no rows; give it at least one")
     return table
@@ -421,21 +416,24 @@ def dataset_task(
 
 
 class PromptStream:
-    """Rows of a split in a seeded random order, epoch after epoch; `position` is resumable."""
+    """Rows of a split in a seeded random order, epoch after epoch: the rows at a position.
 
-    def __init__(self, rows: Sequence[dict], seed: int, position: int = 0):
+    The position is the caller's (a run keeps it in its state, so a resume continues exactly);
+    the stream only caches the current epoch's permutation."""
+
+    def __init__(self, rows: Sequence[dict], seed: int):
         if len(rows) == 0:
             raise UserError("the task's train split is empty; give it at least one row")
-        self.rows, self.seed, self.position = rows, seed, position
+        self.rows, self.seed = rows, seed
         self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
 
-    def take(self, k: int) -> list[dict]:
+    def take(self, position: int, k: int) -> list[dict]:
+        """The k rows from `position` on (position counts rows drawn since the start)."""
         out = []
-        for _ in range(k):
-            epoch, index = divmod(self.position, len(self.rows))
+        for at in range(position, position + k):
+            epoch, index = divmod(at, len(self.rows))
             if epoch != self._epoch:
                 gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
                 self._epoch, self._order = epoch, torch.randperm(len(self.rows), generator=gen)
             out.append(self.rows[int(self._order[index])])
-            self.position += 1
         return out

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from grouprl.errors import UserError
-from grouprl.tasks.base import is_conversational
+from grouprl.messages import is_conversational
 
 
 class RewardModel:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from grouprl.errors import UserError
+from grouprl.messages import is_conversational
 from grouprl.tasks.base import (
     REWARD_TIMEOUT,
     RewardFn,
@@ -40,7 +41,6 @@ from grouprl.tasks.base import (
     TrainerState,
     call_rewards,
     completion_objects,
-    is_conversational,
     reward_kwargs,
 )
 from grouprl.tasks.math_rewards import MATH_REWARDS

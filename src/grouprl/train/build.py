@@ -18,9 +18,17 @@ from grouprl.models.loading import DTYPES, context_length
 from grouprl.models.lora import apply_lora
 from grouprl.rollout import encode_prompts
 from grouprl.tasks import Task, get_task
-from grouprl.tasks.data import RowFormat, dataset_task
+from grouprl.tasks.data import DEFAULT_MAX_NEW_TOKENS, RowFormat, dataset_task
 from grouprl.tasks.scoring import RewardSet, build_reward_set
-from grouprl.train.config import DataOptions, TrainConfig
+from grouprl.train.config import DataOptions, RunConfig
+
+
+def task_budget(opts: DataOptions) -> int:
+    """The generation budget a run takes when --max-new-tokens is not given: the built-in
+    task's own, or 256 for a dataset (known before any data is read)."""
+    if opts.dataset is not None:
+        return DEFAULT_MAX_NEW_TOKENS
+    return get_task(opts.task or "arithmetic").max_new_tokens
 
 
 def build_task(opts: DataOptions) -> Task:
@@ -77,7 +85,7 @@ def stop_strings(opts: DataOptions, task: Task) -> list[str] | None:
     return stop or None
 
 
-def forward_dtype(cfg: TrainConfig) -> torch.dtype | None:
+def forward_dtype(cfg: RunConfig) -> torch.dtype | None:
     """The autocast dtype of the policy's forward passes, None for plain float32.
 
     `--precision bf16` asks for it; so does a LoRA base in bf16/fp16 (its frozen weights are in
@@ -97,7 +105,7 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     return torch.autocast(device.type, dtype=dtype)
 
 
-def load_policy(cfg: TrainConfig, device: torch.device) -> tuple[nn.Module, Any, nn.Module | None]:
+def load_policy(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, Any, nn.Module | None]:
     """(policy, tokenizer, reference) on `device`, in eval mode.
 
     Full fine-tuning: the policy in float32, a frozen reference copy in `base_dtype` when

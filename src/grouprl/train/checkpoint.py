@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from grouprl.errors import UserError
 from grouprl.faults import fault
-from grouprl.train.distributed import load_full_state
+from grouprl.train.fsdp import load_full_state
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -301,7 +301,7 @@ def save_checkpoint(
     same name is set aside (renamed), not deleted.
 
     `full_state`: the (weights, optimizer state) of a sharded model, gathered on this rank
-    (`distributed.gather_full_state`); they are written in place of the model's own.
+    (`fsdp.gather_full_state`); they are written in place of the model's own.
     """
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)

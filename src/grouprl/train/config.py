@@ -21,7 +21,7 @@ import types
 import typing
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -31,11 +31,26 @@ import yaml
 from grouprl.errors import UserError
 from grouprl.tasks.specs import absolute_spec
 
+# ---------------------------------------------------------------------------------------------
+# Choices: every named option's values, once (tests/train/test_config.py checks that the core
+# registries and the presets have exactly these names)
+
 Algo = Literal["grpo", "gspo", "dr_grpo", "dapo"]
 Dtype = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16"]
+Strategy = Literal["ddp", "fsdp"]
+LRSchedule = Literal["constant", "cosine"]
+RatioLevel = Literal["token", "sequence", "sequence_token"]  # grouprl.core.RATIO_LEVELS
+LossAgg = Literal[  # grouprl.core.AGGREGATIONS
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
+AdvEstimator = Literal["grpo", "rloo"]  # grouprl.core.ADVANTAGE_ESTIMATORS
+AdvScale = Literal["group", "batch", "none"]  # grouprl.core.ADVANTAGE_SCALES
+KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
+EvalSplit = Literal["heldout", "train", "all"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunOptions:
     """Where a run's settings come from and where it writes (train only)."""
 
@@ -52,7 +67,7 @@ class RunOptions:
     reward_timeout and device, e.g. --allow-change lr."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelOptions:
     """The policy and where it runs (shared by train and eval)."""
 
@@ -68,7 +83,7 @@ class ModelOptions:
     weights and the optimizer stay fp32; bf16/fp16 forwards make the trainer recompute old_logp."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataOptions:
     """What the model is asked and how its answers are scored (shared by train and eval)."""
 
@@ -119,7 +134,7 @@ class DataOptions:
     """Generation budget per completion. None: the task's own budget (256 for --dataset)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Train a causal LM with GRPO, GSPO, Dr. GRPO or DAPO on a task with verifiable rewards."""
 
@@ -127,7 +142,7 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Seed for data order, sampling and initial evaluation; same seed, same run."""
     threads: int | None = None
     """torch CPU threads. None: torch's default (all cores)."""
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Precision = "fp32"
     """Forward passes in fp32, or under bf16 autocast (weights, gradients and optimizer stay
     fp32). bf16 pays off where matmuls dominate (CPUs with AMX, larger models, GPUs); old_logp is
     then recomputed by the trainer, one no-grad forward per step."""
@@ -137,7 +152,7 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     micro_batch_size: int | None = None
     """Completions per forward/backward; gradients accumulate over a minibatch's chunks (the same
     update). None: a whole minibatch at once."""
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    strategy: Strategy = "ddp"
     """Under torchrun: ddp keeps a full model on every rank and sums gradients; fsdp shards the
     model across ranks (FSDP2), for models that do not fit one device. No effect in one process."""
 
@@ -169,7 +184,7 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     # ----- optimisation -----
     lr: float = 5e-5
     """Peak learning rate (AdamW)."""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_schedule: LRSchedule = "constant"
     """Learning-rate shape after warm-up."""
     warmup_steps: int = 5
     """Linear warm-up steps from 0 to lr."""
@@ -191,7 +206,7 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     float rounding. Ignored when beta > 0 (the KL term has a gradient): every group is trained."""
 
     # ----- objective -----
-    ratio_level: Literal["token", "sequence", "sequence_token"] | None = None
+    ratio_level: RatioLevel | None = None
     """Importance ratio: per token (GRPO), per sequence (GSPO), or GSPO-token. None: preset."""
     clip_low: float | None = None
     """Clip range below 1: ratios under 1-clip_low are clipped. None: preset."""
@@ -201,20 +216,15 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Dual clip c > 1: bounds the loss of negative-advantage tokens at c*|A| (None: off)."""
     beta: float | None = None
     """Weight of the KL penalty to the reference (initial) policy. None: preset."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: KLEstimator = "k3"
     """KL estimator for the penalty (k3 is the GRPO paper's)."""
-    loss_agg: (
-        Literal[
-            "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
-        ]
-        | None
-    ) = None
+    loss_agg: LossAgg | None = None
     """How per-token losses are averaged; sets the implicit length weighting. None: preset."""
     norm_len: int | None = None
     """Constant divisor for seq_mean_token_sum_norm. None: max_new_tokens."""
-    adv_estimator: Literal["grpo", "rloo"] = "grpo"
+    adv_estimator: AdvEstimator = "grpo"
     """Baseline: the group mean (grpo) or the mean of the other G-1 rewards (rloo)."""
-    adv_scale: Literal["group", "batch", "none"] | None = None
+    adv_scale: AdvScale | None = None
     """Advantage scaling: by the group std, the batch std, or none (Dr. GRPO). None: preset."""
     unbiased_std: bool = False
     """Use the sample (Bessel) std, as TRL and verl do, instead of the population std."""
@@ -257,11 +267,11 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Show a live progress bar (off: one plain line per eval)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig(DataOptions, ModelOptions):
     """Measure pass@1 (sampled and greedy) and pass@k of a model on a task or dataset split."""
 
-    split: Literal["heldout", "train", "all"] = "heldout"
+    split: EvalSplit = "heldout"
     """Which rows to evaluate: the held-out rows `grouprl train` holds out (the same ones for
     the same data options), the training rows, or all."""
     samples: int = 8
@@ -593,34 +603,6 @@ def _check_resume_changes(saved: TrainConfig, cfg: TrainConfig) -> None:
             )
 
 
-def check_data_options(opts: DataOptions) -> None:
-    """The rules between the data fields (train and eval): one line each."""
-    if opts.dataset is not None and opts.task is not None:
-        raise UserError(
-            f"--task {opts.task} and --dataset are exclusive: a dataset brings its own prompts; "
-            "drop --task"
-        )
-    if opts.dataset is not None and not opts.rewards:
-        raise UserError(
-            "--dataset needs --rewards: name the functions that score your data, e.g. "
-            "--rewards accuracy 1.0, or --rewards path/to/rewards.py:my_reward 1.0"
-        )
-    if opts.dataset is None:
-        for flag, value in (
-            ("--eval-dataset", opts.eval_dataset),
-            ("--prompt-template", opts.prompt_template),
-            ("--answer-column", opts.answer_column),
-        ):
-            if value is not None:
-                raise UserError(f"{flag} applies to --dataset, which is not given")
-    if not 0 < opts.eval_fraction < 1:
-        raise UserError("invalid config: eval_fraction must lie in (0, 1)")
-    if opts.max_prompt_length is not None and opts.max_prompt_length < 1:
-        raise UserError("invalid config: max_prompt_length must be at least 1")
-    if opts.stop is not None and not all(isinstance(s, str) and s for s in opts.stop):
-        raise UserError("invalid config: stop strings must be non-empty")
-
-
 def local_paths_absolute(cfg: Any) -> Any:
     """The config with its local model, dataset and reward-file paths made absolute (hub ids and
     builtin:NAME unchanged), as a run records them."""
@@ -639,36 +621,159 @@ def local_paths_absolute(cfg: Any) -> Any:
     return cfg
 
 
-def resolve(cfg: TrainConfig, *, task_max_new_tokens: int) -> TrainConfig:
-    """Fill every field left at None from the preset and the task, then validate.
+@dataclass(frozen=True)
+class RunConfig(TrainConfig):
+    """A `TrainConfig` after `resolve`: every field the preset or the task fills is filled, and
+    the whole config is validated. The only config type `grouprl.train` reads.
+
+    The fields below are the ones `TrainConfig` leaves at None for the preset (or the task) to
+    fill; here they are required, so no placeholder reaches a training function.
+    """
+
+    ratio_level: RatioLevel = field(kw_only=True)
+    clip_low: float = field(kw_only=True)
+    clip_high: float = field(kw_only=True)
+    beta: float = field(kw_only=True)
+    loss_agg: LossAgg = field(kw_only=True)
+    norm_len: int = field(kw_only=True)
+    adv_scale: AdvScale = field(kw_only=True)
+    minibatches: int = field(kw_only=True)
+    dynamic_sampling: bool = field(kw_only=True)
+    mask_truncated: bool = field(kw_only=True)
+    overlong_penalty: bool = field(kw_only=True)
+    overlong_cache: int = field(kw_only=True)
+    max_new_tokens: int = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        fields = dataclasses.fields(self)
+        empty = [f.name for f in fields if f.kw_only and getattr(self, f.name) is None]
+        if empty:
+            raise ValueError(f"RunConfig fields left unresolved: {', '.join(empty)}; use resolve()")
+
+
+def resolve(cfg: TrainConfig, *, task_max_new_tokens: int, world_size: int = 1) -> RunConfig:
+    """Fill every field left at None from the preset and the task, then `validate` for a job
+    of `world_size` processes.
 
     Local paths (model, datasets, reward files) are recorded absolute, so a resumed run reads
     the same files from any working directory; hub ids and builtin:NAME stay as they are.
     """
-    preset = dataclasses.asdict(PRESETS[cfg.algo])
-    filled = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
-    cfg = dataclasses.replace(cfg, **filled)
-    if cfg.max_new_tokens is None:
-        cfg = dataclasses.replace(cfg, max_new_tokens=task_max_new_tokens)
-    if cfg.norm_len is None:
-        cfg = dataclasses.replace(cfg, norm_len=cfg.max_new_tokens)
-    if cfg.overlong_cache is None:
-        cfg = dataclasses.replace(cfg, overlong_cache=max(1, cfg.max_new_tokens // 4))
-    if cfg.lora_r is not None and cfg.lora_alpha is None:
-        cfg = dataclasses.replace(cfg, lora_alpha=2.0 * cfg.lora_r)
-    cfg = local_paths_absolute(cfg)
-    validate(cfg)
-    return cfg
+    if cfg.algo not in PRESETS:
+        raise UserError(f"invalid config: algo {cfg.algo!r} is not one of {', '.join(PRESETS)}")
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
+    for name, value in dataclasses.asdict(PRESETS[cfg.algo]).items():
+        if values[name] is None:
+            values[name] = value
+    if values["max_new_tokens"] is None:
+        values["max_new_tokens"] = task_max_new_tokens
+    if values["norm_len"] is None:
+        values["norm_len"] = values["max_new_tokens"]
+    if values["overlong_cache"] is None:
+        values["overlong_cache"] = max(1, values["max_new_tokens"] // 4)
+    if values["lora_r"] is not None and values["lora_alpha"] is None:
+        values["lora_alpha"] = 2.0 * values["lora_r"]
+    resolved = local_paths_absolute(RunConfig(**values))
+    validate(resolved, world_size)
+    return resolved
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Reject impossible settings with one line each; warn on dubious ones."""
+#: The one rule for a sampling temperature wherever a command takes one (the sampler itself
+#: also decodes greedily at 0, which no command exposes).
+TEMPERATURE_RULE = "temperature must be > 0: log-probs and pass@k are taken at it"
+
+
+def _choice_problems(cfg: Any) -> list[str]:
+    """Values outside their Literal choices: the parser checks flags and files, but a config
+    built in Python bypasses it."""
+    problems = []
+    for name, annotation in typing.get_type_hints(type(cfg)).items():
+        options = [annotation, *typing.get_args(annotation)]  # Literal, or Optional[Literal]
+        literal = next((a for a in options if typing.get_origin(a) is Literal), None)
+        value = getattr(cfg, name, None)
+        if literal is not None and value is not None and value not in typing.get_args(literal):
+            valid = ", ".join(map(str, typing.get_args(literal)))
+            problems.append(f"{name} {value!r} is not one of {valid}")
+    return problems
+
+
+def _data_checks(opts: DataOptions) -> list[tuple[bool, str]]:
+    """The rules between the data fields, shared by train and eval."""
+    given = [
+        flag
+        for flag, value in (
+            ("--eval-dataset", opts.eval_dataset),
+            ("--prompt-template", opts.prompt_template),
+            ("--answer-column", opts.answer_column),
+        )
+        if value is not None
+    ]
+    return [
+        (
+            opts.dataset is None or opts.task is None,
+            f"--task {opts.task} and --dataset are exclusive: a dataset brings its own prompts; "
+            "drop --task",
+        ),
+        (
+            opts.dataset is None or bool(opts.rewards),
+            "--dataset needs --rewards: name the functions that score your data, e.g. "
+            "--rewards accuracy 1.0, or --rewards path/to/rewards.py:my_reward 1.0",
+        ),
+        (
+            opts.dataset is not None or not given,
+            f"{given[0] if given else ''} applies to --dataset, which is not given",
+        ),
+        (0 < opts.eval_fraction < 1, "eval_fraction must lie in (0, 1)"),
+        (
+            opts.max_prompt_length is None or opts.max_prompt_length >= 1,
+            "max_prompt_length must be at least 1",
+        ),
+        (
+            opts.stop is None or all(isinstance(s, str) and s for s in opts.stop),
+            "stop strings must be non-empty",
+        ),
+        (opts.rewards is None or len(opts.rewards) > 0, "rewards must name at least one function"),
+        (opts.reward_timeout > 0, "reward_timeout must be > 0 seconds"),
+        (
+            opts.max_new_tokens is None or opts.max_new_tokens >= 1,
+            "max_new_tokens must be at least 1",
+        ),
+    ]
+
+
+def _raise_first(checks: list[tuple[bool, str]], problems: Sequence[str] = ()) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message if message.startswith("--") else f"invalid config: {message}")
+    for problem in problems:
+        raise UserError(f"invalid config: {problem}")
+
+
+def validate_eval(cfg: EvalConfig) -> None:
+    """`grouprl eval`'s settings: one line for the first that is impossible."""
+    _raise_first(
+        [
+            *_data_checks(cfg),
+            (cfg.limit >= 1, "--limit must be at least 1"),
+            (cfg.samples >= 1, "samples must be at least 1"),
+            (cfg.batch_prompts >= 1, "batch_prompts must be at least 1"),
+            (cfg.temperature > 0, TEMPERATURE_RULE),
+            (cfg.threads is None or cfg.threads >= 1, "threads must be at least 1"),
+        ],
+        _choice_problems(cfg),
+    )
+
+
+def validate(cfg: RunConfig, world_size: int = 1) -> None:
+    """Every check a run's settings need before a model is loaded, for a job of `world_size`
+    processes: one line for the first that is impossible; a warning for each dubious one. (What
+    needs the model or tokenizer, such as the context length, is checked where they load.)"""
+    parts = world_size * cfg.minibatches
     checks = [
+        *_data_checks(cfg),
         (cfg.group_size >= 2, "group_size must be at least 2: a group of one has no baseline"),
         (cfg.prompts_per_step >= 1, "prompts_per_step must be at least 1"),
         (cfg.steps >= 1, "steps must be at least 1"),
-        (cfg.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
-        (cfg.temperature > 0, "temperature must be > 0: training needs sampled log-probs"),
+        (cfg.temperature > 0, TEMPERATURE_RULE),
         (0 < cfg.top_p <= 1, "top_p must lie in (0, 1]"),
         (cfg.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
         (cfg.lr > 0 and math.isfinite(cfg.lr), "lr must be a positive number"),
@@ -682,6 +787,18 @@ def validate(cfg: TrainConfig) -> None:
             f"minibatches ({cfg.minibatches}) must divide prompts_per_step "
             f"({cfg.prompts_per_step}): each minibatch holds whole groups",
         ),
+        (
+            cfg.prompts_per_step % parts == 0,
+            f"prompts_per_step {cfg.prompts_per_step} must be divisible by the world size "
+            f"{world_size} times minibatches {cfg.minibatches} (= {parts}): every rank trains "
+            "whole groups, as many in each minibatch; change --prompts-per-step, --minibatches "
+            "or --nproc-per-node",
+        ),
+        (
+            world_size == 1 or cfg.strategy != "fsdp" or cfg.lora_r is None,
+            "--strategy fsdp does not shard LoRA models; use --strategy ddp (each rank holds the "
+            "base model, and only the small adapters are reduced)",
+        ),
         (0 <= cfg.clip_low < 1, "clip_low must lie in [0, 1): the ratio's lower bound 1-clip_low"),
         (cfg.clip_high >= 0, "clip_high must be >= 0"),
         (cfg.dual_clip is None or cfg.dual_clip > 1, "dual_clip must be > 1 (or unset)"),
@@ -693,7 +810,6 @@ def validate(cfg: TrainConfig) -> None:
             "overlong_cache must lie in [1, max_new_tokens]",
         ),
         (cfg.max_resample_rounds >= 0, "max_resample_rounds must be >= 0"),
-        (cfg.reward_timeout > 0, "reward_timeout must be > 0 seconds"),
         (cfg.eval_every >= 0, "eval_every must be >= 0"),
         (cfg.eval_size >= 1, "eval_size must be at least 1"),
         (cfg.eval_samples >= 1, "eval_samples must be at least 1"),
@@ -702,7 +818,6 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.log_ratios >= 0, "log_ratios must be >= 0"),
         (cfg.log_ratios_every >= 1, "log_ratios_every must be at least 1"),
         (cfg.threads is None or cfg.threads >= 1, "threads must be at least 1"),
-        (cfg.rewards is None or len(cfg.rewards) > 0, "rewards must name at least one function"),
         (
             cfg.micro_batch_size is None or cfg.micro_batch_size >= 1,
             "micro_batch_size must be at least 1",
@@ -712,26 +827,11 @@ def validate(cfg: TrainConfig) -> None:
         (0 <= cfg.lora_dropout < 1, "lora_dropout must lie in [0, 1)"),
         (cfg.max_nonfinite_steps >= 1, "max_nonfinite_steps must be at least 1"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise UserError(f"invalid config: {message}")
-    # Checked by the parser for flags and files; a TrainConfig built in Python bypasses it.
-    from grouprl.core import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, AGGREGATIONS, RATIO_LEVELS
+    _raise_first(checks, _choice_problems(cfg))
+    _warn_dubious(cfg)
 
-    choices = {
-        "ratio_level": RATIO_LEVELS,
-        "loss_agg": AGGREGATIONS,
-        "adv_scale": ADVANTAGE_SCALES,
-        "adv_estimator": ADVANTAGE_ESTIMATORS,
-        "algo": PRESETS,
-        "base_dtype": ("fp32", "bf16", "fp16"),
-        "precision": ("fp32", "bf16"),
-    }
-    for name, valid in choices.items():
-        if getattr(cfg, name) not in valid:
-            raise UserError(
-                f"invalid config: {name} '{getattr(cfg, name)}' is not one of {', '.join(valid)}"
-            )
+
+def _warn_dubious(cfg: RunConfig) -> None:
     if cfg.lora_dropout > 0:
         warnings.warn(
             "lora_dropout > 0: the update's forward differs from the sampling policy even before "

@@ -13,14 +13,13 @@ Strategies (`--strategy`):
   hooks are armed by `DDP.forward`, and the trainer's log-prob forward calls the decoder and head
   directly (no N×T×V logits), so DDP would never reduce. The explicit reduction also runs once
   per minibatch instead of once per micro-batch chunk.
-- `fsdp`: FSDP2 (`fully_shard`) on every decoder layer and on the root, for models that do not
-  fit one device. The root's hooks run around the trainer's log-prob forward through
-  `register_fsdp_forward_method`; gradients are reduced in fp32 and summed (divide factor 1).
-  Every forward is a collective, so sampling keeps stepping until every rank is done (the
-  `all_done` callable) and a rank with nothing to train runs a zero-weight forward/backward.
+- `fsdp`: FSDP2 (`fully_shard`), for models that do not fit one device; see `train/fsdp.py`,
+  which also owns the rule that comes with it (every forward is a collective, so every rank
+  runs the same forwards).
 
-Only rank 0 prints and writes; failures are agreed on at fixed points so that every rank leaves
-the loop at the same step (`check`).
+Only rank 0 prints and writes (`on_main`); failures, a user's mistake on any rank or a write
+that fails on rank 0, are agreed on at fixed points so that every rank leaves the loop at the
+same step with the same message (`check`), and none is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -36,15 +35,13 @@ import torch.distributed as dist
 from torch import nn
 
 from grouprl.errors import UserError
+from grouprl.train.batch import Batch
 
 #: How long a rank waits in a collective for the others; a rank that died is noticed by torchrun
 #: long before this (it ends the whole job when one worker exits).
 TIMEOUT = timedelta(minutes=30)
 
 _CPU = torch.device("cpu")
-
-#: The name under which FSDP2 runs `completion_logprobs` with the root module's hooks.
-LOGPROBS_METHOD = "grouprl_completion_logprobs"
 
 
 class PeerFailed(UserError):
@@ -161,6 +158,24 @@ class Dist:
         self.check(error)
         return result
 
+    def on_main(self, compute: Callable[[], Any]) -> Any:
+        """`compute()` on rank 0 (which alone touches the run directory), its result on every
+        rank. A user error there, or a write that fails (a full disk, a permission: any
+        OSError), is raised on every rank as the same one line (`PeerFailed` on the others)."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = compute()
+            except UserError as err:
+                error = str(err)
+            except OSError as err:
+                error = str(write_failed(err))
+        if self.enabled:
+            result, error = self.broadcast((result, error))
+        if error is not None:
+            raise UserError(error) if self.is_main else PeerFailed(error)
+        return result
+
     def shares(self, n: int) -> list[range]:
         """n items split into world_size contiguous ranges (earlier ranks one longer)."""
         return [range(n * r // self.world_size, n * (r + 1) // self.world_size)
@@ -175,6 +190,21 @@ class Dist:
         groups (groups m·n/M … (m+1)·n/M − 1) and the off-policy updates match too."""
         per = n // minibatches  # groups per global minibatch
         return [m * per + i for m in range(minibatches) for i in self.mine(per)]
+
+    def hand_round(
+        self, parts: list[tuple[int, Batch]], usable: int, minibatches: int, device: torch.device
+    ) -> Batch:
+        """This rank's groups (`my_groups`) of the first `usable` groups that all ranks kept,
+        taken in their global order (round by round, rank by rank), on `device`. `parts`: the
+        (round, kept groups) this rank sampled. How dynamic sampling gives every rank as many
+        groups to train, whoever sampled them."""
+        everyone = self.gather([(r, b.to("cpu")) for r, b in parts])
+        ordered = sorted(
+            ((round_, rank, b) for rank, pieces in enumerate(everyone) for round_, b in pieces),
+            key=lambda x: (x[0], x[1]),
+        )
+        batch = Batch.concat([b for _, _, b in ordered])
+        return batch.select_groups(self.my_groups(usable, minibatches)).to(device)
 
     # -- gradients -----------------------------------------------------------------------------
 
@@ -204,6 +234,16 @@ class Dist:
                     dist.broadcast(moved, src=0)
                     if moved is not p.data:
                         p.data.copy_(moved)
+
+
+def write_failed(err: OSError) -> UserError:
+    """A failed write of the run directory as one line: what, where, and what to do."""
+    where = f" {err.filename}" if err.filename else ""
+    reason = err.strerror or str(err) or type(err).__name__
+    return UserError(
+        f"cannot write{where}: {reason}; free disk space or fix the permissions, then continue "
+        "with grouprl train --resume RUN_DIR (the last complete checkpoint is kept)"
+    )
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
@@ -265,132 +305,5 @@ def shutdown(*, together: bool = False) -> None:
         dist.destroy_process_group()
 
 
-def shard(model: nn.Module, *, logprobs: Callable[..., Any], device: torch.device) -> nn.Module:
-    """FSDP2 over `model`: every decoder layer is its own unit, the root holds the rest
-    (embeddings, final norm, head: tied embeddings stay one parameter in one unit). `model` may
-    sit on the CPU: each rank's shards move to `device`, so no rank ever holds the whole model
-    there.
-
-    Gradients are reduced in fp32 and summed (the loss divides by global counts already).
-    `logprobs(model, rollout, **kw)` becomes the method `LOGPROBS_METHOD`, run with the root's
-    FSDP hooks: it calls the decoder and head directly, which alone would see sharded root
-    parameters."""
-    import types
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import (
-        FSDPModule,
-        MixedPrecisionPolicy,
-        fully_shard,
-        register_fsdp_forward_method,
-    )
-
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    layers = _decoder_layers(model)
-    if not layers:
-        raise UserError(
-            f"--strategy fsdp needs a model with a list of decoder layers; {type(model).__name__} "
-            "has none that grouprl recognises; use --strategy ddp"
-        )
-    for layer in layers:  # each moves to `device` as it is sharded: one full layer at a time
-        fully_shard(layer, mp_policy=policy, mesh=mesh)
-    fully_shard(model, mp_policy=policy, mesh=mesh)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)  # a sum: the loss has global denominators
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
-    setattr(model, LOGPROBS_METHOD, types.MethodType(logprobs, model))
-    register_fsdp_forward_method(model, LOGPROBS_METHOD)
-    return model
-
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a transformers causal LM (a ModuleList named `layers` or `h`)."""
-    found: list[nn.Module] = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks"):
-            found.extend(module)
-    return found
-
-
 #: A single process.
 SINGLE = Dist()
-
-
-# -- FSDP checkpoints: full (unsharded) states in the usual checkpoint format ------------------
-
-
-def gather_full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The sharded model's full state dict and its optimizer's state in `optimizer.state_dict()`'s
-    own layout (parameters numbered in optimizer order), on rank 0's CPU (empty elsewhere).
-
-    A collective: every rank calls it. The checkpoint written from it is the same model
-    directory a single process writes, so it loads at any world size and with either strategy.
-    """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    model.reshard()  # after a forward the root module is unsharded; the state dicts want shards
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    if optimizer is None:
-        return weights, {}
-    # An optimizer that has not stepped has no state; torch's getter would create it by taking
-    # a step at lr 0, which counts in AdamW's bias correction: the first real step would then be
-    # smaller than the single-process one. (Every rank agrees: no rank has stepped.)
-    named = (
-        get_optimizer_state_dict(model, optimizer, options=options)
-        if optimizer.state
-        else {"state": {}}
-    )
-    names = _trainable_names(model)
-    index = {name: i for i, name in enumerate(names)}
-    state = {index[name]: value for name, value in named.get("state", {}).items()}
-    groups, offset = [], 0
-    for group in optimizer.param_groups:  # hyper-parameters as the local optimizer holds them
-        count = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": list(range(offset, offset + count))})  # fmt: skip
-        offset += count
-    return weights, {"state": state, "param_groups": groups}
-
-
-def load_full_state(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    weights: dict[str, torch.Tensor] | None,
-    optimizer_state: dict[str, Any] | None,
-) -> None:
-    """Load full states (as `gather_full_state` returns them, read from a checkpoint on every
-    rank) into the sharded model and optimizer: each rank keeps its own shards."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, strict=False)  # tied weights: stored once
-    if weights is not None:
-        set_model_state_dict(model, weights, options=options)
-    if optimizer is None or optimizer_state is None or not optimizer_state["state"]:
-        return
-    names = _trainable_names(model)
-    named = {
-        "state": {names[i]: value for i, value in optimizer_state["state"].items()},
-        "param_groups": [
-            {**group, "params": [names[i] for i in group["params"]]}
-            for group in optimizer_state["param_groups"]
-        ],
-    }
-    set_optimizer_state_dict(model, optimizer, named, options=options)
-
-
-def _trainable_names(model: nn.Module) -> list[str]:
-    """Names of the trainable parameters in optimizer order (`make_optimizer`'s)."""
-    return [name for name, p in model.named_parameters() if p.requires_grad]

@@ -31,25 +31,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from grouprl.errors import UserError
+from grouprl.messages import is_conversational
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.loading import resolve_device
 from grouprl.rollout import Rollout, sample_groups
 from grouprl.tasks import RewardFn
-from grouprl.tasks.base import (
-    REWARD_TIMEOUT,
-    TrainerState,
-    call_reward,
-    completion_objects,
-    is_conversational,
-)
+from grouprl.tasks.base import REWARD_TIMEOUT, TrainerState, call_reward, completion_objects
+from grouprl.tasks.scoring import RewardSet
 from grouprl.train.build import (
+    autocast,
     build_rewards,
     build_task,
     prompt_budget,
     rows_that_fit,
     stop_strings,
 )
-from grouprl.train.config import EvalConfig, check_data_options
+from grouprl.train.collect import Sampler
+from grouprl.train.config import EvalConfig, RunConfig, validate_eval
+from grouprl.train.fsdp import Lockstep
 
 
 @dataclass(frozen=True)
@@ -106,6 +105,25 @@ def reward_judge(reward_fn: RewardFn, timeout: float | None = REWARD_TIMEOUT) ->
     return judge
 
 
+def pass_judge(rewards: RewardSet, *, state: TrainerState, timeout: float | None) -> Judge:
+    """Solved flags by the run's pass reward (`RewardSet.score` with `only_pass`): the one
+    definition of correct that train and eval share."""
+
+    def judge(rows: Sequence[dict], rollout: Rollout) -> list[bool]:
+        scores = rewards.score(
+            rollout.texts,
+            rows,
+            rollout.group_size,
+            completion_ids=rollout.completion_id_lists(),
+            state=state,
+            timeout=timeout,
+            only_pass=True,
+        )
+        return scores.passed.tolist()
+
+    return judge
+
+
 def evaluate(
     model: Any,
     tokenizer: Any,
@@ -122,9 +140,10 @@ def evaluate(
     greedy: bool = True,
     progress: bool = True,
     console: Console | None = None,
-    all_done: Callable[[bool], bool] | None = None,
     real_rows: int | None = None,
     gather: Callable[[Any], list[Any]] | None = None,
+    agree: Callable[[UserError | None], None] | None = None,
+    lockstep: Callable[[bool], bool] | None = None,
 ) -> EvalResult:
     """pass@1, pass@k (k = samples) and greedy pass@1 of `model` on `rows`.
 
@@ -133,79 +152,70 @@ def evaluate(
     mode.
 
     Sharded across data-parallel ranks (the trainer): `rows` is this rank's share, of which the
-    first `real_rows` count (the rest pad every rank to the same number of batches, so that under
-    FSDP every rank runs the same forward passes, each kept in step by `all_done`); `gather`
-    collects every rank's per-problem counts, and the result is that of all ranks' rows.
+    first `real_rows` count (under FSDP the rest pad every rank to as many batches, each decoded
+    in `lockstep`); `gather` collects every rank's per-problem counts, and the result is that of
+    all ranks' rows. A judge's user error (a reward that raises) ends the evaluation: at once in
+    one process; with `agree` (`Dist.check`), every rank raises it together at the end (a rank
+    in lockstep keeps sampling, without judging, so that the others' forwards are matched).
     """
     if (reward_fn is None) == (judge is None):
         raise ValueError("give exactly one of reward_fn and judge")
     judge = judge or reward_judge(reward_fn)
     if not rows:
         raise UserError("nothing to evaluate: the split is empty (check --limit and the task)")
-    if samples < 1:
-        raise UserError(f"samples must be >= 1, got {samples}")
-    if temperature <= 0:
-        raise UserError(f"temperature must be > 0 for sampled pass@k, got {temperature}")
-    if batch_prompts < 1:
-        raise UserError(f"batch_prompts must be >= 1, got {batch_prompts}")
     was_training = model.training
     model.eval()
     solved: list[int] = []  # (n,) solved samples per problem
     greedy_solved: list[bool] = []  # (n,)
-    lengths: list[int] = []  # (n,) completion tokens per problem, over its samples
+    lengths: list[int] = []  # (n,) sampled completion tokens per problem, over its samples
+    error: UserError | None = None
     batches = [rows[i : i + batch_prompts] for i in range(0, len(rows), batch_prompts)]
-    bar = Progress(
-        TextColumn("eval"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("problems"),
-        TimeElapsedColumn(),
-        console=console or Console(stderr=True),
-        disable=not progress,
-        transient=True,
-    )
+    bar = _progress(console, progress)
+    common = {"max_new_tokens": max_new_tokens, "stop": stop, "lockstep": lockstep}
     try:
         with bar:
             task_id = bar.add_task("eval", total=len(rows))
             for i, batch in enumerate(batches):
                 prompts = [r["prompt"] for r in batch]
-                common = {"max_new_tokens": max_new_tokens, "stop": stop}
-                rollout = sample_groups(
-                    model,
-                    tokenizer,
-                    prompts,
-                    group_size=samples,
-                    temperature=temperature,
-                    seed=seed + i,
-                    all_done=all_done,
-                    **common,
-                )
-                flags = judge(batch, rollout)
-                solved += [sum(flags[j * samples : (j + 1) * samples]) for j in range(len(batch))]
-                lengths += rollout.lengths.view(len(batch), samples).sum(-1).tolist()
+                rollouts = [
+                    sample_groups(model, tokenizer, prompts, group_size=samples,
+                                  temperature=temperature, seed=seed + i, **common)
+                ]  # fmt: skip
                 if greedy:
-                    greedy_rollout = sample_groups(
-                        model,
-                        tokenizer,
-                        prompts,
-                        group_size=1,
-                        temperature=0.0,
-                        all_done=all_done,
-                        **common,
+                    rollouts.append(
+                        sample_groups(model, tokenizer, prompts, group_size=1, temperature=0.0,
+                                      **common)
+                    )  # fmt: skip
+                if error is None:
+                    try:
+                        flags = [judge(batch, rollout) for rollout in rollouts]
+                    except UserError as err:
+                        if agree is None:
+                            raise
+                        error = err
+                if error is None:
+                    solved += [sum(flags[0][j * samples : (j + 1) * samples])
+                               for j in range(len(batch))]  # fmt: skip
+                    lengths += (
+                        rollouts[0].sampled_lengths.view(len(batch), samples).sum(-1).tolist()
                     )
-                    greedy_solved += judge(batch, greedy_rollout)
+                    greedy_solved += flags[1] if greedy else []
+                elif lockstep is None:
+                    break
                 bar.advance(task_id, len(batch))
     finally:
         model.train(was_training)
+    if agree is not None:
+        agree(error)
     keep = len(rows) if real_rows is None else real_rows
     counts = (solved[:keep], greedy_solved[:keep], lengths[:keep])
-    if gather is not None:
-        shares = gather(counts)
-        solved, greedy_solved, lengths = (
-            [x for share in shares for x in share[i]] for i in range(3)
-        )
-    else:
-        solved, greedy_solved, lengths = counts
+    return _result(gather(counts) if gather is not None else [counts], samples, greedy)
+
+
+def _result(shares: list[tuple[list, list, list]], samples: int, greedy: bool) -> EvalResult:
+    """pass@1, pass@k and greedy pass@1 from every rank's per-problem (solved samples, greedy
+    solved, sampled tokens)."""
+    solved, greedy_solved, lengths = ([x for share in shares for x in share[i]] for i in range(3))
     n = len(solved)
     return EvalResult(
         n=n,
@@ -217,10 +227,62 @@ def evaluate(
     )
 
 
+def _progress(console: Console | None, shown: bool) -> Progress:
+    return Progress(
+        TextColumn("eval"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("problems"),
+        TimeElapsedColumn(),
+        console=console or Console(stderr=True),
+        disable=not shown,
+        transient=True,
+    )
+
+
+def run_eval(
+    cfg: RunConfig,
+    policy: Any,
+    sampler: Sampler,
+    rows: Sequence[dict],
+    step: int,
+    *,
+    lockstep: Lockstep,
+) -> dict[str, float]:
+    """The trainer's held-out evaluation at `step`: pass@1 (sampled and greedy) and pass@k on
+    its fixed rows, with a fixed seed. Data parallel: each rank evaluates a contiguous share of
+    the rows and the per-problem counts are gathered; a reward's error on any rank ends every
+    rank's evaluation together."""
+    dist = sampler.dist
+    share = [rows[i] for i in dist.mine(len(rows))]
+    state = TrainerState(global_step=step, max_steps=cfg.steps)
+    with autocast(sampler.device, sampler.dtype):
+        result = evaluate(
+            policy,
+            sampler.tokenizer,
+            lockstep.pad_rows(share, rows),
+            judge=pass_judge(sampler.rewards, state=state, timeout=cfg.reward_timeout),
+            samples=cfg.eval_samples,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            stop=sampler.stop,
+            seed=cfg.seed,
+            greedy=True,
+            progress=False,
+            real_rows=len(share),
+            gather=dist.gather if dist.enabled else None,
+            agree=dist.check if dist.enabled else None,
+            lockstep=lockstep.all_done,
+        )
+    out = {"pass_at_1": result.pass_at_1, f"pass_at_{result.samples}": result.pass_at_k}
+    if result.greedy_pass_at_1 is not None:
+        out["greedy_pass_at_1"] = result.greedy_pass_at_1
+    return out
+
+
 def run(cfg: EvalConfig, *, progress: bool = True) -> dict[str, Any]:
     """Load, evaluate, and return the result as a flat dict (what --json prints)."""
-    if cfg.limit < 1:
-        raise UserError(f"--limit must be >= 1, got {cfg.limit}")
+    validate_eval(cfg)
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -231,7 +293,6 @@ def run(cfg: EvalConfig, *, progress: bool = True) -> dict[str, Any]:
 
 
 def _run(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
-    check_data_options(cfg)
     task = build_task(cfg)
     device = resolve_device(cfg.device)
     model = load_model(cfg.model, device=device, trust_remote_code=cfg.trust_remote_code)
@@ -245,24 +306,11 @@ def _run(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
             f"[yellow]warning:[/] skipped {too_long} prompts longer than {budget} tokens"
         )
     start = time.perf_counter()
-
-    def judge(batch_rows: Sequence[dict], rollout: Rollout) -> list[bool]:
-        scores = rewards.score(
-            rollout.texts,
-            batch_rows,
-            rollout.group_size,
-            completion_ids=rollout.completion_id_lists(),
-            state=TrainerState(),
-            timeout=cfg.reward_timeout,
-            only_pass=True,
-        )
-        return scores.passed.tolist()
-
     result = evaluate(
         model,
         tokenizer,
         rows,
-        judge=judge,
+        judge=pass_judge(rewards, state=TrainerState(), timeout=cfg.reward_timeout),
         samples=cfg.samples,
         temperature=cfg.temperature,
         max_new_tokens=max_new_tokens,

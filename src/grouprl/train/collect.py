@@ -1,0 +1,291 @@
+"""One step's training data: prompts drawn, groups sampled and scored, DAPO's filter applied,
+and each rank's share of the groups kept.
+
+A step runs sampling rounds (`sample_round`: draw prompts, sample G completions each, score
+them, add the overlong penalty) until it has B groups that teach something: one round, or with
+dynamic sampling (DAPO, arXiv 2503.14476) up to 1 + `max_resample_rounds`, each dropping the
+groups whose completions all pass or all fail (`grouprl.core.mixed_groups`). What was sampled is
+counted in `GroupCounts`, summed over rounds and, once, over ranks.
+
+Data parallel: every rank draws the same prompts (the single-process prompts) and samples whole
+groups for its share of each minibatch (`Dist.my_groups`), with its own seed; with dynamic
+sampling the kept groups are handed round (`Dist.hand_round`) so every rank trains as many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grouprl.core import mixed_groups, overlong_penalty, zero_variance_groups
+from grouprl.errors import UserError
+from grouprl.faults import fault
+from grouprl.rollout import RolloutEngine
+from grouprl.tasks.base import TrainerState
+from grouprl.tasks.data import PromptStream
+from grouprl.tasks.scoring import RewardSet
+from grouprl.train.batch import Batch
+from grouprl.train.build import autocast, prompt_ids
+from grouprl.train.config import RunConfig
+from grouprl.train.distributed import SINGLE, Dist
+
+
+@dataclass
+class Sampler:
+    """What a step needs to draw prompts, sample completions and score them."""
+
+    engine: RolloutEngine
+    tokenizer: Any
+    stream: PromptStream
+    rewards: RewardSet
+    stop: list[str] | None
+    budget: int | None  # longest prompt in tokens; None: no limit
+    dtype: torch.dtype | None  # autocast dtype of the forward passes
+    device: torch.device
+    dist: Dist = SINGLE  # this rank's place in a torchrun job
+    warn: Callable[[str], None] = print
+    warned: set[str] = field(default_factory=set)  # one-time warnings already given
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            self.warn(message)
+
+
+@dataclass(frozen=True)
+class GroupCounts:
+    """What a step's sampling rounds drew, by group: summed over rounds with `+`, over ranks
+    with `reduced` (one all-reduce)."""
+
+    sampled: int = 0  # groups sampled
+    kept: int = 0  # of them, those dynamic sampling kept (all when it is off)
+    zero_std: int = 0  # groups whose rewards all agree (advantages all 0)
+    all_pass: int = 0  # groups whose completions all pass (by the pass reward)
+    none_pass: int = 0  # ... all fail
+    tokens: int = 0  # completion tokens sampled, in every group
+    zero_std_tokens: int = 0  # ... in the zero-variance groups
+
+    def __add__(self, other: GroupCounts) -> GroupCounts:
+        return GroupCounts(*(a + b for a, b in zip(_values(self), _values(other), strict=True)))
+
+    def reduced(self, dist: Dist) -> GroupCounts:
+        """The whole job's counts (every rank calls this, at the same point)."""
+        return GroupCounts(*(int(v) for v in dist.sum(*_values(self))))
+
+
+def _values(counts: GroupCounts) -> tuple[int, ...]:
+    return tuple(getattr(counts, f.name) for f in dataclasses.fields(counts))
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A step's sampling: what this rank trains, everything it sampled, and the job's counts."""
+
+    kept: Batch | None  # this rank's groups to train; None when no rank kept any
+    sampled: Batch  # everything this rank sampled, kept or not (the reward metrics' batch)
+    counts: GroupCounts  # of the whole job
+    groups: int  # groups trained, over all ranks
+    rounds: int  # sampling rounds run
+    position: int  # the data position after this step's draws
+    skipped_prompts: int  # prompts over the prompt budget, drawn and skipped (alike on all ranks)
+    logged: dict[str, float]  # what reward functions logged with log_metric (mean over ranks)
+    seconds: float  # wall time of the sampling
+
+    @property
+    def filtered(self) -> bool:
+        """Whether dynamic sampling left groups out (the kept batch is not all that was sampled)."""
+        return self.groups < self.counts.sampled
+
+    def metrics(self) -> dict[str, float]:
+        c = self.counts
+        return {
+            **self.logged,
+            "frac_zero_std": c.zero_std / c.sampled,
+            # by the pass reward: all-wrong groups need easier data, all-right ones a harder one
+            "frac_all_pass": c.all_pass / c.sampled,
+            "frac_none_pass": c.none_pass / c.sampled,
+            # the rollout compute spent on groups whose advantages are all 0
+            "zero_std_token_frac": c.zero_std_tokens / c.tokens if c.tokens else 0.0,
+            "sample_rounds": self.rounds,
+            "skipped_prompts": self.skipped_prompts,
+            "groups": self.groups,
+        }
+
+
+def draw_prompts(
+    sampler: Sampler, position: int, k: int
+) -> tuple[list[dict], list[list[int]], int, int]:
+    """k rows from the stream at `position` whose prompts fit the prompt budget, their token
+    ids, the position after them, and how many prompts were skipped as too long.
+
+    A prompt over the budget is skipped (warned about once); when a whole pass over the split
+    finds none that fits, that is the user's to fix.
+    """
+    rows: list[dict] = []
+    ids: list[list[int]] = []
+    misses = skipped = 0
+    while len(rows) < k:
+        for row in sampler.stream.take(position, k - len(rows)):
+            position += 1
+            row_ids = prompt_ids(sampler.tokenizer, row["prompt"])
+            if sampler.budget is None or len(row_ids) <= sampler.budget:
+                rows.append(row)
+                ids.append(row_ids)
+                misses = 0
+                continue
+            sampler.warn_once(
+                "long prompt",
+                f"skipping a prompt of {len(row_ids)} tokens, over max_prompt_length "
+                f"{sampler.budget}; such prompts are counted as skipped_prompts in the metrics",
+            )
+            skipped += 1
+            misses += 1
+        if misses >= len(sampler.stream.rows):
+            raise UserError(
+                f"no prompt of the training data fits in {sampler.budget} tokens; raise "
+                "--max-prompt-length or lower --max-new-tokens"
+            )
+    return rows, ids, position, skipped
+
+
+@dataclass(frozen=True)
+class Round:
+    """One sampling round on this rank: its groups, scored, and what it counted."""
+
+    batch: Batch
+    keep: list[int]  # the groups dynamic sampling keeps (all when it is off)
+    counts: GroupCounts  # this rank's
+    logged: dict[str, float]
+
+
+def sample_round(
+    cfg: RunConfig, sampler: Sampler, step: int, round_: int, rows: list[dict], ids: list[list[int]]
+) -> Round:
+    """Sample G completions for each of this rank's prompts, score them (the weighted reward
+    functions, NaN where none scored), add DAPO's soft overlong penalty when enabled, and count.
+
+    A user error in a reward function on any rank is raised on every rank (`Dist.agreed`)."""
+    dist, G = sampler.dist, cfg.group_size
+    with autocast(sampler.device, sampler.dtype):
+        rollout = sampler.engine.sample(
+            ids,
+            group_size=G,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            stop=sampler.stop,
+            # each rank its own stream (an odd 32-bit offset: CPU generators keep 32 bits)
+            seed=cfg.seed * 1_000_003 + step * 97 + round_ + dist.rank * 0x9E3779B1,
+        )
+    fault("sample")
+    scores = dist.agreed(
+        sampler.rewards.score,
+        rollout.texts,
+        rows,
+        G,
+        completion_ids=rollout.completion_id_lists(),
+        state=TrainerState(global_step=step, max_steps=cfg.steps),
+        timeout=cfg.reward_timeout,
+    )
+    rewards = scores.total  # (N,) on the CPU
+    if cfg.overlong_penalty:
+        penalty = overlong_penalty(
+            rollout.sampled_lengths, max_len=cfg.max_new_tokens, cache_len=cfg.overlong_cache
+        )
+        rewards = rewards + penalty.to(device="cpu", dtype=rewards.dtype)
+    batch = Batch(rollout, rows, rewards, scores.by_function, scores.passed, scores.extra)
+    passed = scores.passed.view(-1, G)  # (b, G)
+    zero = zero_variance_groups(rewards.view(-1, G)).cpu()  # (b,)
+    mixed = mixed_groups(passed)  # (b,)
+    group_tokens = rollout.lengths.view(-1, G).sum(-1).cpu()  # (b,)
+    keep = [g for g in range(len(rows)) if mixed[g] or not cfg.dynamic_sampling]
+    counts = GroupCounts(
+        sampled=len(rows),
+        kept=len(keep),
+        zero_std=int(zero.sum()),
+        all_pass=int(passed.all(-1).sum()),
+        none_pass=int((~passed.any(-1)).sum()),
+        tokens=int(group_tokens.sum()),
+        zero_std_tokens=int(group_tokens[zero].sum()),
+    )
+    return Round(batch, keep, counts, scores.logged)
+
+
+def collect_batch(cfg: RunConfig, sampler: Sampler, step: int, position: int) -> Collected:
+    """Sample and score B groups from data `position` on; with dynamic sampling keep only the
+    groups that teach something, sampling more rounds while fewer than B were kept. Short of B
+    after the last round, the step trains on a multiple of world size × minibatches (on every
+    rank); on none at all (`kept` None) with a warning, once."""
+    start = time.perf_counter()
+    B, dist = cfg.prompts_per_step, sampler.dist
+    W, M = dist.world_size, cfg.minibatches
+    rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
+    parts: list[tuple[int, Batch]] = []  # (round, kept groups of this rank)
+    sampled: list[Batch] = []
+    counts, kept_anywhere, skipped, logged = GroupCounts(), 0, 0, {}
+    for round_ in range(rounds):
+        every_rows, every_ids, position, too_long = draw_prompts(
+            sampler,
+            position,
+            -(-(B - kept_anywhere) // W) * W,  # the same on all ranks
+        )
+        skipped += too_long
+        n = len(every_rows)
+        mine = dist.my_groups(n, M) if n % (W * M) == 0 else dist.mine(n)
+        rows, ids = [every_rows[i] for i in mine], [every_ids[i] for i in mine]
+        result = sample_round(cfg, sampler, step, round_, rows, ids)
+        sampled.append(result.batch)
+        counts = counts + result.counts
+        logged.update(result.logged)
+        if result.keep:
+            whole = len(result.keep) == len(rows)
+            parts.append(
+                (round_, result.batch if whole else result.batch.select_groups(result.keep))
+            )
+        (kept_here,) = dist.sum(len(result.keep))  # on every rank
+        kept_anywhere += int(kept_here)
+        if kept_anywhere >= B:
+            break
+    counts = counts.reduced(dist)
+    usable = min(kept_anywhere, B)
+    usable -= usable % (W * M)
+    everything = Batch.concat(sampled)
+    collected = dict(
+        sampled=everything, counts=counts, groups=usable, rounds=round_ + 1, position=position,
+        skipped_prompts=skipped, logged=_mean_over_ranks(dist, logged),
+        seconds=time.perf_counter() - start,
+    )  # fmt: skip
+    if usable == 0:
+        if cfg.dynamic_sampling:
+            sampler.warn_once(
+                "nothing kept",
+                f"dynamic sampling kept no group at step {step + 1}: in every group all "
+                f"completions passed or all failed by the pass reward "
+                f"'{sampler.rewards.pass_reward}' (a pass is a score >= 1); if it gives partial "
+                "credit, name another with --pass-reward or turn --dynamic-sampling off",
+            )
+        return Collected(kept=None, **collected)
+    if dist.enabled and cfg.dynamic_sampling:
+        kept = dist.hand_round(parts, usable, M, sampler.device)
+    else:  # each rank kept its own share, in order
+        kept = Batch.concat([b for _, b in parts])
+        if len(kept.rows) != usable // W:
+            kept = kept.select_groups(list(range(usable // W)))
+    return Collected(kept=kept, **collected)
+
+
+def _mean_over_ranks(dist: Dist, values: dict[str, float]) -> dict[str, float]:
+    """Each key's mean over the ranks that logged it."""
+    if not dist.enabled:
+        return values
+    out: dict[str, list[float]] = {}
+    for logged in dist.gather(values):
+        for key, value in logged.items():
+            out.setdefault(key, []).append(value)
+    return {key: sum(v) / len(v) for key, v in out.items()}

@@ -1,0 +1,446 @@
+"""A training run's set-up and its record on disk.
+
+- `setup_run(cfg) -> Run`: everything `train` builds before its first step (the resolved
+  config, the process group, the policy, optimizer, engine, task, rewards, held-out rows), with
+  every check that can fail done before anything is written.
+- `restore(run) -> RunState`: where the run continues from: a fresh state, or a resumed one
+  (its newest intact checkpoint loaded, the logs after it replayed), and the run directory's
+  config.yaml written.
+- `RunState`: the run's progress, the only progress a checkpoint holds besides the weights and
+  the optimizer; `save(run, state)` writes one; `committed(run, state)` saves `state` when a
+  user's mistake stops the run.
+
+Only rank 0 writes; every write goes through `Dist.on_main`, so a write that fails there (a full
+disk, a permission) ends every rank with the same line, and the last complete checkpoint stays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from torch import nn
+
+from grouprl.errors import UserError
+from grouprl.models.loading import resolve_device
+from grouprl.models.lora import save_final
+from grouprl.report import MetricSinks, plot_run
+from grouprl.report.runs import FINAL_MARKER, finished_at
+from grouprl.report.sinks import NullSinks, truncate_jsonl
+from grouprl.tasks import Task
+from grouprl.tasks.data import PromptStream
+from grouprl.train import checkpoint as ckpt
+from grouprl.train import distributed
+from grouprl.train.build import (
+    build_rewards,
+    build_task,
+    forward_dtype,
+    keep_freed_memory,
+    load_policy,
+    prompt_budget,
+    rows_that_fit,
+    stop_strings,
+    task_budget,
+)
+from grouprl.train.collect import Sampler
+from grouprl.train.config import RunConfig, TrainConfig, resolve, to_yaml
+from grouprl.train.distributed import Dist
+from grouprl.train.fsdp import Lockstep, full_state, shard
+from grouprl.train.update import grad_scaler, make_optimizer
+
+
+@dataclass(frozen=True)
+class RunState:
+    """A run's progress after a number of completed steps: with the weights, optimizer,
+    scheduler and random states (which a checkpoint holds beside it), all that a resume needs.
+    Each step returns a new one; the driver keeps the last one a step completed."""
+
+    step: int = 0  # steps completed
+    data_position: int = 0  # training rows drawn from the prompt stream so far
+    nonfinite_in_a_row: int = 0  # the latest steps whose updates were all skipped as non-finite
+    initial_eval: dict[str, float] | None = None  # the held-out evaluation at step 0
+
+    def to_json(self) -> dict[str, Any]:
+        """What state.json records, under the field names (`step` is written by the checkpoint
+        itself). These are the names checkpoints have always used."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "step"}
+
+    @classmethod
+    def from_json(cls, meta: dict[str, Any]) -> RunState:
+        """The state a checkpoint's state.json records (a key it lacks takes its default)."""
+        defaults = cls()
+        return cls(**{f.name: meta.get(f.name, getattr(defaults, f.name))
+                      for f in dataclasses.fields(cls)})  # fmt: skip
+
+
+@dataclass
+class Run:
+    """What a training run holds from set-up to its end. The model, optimizer, scheduler and
+    scaler change in place as it trains; its progress is a `RunState`, kept apart."""
+
+    cfg: RunConfig
+    run_dir: Path
+    dist: Dist
+    lockstep: Lockstep
+    device: torch.device
+    task: Task
+    policy: nn.Module
+    tokenizer: Any
+    reference: nn.Module | None  # a frozen copy for the KL term (full fine-tuning, beta > 0)
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler | None
+    sampler: Sampler
+    eval_rows: list[dict]
+    console: Console
+    sinks: MetricSinks | NullSinks = field(default_factory=NullSinks)
+    reported: set[str] = field(default_factory=set)  # the live doctor's findings already printed
+
+    def warn(self, message: str) -> None:
+        self.console.print(f"[yellow]warning:[/] {message}")
+
+    def on_main(self, compute: Callable[[], Any]) -> Any:
+        """`compute()` on rank 0, agreed (see `Dist.on_main`)."""
+        return self.dist.on_main(compute)
+
+
+def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
+    """Resolve and validate `cfg`, join the torchrun job (if any), pick the run directory, load
+    the policy (sharded under FSDP) and build everything a step needs. Nothing is written."""
+    console = console or Console(stderr=True, quiet=not distributed.is_main_process())
+
+    def warn(message: str) -> None:
+        console.print(f"[yellow]warning:[/] {message}")
+
+    env = distributed.torchrun_env()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = resolve(cfg, task_max_new_tokens=task_budget(cfg), world_size=env[1] if env else 1)
+        task = build_task(cfg)
+    for warning in caught:
+        warn(str(warning.message))
+    device = resolve_device(distributed.rank_device(cfg.device))
+    keep_freed_memory(device)  # large CPU tensors reuse freed pages instead of faulting anew
+    dist = distributed.init(cfg.strategy, device)
+    lockstep = Lockstep(dist)
+    run_dir = dist.on_main(lambda: prepare_run_dir(cfg))  # rank 0 picks the name
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    # under FSDP the whole model stays in host memory; each rank moves only its shards
+    policy, tokenizer, reference = load_policy(cfg, torch.device("cpu") if dist.fsdp else device)
+    if dist.fsdp:
+        for model in (policy, reference):
+            if model is not None:
+                shard(model, device=device)
+    else:
+        dist.broadcast_parameters(policy)
+    sampler = Sampler(
+        engine=lockstep.engine(policy, tokenizer),  # samples with the policy itself: no sync
+        tokenizer=tokenizer,
+        stream=PromptStream(task.train, cfg.seed),
+        rewards=build_rewards(cfg, task, device),
+        stop=stop_strings(cfg, task),
+        budget=prompt_budget(cfg, policy, cfg.max_new_tokens),
+        dtype=forward_dtype(cfg),
+        device=device,
+        dist=dist,
+        warn=warn,
+    )
+    optimizer = make_optimizer(cfg, policy)
+    return Run(
+        cfg=cfg,
+        run_dir=run_dir,
+        dist=dist,
+        lockstep=lockstep,
+        device=device,
+        task=task,
+        policy=policy,
+        tokenizer=tokenizer,
+        reference=reference,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s)),
+        scaler=grad_scaler(cfg, device),
+        sampler=sampler,
+        eval_rows=evaluation_rows(cfg, task, sampler, warn),
+        console=console,
+    )
+
+
+def restore(run: Run) -> tuple[RunState, bool]:
+    """The state the run continues from, and whether it is already finished (a resumed run that
+    ended at `steps`: nothing to do, nothing written). A resume loads the newest intact
+    checkpoint (rank 0 sets damaged ones aside; every rank reads) and replays the logs: lines
+    after the checkpoint's step are dropped, and so is a half-written last line. Then the run
+    directory and its config.yaml are written."""
+    cfg = run.cfg
+    state = RunState()
+    if cfg.resume is not None:
+        checkpoint = run.on_main(
+            lambda: ckpt.latest_checkpoint(run.run_dir, warn=run.warn, set_aside=True)
+        )
+        if checkpoint is not None:
+            state = _load(run, checkpoint)
+            if (
+                state.step >= cfg.steps
+                and run.on_main(lambda: finished_at(run.run_dir)) == state.step
+            ):
+                run.console.print(
+                    f"{run.run_dir} already finished at step {state.step} (steps {cfg.steps}); "
+                    f"nothing to do. To train longer: grouprl train --resume {run.run_dir} --steps N"
+                )
+                return state, True
+            run.console.print(f"resuming {run.run_dir} from step {state.step}")
+        run.on_main(lambda: _replay_logs(run, state))
+    run.on_main(lambda: _write_config(run))
+    return state, False
+
+
+def _load(run: Run, checkpoint: Path) -> RunState:
+    meta = ckpt.load_checkpoint(
+        checkpoint,
+        model=run.policy,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        sharded=run.dist.fsdp,
+    )
+    apply_hyperparameters(run.cfg, run.optimizer, run.scheduler)  # what --allow-change changed
+    if run.scaler is not None and meta.get("grad_scaler"):
+        run.scaler.load_state_dict(meta["grad_scaler"])
+    saved_world = meta.get("world_size", 1)
+    if saved_world != run.dist.world_size:
+        run.console.print(
+            f"resuming a run saved by {saved_world} process(es) with {run.dist.world_size}: the "
+            "checkpoint is a full model, so this works, but the completions sampled from here "
+            "on differ from those of an uninterrupted run (each rank has its own seed)"
+        )
+    return RunState.from_json(meta)
+
+
+def _last_logged(run: Run, state: RunState) -> int:
+    """The last step whose log lines a resumed run keeps (-1: none, the run restarts at 0)."""
+    return state.step if state.initial_eval is not None else -1
+
+
+def _replay_logs(run: Run, state: RunState) -> None:
+    last_kept = _last_logged(run, state)
+    # a final evaluation at `start` is replayed too: the run ends there
+    last_eval = min(last_kept, state.step - 1) if state.step >= run.cfg.steps else last_kept
+    for name, keep in (("metrics.jsonl", last_kept), ("eval.jsonl", last_eval),
+                       ("samples.jsonl", last_kept), ("ratios.jsonl", last_kept)):  # fmt: skip
+        if truncate_jsonl(run.run_dir / name, keep_through_step=keep):
+            run.warn(f"{name}: dropped a half-written line (the process was killed mid-write)")
+
+
+def _write_config(run: Run) -> None:
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomically(run.run_dir / "config.yaml", to_yaml(run.cfg))
+
+
+@contextlib.contextmanager
+def open_sinks(run: Run, state: RunState) -> Iterator[None]:
+    """The run's metric sinks (rank 0; nothing elsewhere), closed at the end, whatever ends it.
+    On a resumed run TensorBoard forgets what the replayed steps logged before (the JSONL logs
+    were truncated by `restore`)."""
+    purge = _last_logged(run, state) + 1 if run.cfg.resume is not None else None
+
+    def open_on_main() -> None:  # rank 0 alone: the sinks hold open files
+        run.sinks = MetricSinks(run.run_dir, purge_step=purge)
+
+    run.on_main(open_on_main)
+    try:
+        yield
+    finally:
+        run.sinks.close()
+        run.sinks = NullSinks()
+
+
+class SaveFailed(UserError):
+    """A checkpoint could not be written: saving again on the way out would fail the same way."""
+
+
+def save(run: Run, state: RunState) -> None:
+    """Checkpoint `state` with the weights, optimizer and scheduler as they are now: call it
+    only where they are `state`'s (between steps). A collective under FSDP (the full state is
+    gathered); rank 0 writes, agreed."""
+    extra = {"world_size": run.dist.world_size}
+    if run.scaler is not None:
+        extra["grad_scaler"] = run.scaler.state_dict()
+    full = full_state(run.policy, run.optimizer, run.dist)
+
+    def write() -> Path:
+        return ckpt.save_checkpoint(
+            run.run_dir,
+            state.step,
+            model=run.policy,
+            tokenizer=run.tokenizer,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            state={**state.to_json(), **extra},
+            keep_last=run.cfg.keep_last,
+            full_state=full,
+        )
+
+    try:
+        run.on_main(write)
+    except UserError as err:
+        raise SaveFailed(str(err)) from None
+
+
+@contextlib.contextmanager
+def committed(run: Run, state: RunState) -> Iterator[None]:
+    """Inside, the weights are `state`'s (no update has begun changing them): a user's mistake
+    here (a reward that raises, a run of non-finite steps) saves `state` before it ends the run,
+    on every rank together. Nothing is saved when the failure is the save itself."""
+    try:
+        yield
+    except SaveFailed:
+        run.dist.barrier()
+        raise
+    except UserError:
+        save(run, state)
+        run.dist.barrier()  # torchrun must not end rank 0 while it writes
+        raise
+
+
+def evaluation_rows(
+    cfg: RunConfig, task: Task, sampler: Sampler, warn: Callable[[str], None]
+) -> list[dict]:
+    """The first `eval_size` held-out rows whose prompts fit the prompt budget (a warning when
+    there are fewer)."""
+    if cfg.eval_size > len(task.heldout):
+        warn(
+            f"eval_size {cfg.eval_size} is more than the {len(task.heldout)} held-out rows; "
+            "evaluating all of them"
+        )
+    rows, too_long = rows_that_fit(task.heldout, cfg.eval_size, sampler.tokenizer, sampler.budget)
+    if too_long:
+        warn(f"{too_long} held-out prompts are over {sampler.budget} tokens and not evaluated")
+    if not rows:
+        raise UserError("no held-out prompt fits the prompt budget; raise --max-prompt-length")
+    return rows
+
+
+def lr_factor(cfg: RunConfig, step: int) -> float:
+    """Linear warm-up to 1, then constant or a cosine decay to 0 at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def apply_hyperparameters(cfg: RunConfig, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """The config's learning rate, weight decay and betas over what a checkpoint restored, so
+    that `--resume --allow-change lr` means what it says (equal values change nothing)."""
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group.update(
+            initial_lr=cfg.lr,
+            lr=cfg.lr * lr_factor(cfg, scheduler.last_epoch),
+            weight_decay=cfg.weight_decay,
+            betas=tuple(cfg.adam_betas),
+        )
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def prepare_run_dir(cfg: RunConfig) -> Path:
+    """The run directory, checked before anything is written: an earlier run is never touched,
+    and a directory that cannot be written is found before the model loads."""
+    if cfg.resume is not None:
+        run_dir = Path(cfg.resume)
+    else:
+        run_dir = Path(
+            cfg.output_dir or Path("runs") / f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        if (run_dir / "config.yaml").exists():
+            raise UserError(
+                f"{run_dir} already holds a run; pass --resume {run_dir} to continue it "
+                "or choose another --output-dir"
+            )
+    probe = run_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"cannot create the run directory {run_dir}: {probe} is a file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(
+            f"cannot write the run directory {run_dir}: {probe} is not writable (permissions or "
+            "a read-only file system); choose another --output-dir"
+        )
+    return run_dir
+
+
+def write_final(run: Run, step: int) -> Path | None:
+    """final/ (the policy, merged when LoRA, and its tokenizer), plots: rank 0 writes; a
+    collective under FSDP (the full weights are gathered). final/ is written under a temporary
+    name, marked with its step, then swapped in: a kill midway leaves the previous final/ (or
+    none), never a half-written one."""
+    weights = full_state(run.policy, None, run.dist)
+
+    def write() -> Path:
+        run_dir = run.run_dir
+        final, tmp, old = run_dir / "final", run_dir / ".final-tmp", run_dir / ".final-old"
+        for leftover in (tmp, old):
+            shutil.rmtree(leftover, ignore_errors=True)
+        save_final(run.policy, run.tokenizer, tmp, None if weights is None else weights[0])
+        (tmp / FINAL_MARKER).write_text(json.dumps({"step": step}) + "\n")
+        if final.exists():
+            os.replace(final, old)  # the previous final policy of this same run, now superseded
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        plots = plot_run(run_dir)
+        return plots[0].parent if plots else None
+
+    return run.on_main(write)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def describe(run: Run) -> None:
+    """What is about to train, on what, from which data, scored how."""
+    model = run.policy
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dist = run.dist
+    where = (
+        f"{run.device}"
+        if not dist.enabled
+        else f"{dist.world_size} processes ({dist.strategy}, {run.device.type})"
+    )
+    rewards = run.sampler.rewards
+    weights = ", ".join(f"{n} x{w:g}" for n, w in rewards.weights.items())
+    say = run.console.print
+    say(f"run directory: {run.run_dir}")
+    say(
+        f"policy:  {run.cfg.model} ({_count(total)} parameters, {_count(trained)} trained) on {where}"
+    )
+    say(
+        f"data:    {run.task.name} ({len(run.task.train)} train rows, {len(run.eval_rows)} "
+        "held-out rows evaluated)"
+    )
+    say(f"rewards: {weights}; pass reward: {rewards.pass_reward}")

@@ -1,0 +1,94 @@
+"""The package's layers (DESIGN.md): core ← rollout, models, tasks, report ← train ← cli.
+
+No module imports from a layer above its own, modules of one middle layer do not import each
+other's packages, and there is no import cycle inside a package either (a cycle is where a
+change in one file silently needs another)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import grouprl
+
+ROOT = Path(grouprl.__file__).parent
+#: Each part of the package and its layer; a module may import its own layer's part and lower
+#: layers. errors, faults and messages are shared helpers everyone may use.
+LAYERS = {
+    "errors": 0, "faults": 0, "messages": 0,
+    "core": 1,
+    "rollout": 2, "models": 2, "tasks": 2, "report": 2, "explain": 2,
+    "train": 3,
+    "cli": 4, "__main__": 5,
+}  # fmt: skip
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "__init__"
+
+
+PACKAGES = {
+    ".".join(("grouprl", *p.parent.relative_to(ROOT).parts)) for p in ROOT.rglob("__init__.py")
+}
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every grouprl module and the grouprl modules it imports (at any depth of its code)."""
+    graph = {}
+    for path in ROOT.rglob("*.py"):
+        name = ".".join(("grouprl", *path.relative_to(ROOT).with_suffix("").parts))
+        name = name.removesuffix(".__init__")
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module)  # and `from package import module` names a module:
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[name] = {m for m in found if m == "grouprl" or m.startswith("grouprl.")}
+    return graph
+
+
+def test_no_import_runs_up_the_layers_or_across_a_middle_layer():
+    for module, imported in _imports().items():
+        part = _part(module)
+        if part == "__init__":
+            continue
+        for target in imported:
+            other = _part(target)
+            assert other in LAYERS, f"{target} (imported by {module}) has no layer"
+            assert LAYERS[other] <= LAYERS[part], f"{module} imports {target}, a higher layer"
+            assert LAYERS[other] < LAYERS[part] or other == part or LAYERS[part] == 0, (
+                f"{module} imports {target}, another part of its own layer"
+            )
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """An import cycle among `edges` (module -> modules it imports), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path, node, nxt]
+            if nxt not in state and (found := visit(nxt, [*path, node])):
+                return found
+        state[node] = 2
+        return None
+
+    for module in sorted(edges):
+        if module not in state and (found := visit(module, [])):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # it can fail
+    graph = _imports()
+    # a package's __init__ only re-exports its modules: edges into it are not cycle steps
+    edges = {
+        m: {t for t in targets if t in graph and t not in PACKAGES and t != m}
+        for m, targets in graph.items()
+    }
+    assert _cycle(edges) is None, " -> ".join(_cycle(edges))
