@@ -1,4 +1,9 @@
-"""Contract details of grouprl.core: validation, NaN rewards, empty rows, dual clip, DP counts."""
+"""Contract details of grouprl.core: validation, NaN rewards, empty rows, dual clip, DP counts.
+
+Tolerances: the inputs are float64 and small (n <= 8 rows of <= 6 tokens), so two ways of
+computing the same quantity (split into ranks or chunks, a reference formula) differ by
+reordering only, ~n·T·1.1e-16 relative; torch.testing.assert_close's float64 defaults (rtol
+1e-7, atol 1e-7) and the explicit 1e-12 are far above that and far below any real error."""
 
 import math
 import re
@@ -102,6 +107,7 @@ def test_bad_arguments_raise_one_clear_value_error(call, message):
         call()
 
 
+@pytest.mark.numerics
 def test_nan_rewards_get_zero_and_are_left_out_of_the_statistics():
     rewards = t([[1.0, NAN, 0.0, 1.0], [NAN, NAN, 2.0, 5.0]])
     for scale in ADVANTAGE_SCALES:
@@ -156,6 +162,7 @@ def test_no_valid_token_gives_zero_loss_zero_diagnostics_and_a_usable_graph(leve
     assert all(v == 0.0 for v in out.metrics().values())
 
 
+@pytest.mark.numerics
 def test_an_empty_row_contributes_nothing():
     logp, old_logp, _, adv, mask = batch()
     mask[1] = False
@@ -165,6 +172,7 @@ def test_an_empty_row_contributes_nothing():
     torch.testing.assert_close(full.loss, part.loss)
 
 
+@pytest.mark.numerics
 def test_dual_clip_bounds_the_loss_of_negative_advantages():
     old_logp, mask = t([[0.0, 0.0, 0.0]]), torch.ones(1, 3)
     logp = t([[math.log(5.0), math.log(2.0), math.log(0.5)]]).requires_grad_()
@@ -188,6 +196,7 @@ def test_huge_ratios_give_finite_loss_and_gradient():
         assert out.loss.isfinite() and logp.grad.isfinite().all()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("agg", list(AGGREGATIONS))
 def test_global_counts_let_data_parallel_ranks_sum_to_the_full_loss(agg):
     logp, old_logp, ref_logp, adv, mask = batch(n=6, seed=3)
@@ -204,6 +213,7 @@ def test_global_counts_let_data_parallel_ranks_sum_to_the_full_loss(agg):
     torch.testing.assert_close(summed, full.loss)
 
 
+@pytest.mark.numerics
 def test_diagnostics():
     logp, old_logp, ref_logp, adv, mask = batch(n=8, length=6, seed=1)
     for level in RATIO_LEVELS:
@@ -231,6 +241,7 @@ def test_diagnostics():
         out.loss = None  # frozen
 
 
+@pytest.mark.numerics
 def test_kl_term_is_added_with_beta():
     logp, old_logp, ref_logp, adv, mask = batch(seed=2)
     for agg in AGGREGATIONS:
@@ -266,6 +277,7 @@ def test_every_loss_statistic_says_how_it_combines():
     assert not set(LossStats.SUMS) & set(LossStats.EXTREMES)
 
 
+@pytest.mark.numerics
 def test_stats_of_chunks_combine_to_the_stats_of_the_whole():
     """Sums add and extremes max over any split of the rows, exactly: the whole batch's means
     come out of its chunks' stats (rows 0-1 and 2-3; row 3 has no valid token)."""

@@ -1,4 +1,10 @@
-"""Every number in ../shared/REFERENCES.md "Numbers a test can check" (1–11), computed by core."""
+"""Every number in ../shared/REFERENCES.md "Numbers a test can check" (1–11), computed by core.
+
+Tolerances: everything here is float64 on a handful of O(1) values, a few operations each, so
+a computed number is within ~1e-15 of the exact one: 1e-12 holds on any CPU and tells apart
+any formula that is wrong. Sums over 2000 terms of O(0.1) (number 4) are off by at most
+2000 · 1.1e-16 · 200 ≈ 4e-11: 1e-9. Numbers the references print to 4 or 5 digits are matched
+to half a unit of their last digit (5e-5, 5e-8)."""
 
 import math
 
@@ -25,6 +31,7 @@ def assert_close(actual: torch.Tensor, expected, atol: float = 1e-12) -> None:
 
 
 # 1. Rewards [1,0,1,0]: population std (eps → 0) → [1,−1,1,−1]; sample std → ±0.8660.
+@pytest.mark.numerics
 def test_1_balanced_group():
     rewards = t([[1, 0, 1, 0]])
     assert torch.equal(group_advantages(rewards, eps=0.0), t([[1, -1, 1, -1]]))
@@ -39,6 +46,7 @@ def test_1_balanced_group():
 
 
 # 2. [1,0,0,0]: population std → [1.7321, −0.5774 ×3]; no scaling → [0.75, −0.25 ×3]; RLOO → [1, −1/3 ×3].
+@pytest.mark.numerics
 def test_2_one_success_in_four():
     rewards = t([[1, 0, 0, 0]])
     assert_close(group_advantages(rewards, eps=0.0), [[3**0.5, -(3**-0.5), -(3**-0.5), -(3**-0.5)]])
@@ -72,6 +80,7 @@ def test_3_equal_rewards_give_exact_zeros_and_no_gradient(value, estimator, scal
 
 # 4. Mean per-token log-ratio 0.1 → sequence ratio e^0.1 for 5 and for 2000 tokens; the product of
 #    the 2000 token ratios is e^200 (in log space).
+@pytest.mark.numerics
 def test_4_sequence_ratio_does_not_grow_with_length():
     old_logp = torch.full((2, 2000), -1.0, dtype=torch.float64)
     logp = old_logp + 0.1
@@ -87,6 +96,7 @@ def test_4_sequence_ratio_does_not_grow_with_length():
 
 # 5. Two tokens 0.20→0.40 and 0.50→0.25: token ratios 2.0, 0.5, sequence ratio 1.0; with ε = 0.2
 #    the token clip binds on token 1 for Â > 0 and on token 2 for Â < 0; the sequence is not clipped.
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
 def test_5_two_token_example(advantage):
     old_logp, mask = t([[0.20, 0.50]]).log(), torch.ones(1, 2, dtype=torch.bool)
@@ -113,6 +123,7 @@ def test_5_two_token_example(advantage):
 
 
 # 6. Log-ratios [0.1, −0.2, 0.4] → s = e^0.1 = cube root of the product of the ratios.
+@pytest.mark.numerics
 def test_6_geometric_mean():
     lr = t([[0.1, -0.2, 0.4]])
     s = log_ratio(lr, torch.zeros_like(lr), torch.ones(1, 3), level="sequence").exp()
@@ -123,6 +134,7 @@ def test_6_geometric_mean():
 
 # 7. GSPO's clip 3e-4 / 4e-4 is [0.9997, 1.0004]; s = e^0.001 with Â > 0 is clipped (zero gradient
 #    for the whole completion), with Â < 0 it is not.
+@pytest.mark.numerics
 @pytest.mark.parametrize("level", ["sequence", "sequence_token"])
 def test_7_gspo_clip_range(level):
     assert_close(t([1 - 3e-4, 1 + 4e-4]), [0.9997, 1.0004])
@@ -145,6 +157,7 @@ def test_7_gspo_clip_range(level):
 
 
 # 8. Clipped surrogate with ε = 0.2: ρ = 1.5 → 1.2 (Â=+1), −1.5 (Â=−1); ρ = 0.5 → 0.5, −0.8.
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("ratio", "advantage", "expected"),
     [(1.5, 1.0, 1.2), (1.5, -1.0, -1.5), (0.5, 1.0, 0.5), (0.5, -1.0, -0.8)],
@@ -156,6 +169,7 @@ def test_8_clipped_surrogate(ratio, advantage, expected):
 
 
 # 9. k3 at d = 0.1 → 0.0048374; d = −0.1 → 0.0051709; d = 0 → 0.
+@pytest.mark.numerics
 def test_9_k3():
     k3 = kl_penalty(t([0.1, -0.1, 0.0]), t([0.0, 0.0, 0.0]), estimator="k3")
     assert_close(k3, [0.0048374, 0.0051709, 0.0], atol=5e-8)
@@ -167,6 +181,7 @@ def test_9_k3():
 
 
 # 10. Lengths 2 and 8: per-token weights 0.25 and 0.0625 (seq_mean_token_mean), 0.1 (token_mean).
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("mode", "weights"), [("seq_mean_token_mean", (0.25, 0.0625)), ("token_mean", (0.1, 0.1))]
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -45,6 +46,7 @@ def test_greedy_completion_is_a_worked_trace() -> None:
     assert tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True) == "7+5=12,3+4+1=8|82"
 
 
+@pytest.mark.numerics
 def test_documented_figures_hold() -> None:
     """Re-measure the README's evaluation (a fixed seed: 200 held-out problems x 8 samples)."""
     setting = METRICS["eval"]
@@ -61,9 +63,16 @@ def test_documented_figures_hold() -> None:
         progress=False,
     )
     documented = METRICS["heldout"]
-    assert abs(result.pass_at_1 - documented["pass_at_1"]) <= 0.05
-    assert abs(result.pass_at_k - documented["pass_at_8"]) <= 0.05
-    assert abs(result.greedy_pass_at_1 - documented["greedy_pass_at_1"]) <= 0.05
+    # Sampling statistics: on another CPU, rounding moves some inverse-CDF draws across a
+    # token boundary, so some completions differ. Each figure is held to 4 standard deviations
+    # of a fresh measurement of its kind, √(p(1 − p)/n) with the documented p: n = 1600
+    # sampled completions for pass@1, 200 problems for pass@8 and greedy pass@1.
+    n = setting["limit"]
+    for got, key, count in ((result.pass_at_1, "pass_at_1", n * setting["samples"]),
+                            (result.pass_at_k, "pass_at_8", n),
+                            (result.greedy_pass_at_1, "greedy_pass_at_1", n)):  # fmt: skip
+        p = documented[key]
+        assert abs(got - p) <= 4 * (p * (1 - p) / count) ** 0.5, (key, got, p)
     # The design targets of the base policy: room for RL, and mostly right when greedy.
     assert 0.2 <= result.pass_at_1 <= 0.6
     assert result.pass_at_k >= 0.8 and result.greedy_pass_at_1 >= 0.8

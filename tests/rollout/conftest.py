@@ -20,6 +20,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from numerics import to_float64
+
 ALPHABET = string.digits + string.ascii_lowercase + " +-*=?:.,|\n"
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 
@@ -45,10 +47,17 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_model(
-    arch: str, vocab_size: int, *, seed: int = 0, logit_scale: float = 1.0, sliding_window: int = 0
+    arch: str,
+    vocab_size: int,
+    *,
+    seed: int = 0,
+    logit_scale: float = 1.0,
+    sliding_window: int = 0,
+    dtype: torch.dtype = torch.float32,
 ):
     """A random 4-layer, hidden-64 causal LM in eval mode; `logit_scale` sharpens its outputs,
-    `sliding_window` (Qwen2 only) makes the last two layers sliding-window layers."""
+    `sliding_window` (Qwen2 only) makes the last two layers sliding-window layers. float64 for
+    the tests that claim two paths compute the same thing (see tests/numerics.py)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab_size,
@@ -73,7 +82,7 @@ def build_model(
             model.lm_head.weight.mul_(logit_scale)
     model.generation_config.eos_token_id = EOS
     model.generation_config.pad_token_id = PAD
-    return model.eval()
+    return (to_float64(model) if dtype == torch.float64 else model.to(dtype)).eval()
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +95,11 @@ def model(request, tokenizer):
     return build_model(request.param, len(tokenizer))
 
 
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def model64(request, tokenizer):
+    return build_model(request.param, len(tokenizer), dtype=torch.float64)
+
+
 @pytest.fixture(scope="session")
 def make_model(tokenizer):
     """Factory for a fresh model (for tests that modify it): make_model("llama" | "qwen2")."""
@@ -95,6 +109,11 @@ def make_model(tokenizer):
 @pytest.fixture(scope="session")
 def llama(tokenizer):
     return build_model("llama", len(tokenizer))
+
+
+@pytest.fixture(scope="session")
+def llama64(tokenizer):
+    return build_model("llama", len(tokenizer), dtype=torch.float64)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,7 @@
-"""completion_logprobs: equal to sampling's old_logp, and to a plain unshared computation."""
+"""completion_logprobs: equal to sampling's old_logp, and to a plain unshared computation.
+
+These are claims that two paths compute the same function, so they are checked on float64
+models to `numerics.F64_SAME` of the magnitudes compared (see tests/numerics.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import torch
 
 from grouprl.rollout import completion_logprobs, sample_groups
 from grouprl.rollout.logprobs import _PLAIN_HEAD
+from numerics import assert_same_f64
 
 PROMPTS = ["1+2=", "a longer prompt, 37*45=", "x", "q: 12-7=? a:"]
 
@@ -21,17 +25,21 @@ def _reference(model, rollout, temperature):
     pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
     p = rollout.prompt_ids.shape[1]
-    logp_all = torch.log_softmax(logits[:, p - 1 : -1].float() / temperature, -1)  # (N, T, V)
+    logits = logits[:, p - 1 : -1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp_all = torch.log_softmax(logits / temperature, -1)  # (N, T, V)
     logp = logp_all.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     zero = torch.zeros_like(logp)
     return torch.where(rollout.mask, logp, zero), torch.where(rollout.mask, entropy, zero)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 10, 0.9)])
 def test_old_logp_and_entropy_equal_completion_logprobs(
-    model, tokenizer, temperature, top_k, top_p
+    model64, tokenizer, temperature, top_k, top_p
 ):
+    model = model64
     rollout = sample_groups(
         model,
         tokenizer,
@@ -48,17 +56,21 @@ def test_old_logp_and_entropy_equal_completion_logprobs(
         logp, entropy = completion_logprobs(
             model, rollout, temperature=rollout.temperature, with_entropy=True
         )
-    torch.testing.assert_close(logp, rollout.old_logp, atol=1e-5, rtol=0)
+    assert_same_f64(logp, rollout.old_logp)
     assert (logp[~rollout.mask] == 0).all()
     # the sampler's entropy is the trainer's, before truncation like old_logp
-    torch.testing.assert_close(rollout.entropy, entropy, atol=1e-5, rtol=0)
+    assert_same_f64(rollout.entropy, entropy)
     assert (rollout.entropy > 0).any() and (rollout.entropy[~rollout.mask] == 0).all()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("chunk_tokens", [7, None])  # several recomputed chunks; one stored
-def test_shared_prompt_equals_unshared_values_and_gradients(model, tokenizer, chunk_tokens):
+def test_shared_prompt_equals_unshared_values_and_gradients(model64, tokenizer, chunk_tokens):
+    model = model64
     rollout = sample_groups(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=16, seed=1)
-    weights = torch.randn(rollout.mask.shape, generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(
+        rollout.mask.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
     temperature = 0.8
 
     model.zero_grad()
@@ -72,47 +84,52 @@ def test_shared_prompt_equals_unshared_values_and_gradients(model, tokenizer, ch
     ref_logp, ref_entropy = _reference(model, rollout, temperature)
     ((ref_logp * weights).sum() + ref_entropy.sum()).backward()
 
-    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=0)
+    assert_same_f64(logp, ref_logp)
+    assert_same_f64(entropy, ref_entropy)
     for name, p in model.named_parameters():
         assert torch.isfinite(grads[name]).all(), name
-        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+        assert_same_f64(grads[name], p.grad)
     model.zero_grad()
 
 
+@pytest.mark.numerics
 def test_sliding_window_layers_share_the_prompt_correctly(make_model, tokenizer):
-    model = make_model("qwen2", sliding_window=5)
+    model = make_model("qwen2", sliding_window=5, dtype=torch.float64)
     assert "sliding_attention" in model.config.layer_types
     rollout = sample_groups(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=12, seed=0)
     with torch.no_grad():
         logp = completion_logprobs(model, rollout)
         ref, _ = _reference(model, rollout, 1.0)
-    torch.testing.assert_close(logp, ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(rollout.old_logp, ref, atol=1e-5, rtol=0)
+    assert_same_f64(logp, ref)
+    assert_same_f64(rollout.old_logp, ref)
 
 
-def test_chunking_and_no_grad_give_the_same_values(llama, tokenizer):
-    rollout = sample_groups(llama, tokenizer, PROMPTS, group_size=2, max_new_tokens=10, seed=2)
+@pytest.mark.numerics
+def test_chunking_and_no_grad_give_the_same_values(llama, llama64, tokenizer):
+    rollout = sample_groups(llama64, tokenizer, PROMPTS, group_size=2, max_new_tokens=10, seed=2)
     with torch.no_grad():
-        whole = completion_logprobs(llama, rollout)
-        chunked = completion_logprobs(llama, rollout, chunk_tokens=3)
-    torch.testing.assert_close(whole, chunked, atol=1e-6, rtol=0)
-    assert whole.dtype == torch.float32 and whole.shape == rollout.mask.shape
+        whole = completion_logprobs(llama64, rollout)
+        chunked = completion_logprobs(llama64, rollout, chunk_tokens=3)
+        fp32 = completion_logprobs(llama, rollout)
+    assert_same_f64(whole, chunked)
+    assert whole.shape == rollout.mask.shape and fp32.dtype == torch.float32
 
 
+@pytest.mark.numerics
 def test_gradient_checkpointing_falls_back_to_unshared(make_model, tokenizer):
-    model = make_model("llama")
+    model = make_model("llama", dtype=torch.float64)
     rollout = sample_groups(model, tokenizer, PROMPTS, group_size=2, max_new_tokens=8, seed=4)
     model.gradient_checkpointing_enable()
     model.train()
     logp = completion_logprobs(model, rollout)
     # old_logp from sampling is an ordinary tensor: it can sit in a differentiable loss.
     ((logp - rollout.old_logp).exp() * rollout.mask).sum().backward()
-    torch.testing.assert_close(logp.detach(), rollout.old_logp, atol=1e-5, rtol=0)
+    assert_same_f64(logp.detach(), rollout.old_logp)
 
 
+@pytest.mark.numerics
 def test_models_with_processed_logits_take_the_full_logits_path(make_model, tokenizer):
-    model = make_model("llama")
+    model = make_model("llama", dtype=torch.float64)
     original = model.forward
 
     def halved(*args, **kwargs):  # e.g. soft-capping: logits are not head(decoder(x))
@@ -125,7 +142,7 @@ def test_models_with_processed_logits_take_the_full_logits_path(make_model, toke
     with torch.no_grad():
         logp = completion_logprobs(model, rollout)
     assert _PLAIN_HEAD[model] is False
-    torch.testing.assert_close(logp, rollout.old_logp, atol=1e-5, rtol=0)
+    assert_same_f64(logp, rollout.old_logp)
 
 
 def test_empty_completions_give_zeros(llama, tokenizer):

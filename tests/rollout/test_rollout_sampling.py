@@ -22,6 +22,7 @@ from grouprl.rollout.sampling import (
     top_k_filter,
     top_p_filter,
 )
+from numerics import assert_same_f64
 
 EOS, PAD = 2, 0  # conftest.build_tokenizer's ids
 
@@ -79,6 +80,7 @@ def _chi_square_p(counts, probs):
     return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
 
 
+@pytest.mark.numerics
 def test_first_token_frequencies_follow_tempered_softmax(sharp_llama, tokenizer):
     temperature, samples = 0.7, 4000
     rollout = sample_groups(
@@ -96,9 +98,18 @@ def test_first_token_frequencies_follow_tempered_softmax(sharp_llama, tokenizer)
     # The test has power: the untempered distribution is firmly rejected.
     wrong = _first_token_probs(sharp_llama, tokenizer, "37+45=", 1.0)
     assert _chi_square_p(counts, wrong) < 1e-6
-    # old_logp is the tempered log-prob of the sampled token.
-    expected = torch.log(torch.from_numpy(probs).float())[rollout.completion_ids[:, 0]]
-    torch.testing.assert_close(rollout.old_logp[:, 0], expected, atol=1e-5, rtol=0)
+    # old_logp is the tempered log-prob of the sampled token: log_softmax(z / T) of the float32
+    # logits z, against float64 from the same z. Bound: float32 log_softmax rounds z / T once
+    # and its log-sum-exp over V terms by at most (V + 2)·u·|values|; here V = 44, |z/T| <= 50
+    # and |logp| <= 60, so 46 · 6e-8 · 60 ≈ 1.7e-4.
+    with torch.no_grad():
+        z = sharp_llama(input_ids=tokenizer(["37+45="], return_tensors="pt")["input_ids"]).logits
+    z = z[0, -1].double() / temperature
+    assert float(z.abs().max()) <= 50
+    expected = torch.log_softmax(z, -1)[rollout.completion_ids[:, 0]]  # (N,)
+    assert float(expected.abs().max()) <= 60
+    bound = (len(tokenizer) + 2) * 2**-24 * 60
+    torch.testing.assert_close(rollout.old_logp[:, 0].double(), expected, atol=bound, rtol=0)
 
 
 def _teacher_forced_logits(model, rollout):
@@ -182,7 +193,11 @@ def test_same_seed_same_completions_different_seed_differs(llama, tokenizer):
     assert not torch.equal(a.completion_ids, c.completion_ids)
 
 
-def test_prompt_alone_and_in_padded_batch_agree(model, tokenizer):
+@pytest.mark.numerics
+def test_prompt_alone_and_in_padded_batch_agree(model64, tokenizer):
+    """Left padding changes nothing: the same greedy tokens, and the same log-probs (float64:
+    the same computation over other shapes, see tests/numerics.py)."""
+    model = model64
     alone = sample_groups(
         model, tokenizer, ["1+2="], group_size=1, max_new_tokens=12, temperature=0
     )
@@ -192,16 +207,17 @@ def test_prompt_alone_and_in_padded_batch_agree(model, tokenizer):
     )  # fmt: skip
     n = int(alone.lengths[0])
     assert torch.equal(batch.completion_ids[1, :n], alone.completion_ids[0, :n])
-    torch.testing.assert_close(batch.old_logp[1, :n], alone.old_logp[0, :n], atol=1e-5, rtol=0)
+    assert_same_f64(batch.old_logp[1, :n], alone.old_logp[0, :n])
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("layer", [PreallocatedLayer, SharedPromptLayer])
-def test_eos_ends_rows_and_mask_stops_there(llama, tokenizer, monkeypatch, layer):
+def test_eos_ends_rows_and_mask_stops_there(llama64, tokenizer, monkeypatch, layer):
     # A frequent character as a second EOS id (via generation_config, as instruct models do)
     # makes many rows end early, which also exercises compaction of finished rows (of per-row
     # caches, and of one prompt copy per group, which then writes out per-row copies).
     extra_eos = tokenizer.convert_tokens_to_ids("7")
-    monkeypatch.setattr(llama.generation_config, "eos_token_id", [EOS, extra_eos])
+    monkeypatch.setattr(llama64.generation_config, "eos_token_id", [EOS, extra_eos])
     if layer is SharedPromptLayer:  # the test prompts are short: share them anyway
         monkeypatch.setattr(sampling, "SHARED_PROMPT_MIN_TOKENS", 1)
     compactions = []
@@ -211,12 +227,10 @@ def test_eos_ends_rows_and_mask_stops_there(llama, tokenizer, monkeypatch, layer
         "batch_select_indices",
         lambda self, idx: compactions.append(len(idx)) or select(self, idx),
     )
-    rollout = sample_groups(llama, tokenizer, PROMPTS, group_size=32, max_new_tokens=40, seed=0)
+    rollout = sample_groups(llama64, tokenizer, PROMPTS, group_size=32, max_new_tokens=40, seed=0)
     assert compactions  # finished rows were dropped from the batch at least once
     with torch.no_grad():  # values stay exact for rows decoded after a compaction
-        torch.testing.assert_close(
-            completion_logprobs(llama, rollout), rollout.old_logp, atol=1e-5, rtol=0
-        )
+        assert_same_f64(completion_logprobs(llama64, rollout), rollout.old_logp)
     ended = ~rollout.truncated
     assert 0.2 < ended.float().mean() < 1.0
     ids, mask = rollout.completion_ids, rollout.mask
@@ -332,6 +346,7 @@ def test_engine_implements_protocol(llama, tokenizer):
     assert torch.equal(a.completion_ids, b.completion_ids)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_one_prompt_copy_per_group_samples_what_per_row_copies_do(make_model, tokenizer, arch,
                                                                   monkeypatch):  # fmt: skip
@@ -340,7 +355,7 @@ def test_one_prompt_copy_per_group_samples_what_per_row_copies_do(make_model, to
     architectures use; a sliding-window model keeps per-row copies."""
     from grouprl.rollout import _hf
 
-    model = make_model(arch)
+    model = make_model(arch, dtype=torch.float64)  # the same computation: see tests/numerics.py
     monkeypatch.setattr(sampling, "SHARED_PROMPT_MIN_TOKENS", 1)  # the test prompts are short
     built = []
     init = SharedPromptLayer.__init__
@@ -353,7 +368,7 @@ def test_one_prompt_copy_per_group_samples_what_per_row_copies_do(make_model, to
     monkeypatch.setattr(_hf, "shares_prompt_attention", lambda model: False)
     per_row = sample_groups(model, tokenizer, PROMPTS, group_size=4, max_new_tokens=16, seed=3)
     assert torch.equal(shared.completion_ids, per_row.completion_ids)
-    torch.testing.assert_close(shared.old_logp, per_row.old_logp, atol=1e-5, rtol=0)
+    assert_same_f64(shared.old_logp, per_row.old_logp)
     assert model.config._attn_implementation != _hf.SHARED_PROMPT_ATTENTION  # restored
     monkeypatch.setattr(_hf, "shares_prompt_attention", plain)
     assert not _hf.shares_prompt_attention(make_model("qwen2", sliding_window=8))

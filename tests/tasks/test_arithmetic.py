@@ -82,6 +82,7 @@ def test_rows_have_the_documented_columns() -> None:
         assert len(row["solution"]) + 1 <= task.max_new_tokens
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("knobs", [{}, {"ops": "+-", "max_operands": 3, "max_digits": 4}])
 def test_heldout_never_overlaps_train(knobs: dict) -> None:
     task = get_task("arithmetic", heldout_size=2000, **knobs)
@@ -98,6 +99,8 @@ def test_heldout_never_overlaps_train(knobs: dict) -> None:
     # The two splits draw from the same distribution of lengths (generalisation, not extrapolation).
     train_len = sum(len(task.train[i]["solution"]) for i in range(2000)) / 2000
     heldout_len = sum(len(r["solution"]) for r in task.heldout) / len(task.heldout)
+    # (a statistic of generated data, not float rounding: the mean lengths, in characters,
+    # within one character of each other)
     assert abs(train_len - heldout_len) < 1.0
 
 

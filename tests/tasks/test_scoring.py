@@ -20,6 +20,7 @@ from grouprl.tasks.scoring import (
     load_reward,
     required_columns,
 )
+from numerics import F64_SAME, U32, to_float64
 
 ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
 REWARD_FILE = """
@@ -232,6 +233,7 @@ def test_a_hanging_reward_after_accuracy_still_times_out():
     assert call_rewards({"accuracy": accuracy}, kwargs, timeout=5) == {"accuracy": [1.0, 0.0]}
 
 
+@pytest.mark.numerics
 def test_a_reward_model_directory_scores_prompt_and_completion(tmp_path):
     """A sequence-classification model given as a reward name: its first logit on prompt +
     completion (the chat template's rendering for conversational data), as TRL scores."""
@@ -253,19 +255,26 @@ def test_a_reward_model_directory_scores_prompt_and_completion(tmp_path):
     tokenizer.save_pretrained(tmp_path / "rm")
     name, rm = load_reward(str(tmp_path / "rm"))
     assert name == "rm"
-    model = LlamaForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    # The reward model scores a padded batch; the reference, each text alone: the same
+    # computation over other shapes, so compared in float64 (tests/numerics.py). RewardModel
+    # returns float32 scores: one rounding, u·|score|, on top.
+    to_float64(rm.model)
+    model = to_float64(LlamaForSequenceClassification.from_pretrained(tmp_path / "rm")).eval()
 
     def first_logit(text):
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")
         with torch.no_grad():
             return float(model(**ids).logits[0, 0])
 
+    def close(got, want):
+        return got == pytest.approx(want, rel=U32 + F64_SAME, abs=0)
+
     scores = rm(completions=["12", "345"], prompts=["1+", "2+"])
-    assert scores == pytest.approx([first_logit("1+12"), first_logit("2+345")], abs=1e-5)
+    assert close(scores, [first_logit("1+12"), first_logit("2+345")])
     assert scores[0] != pytest.approx(scores[1])
     chat = [{"role": "user", "content": "1+"}]
     (score,) = rm(completions=[[{"role": "assistant", "content": "12"}]], prompts=[chat])
-    assert score == pytest.approx(first_logit("user: 1+\nassistant: 12\n"), abs=1e-5)
+    assert close(score, first_logit("user: 1+\nassistant: 12\n"))
 
 
 def test_limits_that_run_out_as_their_body_ends_never_leak():

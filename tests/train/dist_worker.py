@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the numerics helpers
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.lora import apply_lora
 from grouprl.rollout import HFRolloutEngine, sample_groups
@@ -27,6 +28,7 @@ from grouprl.train.build import build_rewards
 from grouprl.train.config import TrainConfig, resolve
 from grouprl.train.distributed import SINGLE, Dist
 from grouprl.train.update import update
+from numerics import to_float64
 
 B, G = 8, 4
 # Groups 0 and 1 all right, group 3 all wrong: rank 0 (groups 0-3) skips 3 groups, rank 1 none.
@@ -113,7 +115,8 @@ def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
             moved = worst(ref_weights, {n: p for n, p in policy.named_parameters()})
         out[f"{algo}-{strategy}{'-lora' if lora else ''}{f'-micro{micro}' if micro else ''}"] = {
             "grad_rel": worst(grads, ref_grads) / scale(ref_grads),
-            "weights": worst(weights, ref_weights),
+            "weights_rel": worst(weights, ref_weights) / scale(ref_weights),
+            "dtype": str(next(iter(weights.values())).dtype),
             "moved": moved,
             "trained_frac": [diag["trained_frac"], ref_diag["trained_frac"]],
             "diagnostics": {
@@ -234,7 +237,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dist = distributed.init("ddp", torch.device("cpu"))
-    policy = load_model("builtin:arith").eval()
+    # float64: every check is "the same computation" split over ranks (tests/numerics.py)
+    policy = to_float64(load_model("builtin:arith")).eval()
     tokenizer = load_tokenizer("builtin:arith")
     out: dict = {"world_size": dist.world_size}
     parity(dist, policy, tokenizer, out)

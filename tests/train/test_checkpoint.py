@@ -1,4 +1,7 @@
-"""Checkpoints: exact round trip, atomic layout, retention, and nothing pickled."""
+"""Checkpoints: exact round trip, atomic layout, retention, and nothing pickled.
+
+Tolerances: none, where a value is stored and read back (atol 0: safetensors keeps the bits);
+the learning rate after a resume is one float64 product of given numbers (pytest.approx)."""
 
 import json
 
@@ -37,6 +40,7 @@ def _train_steps(model, optimizer, scheduler, n: int) -> None:
         scheduler.step()
 
 
+@pytest.mark.numerics
 def test_round_trip_continues_identically(tmp_path):
     model, optimizer, scheduler = _setup(0)
     _train_steps(model, optimizer, scheduler, 3)
@@ -71,6 +75,7 @@ def _save(tmp_path, step, model, optimizer, scheduler, keep_last=2, **state):
     )  # fmt: skip
 
 
+@pytest.mark.numerics
 def test_a_checkpoint_is_a_verified_model_directory(tmp_path):
     """save_pretrained files (they load with transformers, so an interrupted run can be evaluated
     and forked), optimizer and RNG safetensors, state.json, and a manifest of sizes and
@@ -221,6 +226,7 @@ def test_saving_a_step_again_keeps_the_existing_checkpoint(tmp_path):
     assert after == before
 
 
+@pytest.mark.numerics
 def test_resume_keeps_the_current_optimizer_kernel_and_the_saved_hyperparameters(tmp_path):
     """A checkpoint written by a multi-tensor AdamW resumes into a fused one (and back): the
     kernel is a property of the machine, the learning rate and moments are the checkpoint's."""

@@ -1,5 +1,9 @@
 """`grouprl compare`: two algorithms x two seeds on the bundled task, interrupted and continued;
-the report's numbers are the runs' own; `--from` rebuilds the same report."""
+the report's numbers are the runs' own; `--from` rebuilds the same report.
+
+Tolerances: the report's numbers are means and ranges of a few float64 values read from the
+runs' logs, recomputed here the same way: equal up to one or two roundings (1e-12 absolute on
+values <= 1; pytest.approx's 1e-6 relative for seconds)."""
 
 import json
 import signal
@@ -18,6 +22,7 @@ TINY = [
 ]  # fmt: skip
 
 
+@pytest.mark.numerics
 def test_compare_runs_continues_and_reports_the_runs_own_numbers(tmp_path, stop_at, capsys):
     out = tmp_path / "cmp"
     argv = ["compare", "--algos", "grpo,gspo", "--seeds", "2", "--output-dir", str(out), *TINY]

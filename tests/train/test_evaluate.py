@@ -1,4 +1,8 @@
-"""pass@k estimator, evaluation bookkeeping, and `grouprl eval` end to end."""
+"""pass@k estimator, evaluation bookkeeping, and `grouprl eval` end to end.
+
+Tolerances: pass@k is a product of <= 20 float64 factors against the exact binomial ratio
+(Python integers): <= 20 roundings of ~1.1e-16, so 1e-12; shares of counts are exact fractions
+computed by one division (pytest.approx's default 1e-6 relative is far above one rounding)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from grouprl.tasks import get_task
 from grouprl.train.evaluate import EvalConfig, evaluate, main, pass_at_k
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("n", "c", "k", "expected"),
     [
@@ -52,6 +57,7 @@ def _rows(n: int) -> list[dict]:
     return list(get_task("arithmetic").heldout[:n])
 
 
+@pytest.mark.numerics
 def test_bookkeeping_with_a_scripted_reward(tiny) -> None:
     model, tokenizer = tiny
     rows = _rows(6)

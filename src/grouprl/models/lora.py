@@ -43,10 +43,11 @@ def apply_lora(
             warnings.simplefilter("ignore", FutureWarning)
             wrapped = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as err:  # e.g. target modules that match nothing
-        from grouprl.errors import UserError
+        from grouprl.errors import UserError, one_line
 
-        first = str(err).strip().splitlines()[0]
-        raise UserError(f"cannot add LoRA adapters: {first}; check --lora-target-modules") from None
+        raise UserError(
+            f"cannot add LoRA adapters: {one_line(err)}; check --lora-target-modules"
+        ) from None
     return wrapped.eval()
 
 

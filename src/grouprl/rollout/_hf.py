@@ -272,10 +272,12 @@ def shared_prompt_attention(
     scale = dim**-0.5 if scaling is None else scaling
     q = query.reshape(n, kv_heads, rep, dim) * scale  # (N, Hkv, rep, D)
     qg = q.view(b, g, kv_heads, rep, dim).transpose(1, 2).reshape(b, kv_heads, g * rep, dim)
-    # scores and softmax in fp32 whatever the cache dtype (as SDPA's kernels accumulate)
-    s_p = torch.matmul(qg, layer.prompt_keys.transpose(-1, -2)).float()  # (B, Hkv, G·rep, P)
+    # scores and softmax in fp32 whatever the cache dtype (as SDPA's kernels accumulate; a
+    # float64 model stays float64)
+    acc = torch.promote_types(query.dtype, torch.float32)
+    s_p = torch.matmul(qg, layer.prompt_keys.transpose(-1, -2)).to(acc)  # (B, Hkv, G·rep, P)
     s_p = s_p + layer.prompt_bias[:, None, None, :]
-    s_c = torch.matmul(q, key.transpose(-1, -2)).float()  # (N, Hkv, rep, t)
+    s_c = torch.matmul(q, key.transpose(-1, -2)).to(acc)  # (N, Hkv, rep, t)
     p_width = s_p.shape[-1]
     s_p_rows = s_p.view(b, kv_heads, g, rep, p_width).transpose(1, 2)  # (B, G, Hkv, rep, P)
     m = torch.maximum(s_p_rows.amax(-1).reshape(n, kv_heads, rep), s_c.amax(-1)).unsqueeze(
@@ -289,7 +291,7 @@ def shared_prompt_attention(
     ) + e_c.sum(-1, keepdim=True)  # (N, Hkv, rep, 1)
     o_p = torch.matmul(e_p.to(value.dtype), layer.prompt_values)  # (B, Hkv, G·rep, D)
     o_p = o_p.view(b, kv_heads, g, rep, dim).transpose(1, 2).reshape(n, kv_heads, rep, dim)
-    out = (o_p.float() + torch.matmul(e_c.to(value.dtype), value).float()) / z  # (N, Hkv, rep, D)
+    out = (o_p.to(acc) + torch.matmul(e_c.to(value.dtype), value).to(acc)) / z  # (N, Hkv, rep, D)
     return out.to(query.dtype).reshape(n, 1, heads, dim), None
 
 

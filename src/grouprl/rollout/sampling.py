@@ -280,7 +280,8 @@ def _forward_last(
     position_ids: torch.Tensor,
     cache: Any,
 ) -> torch.Tensor:
-    """Run the model on new tokens with the cache; (R, V) float32 logits of the last position."""
+    """Run the model on new tokens with the cache; (R, V) logits of the last position, in float32
+    (float64 for a float64 model)."""
     extra = {"logits_to_keep": 1} if "logits_to_keep" in _hf.forward_params(model) else {}
     out = model(
         input_ids=input_ids,
@@ -289,7 +290,8 @@ def _forward_last(
         **_hf.cache_kwargs(model, cache),
         **extra,
     )
-    return out.logits[:, -1].float()
+    logits = out.logits[:, -1]
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def sample_groups(
@@ -422,7 +424,8 @@ def _decode(
     n = num_prompts * group_size
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)  # (E,)
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    old_logp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+    old_logp = torch.zeros((n, max_new_tokens), dtype=dtype, device=device)
     entropy = torch.zeros_like(old_logp)
     stop_at = torch.full((n,), max_new_tokens + 1, dtype=torch.long, device=device)  # (N,)
     # Host-side checks (all finished? compact?) need a device sync; on CPU that is free, on an

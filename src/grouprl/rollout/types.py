@@ -29,7 +29,7 @@ class Rollout:
             that it did not sample (a tool's observation) are in `mask` but not here. Every
             "trained tokens" consumer reads it: loss aggregation, GSPO's length normalisation,
             KL, entropy, sampled lengths, the overlong penalty. None at construction: `mask`.
-        old_logp: (N, T) float32, log-prob of each sampled token under softmax(logits /
+        old_logp: (N, T) float32 (float64 for a float64 model), log-prob of each sampled token under softmax(logits /
             temperature), i.e. the tempered distribution *before* top-k / top-p truncation; 0 at
             masked positions. This is what `completion_logprobs(model, rollout,
             temperature=rollout.temperature)` recomputes, so the importance ratio is exactly 1 at
@@ -44,7 +44,7 @@ class Rollout:
         temperature: the temperature of `old_logp`'s distribution (1.0 for greedy sampling,
             which has no finite temperature of its own).
         pad_id: the id used for padding prompts and completions (masked out everywhere).
-        entropy: (N, T) float32 or None, entropy of the sampling distribution softmax(logits /
+        entropy: (N, T) float32 (like old_logp) or None, entropy of the sampling distribution softmax(logits /
             temperature) (before top-k / top-p, like `old_logp`) at each completion position; 0
             at masked positions. None when the engine does not provide it.
     """

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from grouprl.errors import UserError
+from grouprl.errors import UserError, one_line
 from grouprl.messages import is_conversational
 
 
@@ -29,10 +29,9 @@ class RewardModel:
             )
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise UserError(
                 f"cannot load a sequence-classification reward model from {path}: "
-                f"{type(err).__name__}: {first}"
+                f"{one_line(err)}"
             ) from None
         self.model.to(device).eval().requires_grad_(False)
         if self.tokenizer.pad_token is None:

@@ -679,7 +679,7 @@ def resolve(cfg: TrainConfig, *, task_max_new_tokens: int, world_size: int = 1) 
 
 #: The one rule for a sampling temperature wherever a command takes one (the sampler itself
 #: also decodes greedily at 0, which no command exposes).
-TEMPERATURE_RULE = "temperature must be > 0: log-probs and pass@k are taken at it"
+TEMPERATURE_RULE = "temperature must be > 0: log-probs are taken at it"
 
 
 def _choice_problems(cfg: Any) -> list[str]:

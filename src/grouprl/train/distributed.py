@@ -211,12 +211,14 @@ class Dist:
     def sum_gradients(self, params: Sequence[nn.Parameter]) -> None:
         """Sum the gradients of `params` over ranks (DDP strategy; FSDP reduces in backward).
 
-        One all-reduce over a flat fp32 buffer: the loss on every rank already divides by the
-        global counts, so the sum is the gradient of the global loss."""
+        One all-reduce over a flat buffer in fp32 (fp64 for fp64 gradients): the loss on every
+        rank already divides by the global counts, so the sum is the gradient of the global
+        loss."""
         if not self.enabled or self.fsdp:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dtype = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float32
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
         self.all_reduce(flat)
         offset = 0
         for p, g in zip(params, grads, strict=True):

@@ -104,8 +104,8 @@ def shard(model: nn.Module, *, device: torch.device) -> nn.Module:
     there.
 
     First the head probe (`plain_head`: whether logits are head(decoder(x))), a whole-model
-    forward that only the unsharded model can run alone. Gradients are reduced in fp32 and
-    summed (the loss divides by global counts already). `completion_logprobs` becomes the method
+    forward that only the unsharded model can run alone. Gradients are reduced in fp32 (fp64
+    for an fp64 model) and summed (the loss divides by global counts already). `completion_logprobs` becomes the method
     `LOGPROBS_METHOD`, run with the root's FSDP hooks: it calls the decoder and head directly,
     which alone would see sharded root parameters."""
     plain_head(model)
@@ -117,7 +117,8 @@ def shard(model: nn.Module, *, device: torch.device) -> nn.Module:
         register_fsdp_forward_method,
     )
 
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    dtype = next(model.parameters()).dtype
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.promote_types(dtype, torch.float32))
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     layers = _decoder_layers(model)
     if not layers:
