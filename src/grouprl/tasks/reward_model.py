@@ -30,8 +30,7 @@ class RewardModel:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as err:
             raise UserError(
-                f"cannot load a sequence-classification reward model from {path}: "
-                f"{one_line(err)}"
+                f"cannot load a sequence-classification reward model from {path}: {one_line(err)}"
             ) from None
         self.model.to(device).eval().requires_grad_(False)
         if self.tokenizer.pad_token is None:
