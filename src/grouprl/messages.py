@@ -1,7 +1,10 @@
-"""Chat messages as TRL's conversational format has them: one definition for every layer."""
+"""Chat messages and tool turns as they cross layers: TRL's conversational format, and what a
+sampler and a tool handler say to each other (`grouprl.rollout.turns`, `grouprl.tasks.tools`).
+One definition for every layer."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -9,3 +12,24 @@ def is_conversational(prompt: Any) -> bool:
     """Whether a prompt is a list of chat messages (``{"role", "content"}`` dicts), TRL's
     conversational format, rather than a string or a list of token ids."""
     return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A row that just closed a tool call."""
+
+    row: int  # the completion row, 0 … N−1 (group-contiguous)
+    text: str  # the row's model text since its last observation; ends with a closer
+    calls_made: int  # tool calls the row ran before this turn
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What follows a closed call: ids to feed (none: decoding just goes on), the transcript's
+    tool turns, and counts."""
+
+    ids: list[int] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # {"role": "tool", ...}
+    calls: int = 0  # calls run (successful or not)
+    failures: int = 0  # of them, those that gave an error observation
+    end: bool = False  # the trajectory ends here (a call past the limit of calls)

@@ -94,6 +94,33 @@ CASES = {
         {},
         {("nonfinite", "warning")},
     ),
+    "tools_healthy": (  # a tool run whose calls work: nothing to say
+        dict(
+            tool_calls_mean=ramp(0.3, 0.95),
+            tool_failure_frac=lambda s: 0.05,
+            ended_by_turns_frac=lambda s: 0.0,
+        ),
+        {},
+        set(),
+    ),
+    "tools_unused": (  # tools given, never called
+        dict(
+            tool_calls_mean=lambda s: 0.0,
+            tool_failure_frac=lambda s: 0.0,
+            ended_by_turns_frac=lambda s: 0.0,
+        ),
+        {},
+        {("tools_unused", "warning")},
+    ),
+    "tools_failing": (  # most calls fail, most trajectories run out of calls
+        dict(
+            tool_calls_mean=lambda s: 4.0,
+            tool_failure_frac=ramp(0.3, 0.8),
+            ended_by_turns_frac=ramp(0.2, 0.7),
+        ),
+        {},
+        {("tool_failures", "warning"), ("turn_limit", "warning")},
+    ),
     "length": (
         dict(completion_len_mean=ramp(50, 120), truncated_frac=ramp(0.0, 0.4)),
         {},

@@ -11,8 +11,8 @@ def test_every_quantity_gets_a_figure_and_the_overview_shows_them(tmp_path):
     written = plot_run(run)
     assert written[0].name == "overview.png" and written[0].stat().st_size > 50_000
     names = {p.stem for p in written[1:]}
-    # lr and the reward functions were not logged by this synthetic run
-    assert names == {p.name for p in PANELS} - {"lr"}
+    # lr, the reward functions and tool use were not logged by this synthetic run
+    assert names == {p.name for p in PANELS} - {"lr", "tools"}
     assert all(p.stat().st_size > 5_000 for p in written)
 
 

@@ -17,11 +17,11 @@ from grouprl.rollout import (
 )
 from grouprl.rollout._hf import PreallocatedLayer, SharedPromptLayer
 from grouprl.rollout.sampling import (
-    _StopStrings,
     sample_categorical,
     top_k_filter,
     top_p_filter,
 )
+from grouprl.rollout.stops import StopStrings
 from numerics import assert_same_f64
 
 EOS, PAD = 2, 0  # conftest.build_tokenizer's ids
@@ -266,7 +266,7 @@ def test_stop_string_kept_and_mask_ends_at_its_last_token(llama, tokenizer):
 
 
 def test_stop_string_window_finds_multi_token_strings(tokenizer):
-    stopper = _StopStrings(tokenizer, ["a|b"])
+    stopper = StopStrings(tokenizer, ["a|b"])
     ids = tokenizer("xxa|b", add_special_tokens=False)["input_ids"]
     tokens = torch.tensor([[*ids, PAD, PAD]])
     running = torch.tensor([True])

@@ -473,6 +473,50 @@ def check_reward_vs_heldout(run: RunLog) -> list[Finding]:
     ]
 
 
+# ----- tools ------------------------------------------------------------------------------------
+#: Share of failed tool calls, over the last window, above which a warning fires: past half,
+#: most of what the policy learns from its tools is their error messages.
+TOOL_FAILURE_WARN = 0.5
+#: Share of trajectories ended by --max-turns, over the last window, above which a warning
+#: fires: past half, most trajectories are cut before they answer.
+TURN_LIMIT_WARN = 0.5
+
+
+def check_tools(run: RunLog) -> list[Finding]:
+    """Tool runs: tools never called, most calls failing, most trajectories out of turns."""
+    calls = _ends(run, "tool_calls_mean")
+    if calls is None:  # a run without tools
+        return []
+    findings = []
+    if calls[0] == 0 and calls[1] == 0:
+        findings.append(Finding(
+            "tools_unused", "warning", "the policy never calls its tools",
+            f"tool calls per trajectory 0 from {calls[2]} to {calls[3]}",
+            "check that the tool format is what the model writes (see samples.jsonl): a model "
+            "that never writes a call can only learn one from a warm start that shows it "
+            "(grouprl sft), or from prompts that describe the tools",
+        ))  # fmt: skip
+    failures = _ends(run, "tool_failure_frac")
+    if failures is not None and failures[1] > TOOL_FAILURE_WARN:
+        findings.append(Finding(
+            "tool_failures", "warning", "most tool calls fail",
+            f"failed share of calls {failures[0]:.2f} ({failures[2]}) -> {failures[1]:.2f} "
+            f"({failures[3]})",
+            "read the error observations in samples.jsonl: malformed arguments need a format "
+            "the model can write; tools that raise or time out need fixing or --tool-timeout",
+        ))  # fmt: skip
+    ended = _ends(run, "ended_by_turns_frac")
+    if ended is not None and ended[1] > TURN_LIMIT_WARN:
+        findings.append(Finding(
+            "turn_limit", "warning", "most trajectories hit --max-turns",
+            f"share ended by --max-turns {ended[0]:.2f} ({ended[2]}) -> {ended[1]:.2f} "
+            f"({ended[3]})",
+            "raise --max-turns if the task needs more calls; else the policy is calling in a "
+            "loop, which a reward for answering (not for calling) discourages",
+        ))  # fmt: skip
+    return findings
+
+
 def check_heldout_drop(run: RunLog) -> list[Finding]:
     steps, values = _heldout(run)
     if len(values) < 2:
@@ -505,6 +549,7 @@ CHECKS: list[Callable[[RunLog], list[Finding]]] = [
     check_nonfinite,
     check_length,
     check_reward_vs_heldout,
+    check_tools,
 ]
 
 

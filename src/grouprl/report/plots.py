@@ -90,6 +90,18 @@ PANELS = (
         ),
         unit_range=True,
     ),
+    Panel(
+        "tools",
+        "Tool use (runs with tools)",
+        train=(
+            ("tool_call_rate", "completions calling a tool"),
+            ("tool_failure_frac", "calls that failed"),
+            ("observation_token_frac", "tokens that are observations"),
+            ("ended_by_turns_frac", "ended by --max-turns"),
+        ),
+        heldout=(("tool_call_rate", "held-out: completions calling a tool"),),
+        unit_range=True,
+    ),
     Panel("throughput", "Sampled tokens per second", train=(("tokens_per_s", "tokens/s"),)),
 )
 

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from grouprl.rollout.sampling import Prompt, sample_groups
+from grouprl.rollout.turns import TurnHandler
 from grouprl.rollout.types import Rollout
 
 
@@ -16,7 +17,8 @@ class HFRolloutEngine:
 
     `chat_template=True` renders string prompts as one user turn with the tokenizer's template.
     `lockstep`: decode in step with other processes whose forwards are collectives (see
-    `sample_groups`; the trainer's FSDP runs set it, nothing else does).
+    `sample_groups`; the trainer's FSDP runs set it, nothing else does). `tools`: answer tool
+    calls inside the decode loop (`grouprl.rollout.turns`).
     """
 
     def __init__(
@@ -26,11 +28,13 @@ class HFRolloutEngine:
         *,
         chat_template: bool = False,
         lockstep: Callable[[bool], bool] | None = None,
+        tools: TurnHandler | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.lockstep = lockstep
+        self.tools = tools
 
     def sample(
         self,
@@ -57,4 +61,5 @@ class HFRolloutEngine:
             seed=seed,
             chat_template=self.chat_template,
             lockstep=self.lockstep,
+            tools=self.tools,
         )

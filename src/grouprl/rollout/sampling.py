@@ -26,6 +26,8 @@ from torch import nn
 from grouprl.errors import UserError
 from grouprl.messages import is_conversational
 from grouprl.rollout import _hf
+from grouprl.rollout.stops import StopStrings
+from grouprl.rollout.turns import TurnHandler, Turns
 from grouprl.rollout.types import Rollout
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -196,51 +198,6 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -
 
 
 # ---------------------------------------------------------------------------------------------
-# Stop strings
-
-
-class _StopStrings:
-    """Finds rows whose newest token completed a stop string, by decoding only a short tail.
-
-    Every token decodes to at least one character for the tokenizers we meet, so a stop string
-    of L characters ends inside the last L tokens; the window adds two tokens of context so the
-    first token of the stop string is never the window's first token (SentencePiece drops a
-    leading space there). Rows are checked every step, so an occurrence is found at the token
-    that completes it. Cost: one `batch_decode` of (running rows × window) ids per step.
-    """
-
-    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = list(stop)
-        self.window = max(len(s) for s in self.stop) + 2
-
-    def hits(
-        self, tokens: torch.Tensor, rows: torch.Tensor | None, running: torch.Tensor, t: int
-    ) -> torch.Tensor:
-        """(n,) bool: batch rows (among `running`) whose completion now ends with a stop string.
-
-        tokens: (N, max_new) completion buffer; rows: (n,) map from batch row to buffer row
-        (None = identity); running: (n,) bool.
-        """
-        hit = torch.zeros_like(running)
-        active = running.nonzero().squeeze(1)  # (a,)
-        if active.numel() == 0:
-            return hit
-        buffer_rows = active if rows is None else rows[active]
-        tails = tokens[buffer_rows, max(0, t + 1 - self.window) : t + 1].tolist()
-        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
-        found = [i for i, text in enumerate(texts) if any(s in text for s in self.stop)]
-        if found:
-            hit[active[found]] = True
-        return hit
-
-    def cut(self, text: str) -> str:
-        """`text` up to and including the stop string occurrence that ends first."""
-        ends = [text.find(s) + len(s) for s in self.stop if s in text]
-        return text[: min(ends)] if ends else text
-
-
-# ---------------------------------------------------------------------------------------------
 # Sampling
 
 
@@ -308,6 +265,7 @@ def sample_groups(
     seed: int | None = None,
     chat_template: bool = False,
     lockstep: Callable[[bool], bool] | None = None,
+    tools: TurnHandler | None = None,
 ) -> Rollout:
     """Sample `group_size` completions for each prompt; returns a group-contiguous `Rollout`.
 
@@ -344,6 +302,11 @@ def sample_groups(
     `inference_mode`: FSDP all-gathers parameters into buffers it reuses outside this call, which
     must not become inference tensors.
 
+    `tools`, when given, answers tool calls inside the loop (see `grouprl.rollout.turns`): a row
+    that closes a call gets its observation's ids as forced tokens, attended but outside
+    `loss_mask`, with `old_logp` and entropy 0; `Rollout.turns` holds the transcripts. Without
+    it the loop runs exactly as above.
+
     Same model, prompts, settings and `seed` give the same completions (on the same device and
     library versions). With `seed=None` the global torch RNG is used.
 
@@ -362,6 +325,8 @@ def sample_groups(
         generator = torch.Generator(device=device)
         generator.manual_seed(int(seed))
 
+    n = len(prompt_rows) * group_size
+    turns = None if tools is None else Turns(tools, tokenizer, n, max_new_tokens, device)
     with torch.inference_mode() if lockstep is None else torch.no_grad():
         tokens, logp, entropy, lengths, ended = _decode(
             model,
@@ -375,14 +340,20 @@ def sample_groups(
             top_p=top_p,
             eos_ids=eos_ids,
             pad_id=pad_id,
-            stopper=_StopStrings(tokenizer, stop) if stop else None,
+            stopper=StopStrings(tokenizer, stop) if stop else None,
             generator=generator,
             lockstep=lockstep,
+            turns=turns,
         )
     width = int(lengths.max())  # T
     tokens, logp, entropy = tokens[:, :width], logp[:, :width], entropy[:, :width]  # (N, T)
     mask = torch.arange(width, device=device)[None, :] < lengths[:, None]  # (N, T)
-    texts = _decode_texts(tokenizer, tokens, lengths, ended, eos_ids, stop)
+    if turns is None:
+        texts, record = _decode_texts(tokenizer, tokens, lengths, ended, eos_ids, stop), None
+    else:  # the text as the model and the tools wrote it (a stop string cuts the last turn)
+        cut = StopStrings(tokenizer, stop).cut if stop else None
+        record = turns.record(tokens, lengths, ended, eos_ids, cut)
+        texts = ["".join(m["content"] for m in turns_) for turns_ in record.transcripts]
     # clone() outside inference mode: inference tensors cannot be saved for backward, and the
     # trainer's loss uses old_logp next to differentiable log-probs.
     return Rollout(
@@ -398,6 +369,8 @@ def sample_groups(
         temperature=1.0 if greedy else float(temperature),
         pad_id=pad_id,
         entropy=entropy.clone(),
+        loss_mask=None if turns is None else mask & ~turns.fed[:, :width],
+        turns=record,
     )
 
 
@@ -414,9 +387,10 @@ def _decode(
     top_p: float,
     eos_ids: Sequence[int],
     pad_id: int,
-    stopper: _StopStrings | None,
+    stopper: StopStrings | None,
     generator: torch.Generator | None,
     lockstep: Callable[[bool], bool] | None = None,
+    turns: Turns | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode loop. Returns tokens, old_logp and entropy (N, max_new), lengths and ended (N,)."""
     device = prompt_ids.device
@@ -431,7 +405,7 @@ def _decode(
     # Host-side checks (all finished? compact?) need a device sync; on CPU that is free, on an
     # accelerator it stalls the launch queue, so there they run every few steps. Stop strings
     # read tokens on the host anyway, so then every step.
-    check_every = 1 if device.type == "cpu" or stopper is not None else 4
+    check_every = 1 if device.type == "cpu" or stopper or turns else 4
 
     # 1-2. Prefill each prompt once.
     prompt_pos = _hf.left_pad_positions(prompt_mask)  # (B, P)
@@ -477,15 +451,21 @@ def _decode(
             ent = -(p_all * logp_all.clamp_(min=torch.finfo(logp_all.dtype).min)).sum(-1)  # (n,)
             tok = tok.masked_fill(done, pad_id)
             lp = lp.masked_fill(done, 0.0)
+            ent = ent.masked_fill(done, 0.0)
+            # a row answering a tool call is fed its observation instead (never an end)
+            fed = done if turns is None else turns.force(rows, tok, lp, ent, t) | done
             out_rows = slice(None) if rows is None else rows
             tokens[out_rows, t] = tok
             old_logp[out_rows, t] = lp
-            entropy[out_rows, t] = ent.masked_fill(done, 0.0)
+            entropy[out_rows, t] = ent
 
-            # 5. Finish rows at EOS / stop strings.
-            hit = torch.isin(tok, eos) & ~done  # (n,)
+            # 5. Finish rows at EOS / stop strings; answer tool calls.
+            hit = torch.isin(tok, eos) & ~fed  # (n,)
             if stopper is not None:
-                hit |= stopper.hits(tokens, rows, ~(done | hit), t)
+                since = None if turns is None else turns.since
+                hit |= stopper.hits(tokens, rows, ~(fed | hit), t, since=since)
+            if turns is not None:
+                hit |= turns.after_step(tokens, rows, ~(fed | hit), t)
             stop_at[out_rows] = torch.where(hit, t + 1, stop_at[out_rows])
             done |= hit
             if t == max_new_tokens - 1:
@@ -531,6 +511,6 @@ def _decode_texts(
         rows.append(ids)
     texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
     if stop:
-        cutter = _StopStrings(tokenizer, stop)
+        cutter = StopStrings(tokenizer, stop)
         texts = [cutter.cut(text) if e else text for text, e in zip(texts, ended.tolist())]
     return texts

@@ -10,6 +10,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from grouprl.rollout.turns import TurnRecord
+
 
 @dataclass
 class Rollout:
@@ -29,9 +31,9 @@ class Rollout:
             that it did not sample (a tool's observation) are in `mask` but not here. Every
             "trained tokens" consumer reads it: loss aggregation, GSPO's length normalisation,
             KL, entropy, sampled lengths, the overlong penalty. None at construction: `mask`.
-        old_logp: (N, T) float32 (float64 for a float64 model), log-prob of each sampled token under softmax(logits /
-            temperature), i.e. the tempered distribution *before* top-k / top-p truncation; 0 at
-            masked positions. This is what `completion_logprobs(model, rollout,
+        old_logp: (N, T) float32 (float64 for a float64 model), log-prob of each sampled token
+            under softmax(logits / temperature), i.e. the tempered distribution *before* top-k /
+            top-p truncation; 0 at masked positions and at tokens fed, not sampled. This is what `completion_logprobs(model, rollout,
             temperature=rollout.temperature)` recomputes, so the importance ratio is exactly 1 at
             the first update. (Truncation is treated as part of the sampler, not the policy, as
             TRL and verl do; the ratio therefore ignores it.)
@@ -44,9 +46,14 @@ class Rollout:
         temperature: the temperature of `old_logp`'s distribution (1.0 for greedy sampling,
             which has no finite temperature of its own).
         pad_id: the id used for padding prompts and completions (masked out everywhere).
-        entropy: (N, T) float32 (like old_logp) or None, entropy of the sampling distribution softmax(logits /
-            temperature) (before top-k / top-p, like `old_logp`) at each completion position; 0
-            at masked positions. None when the engine does not provide it.
+        entropy: (N, T) float32 (like old_logp) or None, entropy of the sampling distribution
+            softmax(logits / temperature) (before top-k / top-p, like `old_logp`) at each
+            completion position; 0 where old_logp is. None when the engine does not provide it.
+        turns: for a rollout with tools (`grouprl.rollout.turns`), each row's transcript
+            (role-tagged assistant and tool turns) and tool counts; None otherwise. A
+            trajectory is the sampled ids and the observation ids fed, exactly; its `texts` are
+            the transcript's turns joined. It ends at EOS after the model's last turn (or at a
+            stop string, the budget, or a call past the limit of calls).
     """
 
     prompt_ids: torch.Tensor  # (B, P)
@@ -62,6 +69,7 @@ class Rollout:
     pad_id: int = 0
     entropy: torch.Tensor | None = None  # (N, T)
     loss_mask: torch.Tensor | None = None  # (N, T), ⊆ mask; None: mask
+    turns: TurnRecord | None = None  # multi-turn rollouts: transcripts and tool counts
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -134,6 +142,7 @@ class Rollout:
             pad_id=self.pad_id,
             entropy=None if self.entropy is None else self.entropy[ri],
             loss_mask=self._loss_mask_or_none(ri),
+            turns=None if self.turns is None else self.turns.select(rows.tolist()),
         )
 
     def _loss_mask_or_none(self, rows: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -242,6 +251,11 @@ class Rollout:
                 None
                 if all(p.loss_mask is p.mask for p in parts)
                 else torch.cat([right(p.loss_mask, False) for p in parts])
+            ),
+            turns=(
+                TurnRecord.concat([p.turns for p in parts])
+                if all(p.turns is not None for p in parts)
+                else None
             ),
         )
 

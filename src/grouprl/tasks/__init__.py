@@ -1,7 +1,8 @@
 """Tasks: prompts with reference answers, and the reward functions that score completions.
 
 `get_task(name, **knobs)` builds a task from the `TASKS` registry (name -> factory). The
-built-in task is `arithmetic` (see `grouprl.tasks.arithmetic` for its format and splits).
+built-in tasks are `arithmetic` (see `grouprl.tasks.arithmetic` for its format and splits) and
+`lookup`, a tool-use task (`grouprl.tasks.lookup`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from collections.abc import Callable
 from grouprl.errors import UserError
 from grouprl.tasks.arithmetic import arithmetic_task
 from grouprl.tasks.base import SPLITS, RewardFn, Task
+from grouprl.tasks.lookup import lookup_task
 from grouprl.tasks.rewards import REWARDS
 
 #: Task factories by name; each takes keyword knobs and returns a Task.
-TASKS: dict[str, Callable[..., Task]] = {"arithmetic": arithmetic_task}
+TASKS: dict[str, Callable[..., Task]] = {"arithmetic": arithmetic_task, "lookup": lookup_task}
 
 
 def get_task(name: str, **knobs) -> Task:

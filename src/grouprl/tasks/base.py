@@ -43,6 +43,15 @@ class Task:
     noisy_solution: Callable[[dict, random.Random, float], str] | None = field(default=None)
     """For `grouprl sft --noise p`: a worked solution of a row with errors injected at rate p.
     None: the task has no noisy traces (supervised training then uses row["solution"])."""
+    transcript: Callable[[dict, random.Random, float], list[tuple[str, str]]] | None = None
+    """For `grouprl sft` on a tool-use task: a worked completion of a row as (role, text)
+    turns, "assistant" or "tool", with errors injected at rate p; tool turns carry no loss."""
+    tools: dict[str, Callable[..., Any]] | None = None
+    """Tools the task ships, by name (`--tools NAME`); used by default when given."""
+    default_model: str = "builtin:arith"
+    """The policy `--model` means when it is not given."""
+    default_steps: int = 200
+    """The training steps `--steps` means when it is not given."""
 
     def split(self, name: str) -> Sequence[dict]:
         """The rows of split `name`: "train", "heldout", or "all" (train, then heldout)."""

@@ -3,8 +3,8 @@
 Both follow TRL's reward contract, ``fn(completions, **kwargs) -> list[float | None]``: one score
 per completion; the dataset columns arrive as keyword lists with one value per completion
 (``answer=[...]``); ``prompts`` and any other column are accepted and ignored. A completion is
-a string, or a TRL conversational completion (a list of messages, the last one's ``content`` is
-scored). They parse with plain string operations and anchored regular expressions on bounded
+a string, or a TRL conversational completion (a list of messages, the last assistant message's
+``content`` is scored; a tool turn never is). They parse with plain string operations and anchored regular expressions on bounded
 input; they never ``eval`` or ``exec`` model output and never raise on a completion.
 
 Answer policy (each line is a test in tests/tasks/test_rewards.py):
@@ -53,12 +53,15 @@ _TRACE = re.compile(rf"{_STEP}(?:,{_STEP})*\|[ \t\r\n]*-?[0-9]{{1,32}}")
 
 def completion_text(completion: Any) -> str | None:
     """The scored text of a completion: a string, or the content of a message list's last
-    message (TRL conversational format); None for anything else."""
+    assistant message (TRL conversational format; with tools, a transcript whose tool turns
+    are never scored); None for anything else."""
     if isinstance(completion, str):
         return completion
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        content = completion[-1].get("content")
-        return content if isinstance(content, str) else None
+    if isinstance(completion, list):
+        for message in reversed(completion):
+            if isinstance(message, dict) and message.get("role", "assistant") == "assistant":
+                content = message.get("content")
+                return content if isinstance(content, str) else None
     return None
 
 

@@ -61,7 +61,7 @@ class Reward:
     weight: float
 
 
-def _load_attribute(module: Any, attr: str, where: str) -> RewardFn:
+def load_attribute(module: Any, attr: str, where: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if fn is None:
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
@@ -73,9 +73,10 @@ def _load_attribute(module: Any, attr: str, where: str) -> RewardFn:
     return fn
 
 
-def _import_file(path: Path) -> Any:
-    """Import a Python file as a module (its directory importable while it runs)."""
-    name = f"grouprl_rewards_{abs(hash(str(path.resolve())))}"
+def import_file(path: Path, what: str = "reward") -> Any:
+    """Import a Python file as a module (its directory importable while it runs); `what` the
+    file holds (a reward, a tool) names it in errors."""
+    name = f"grouprl_{what}s_{abs(hash(str(path.resolve())))}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
@@ -87,7 +88,7 @@ def _import_file(path: Path) -> Any:
         spec.loader.exec_module(module)
     except Exception as err:
         raise UserError(
-            f"importing reward file {path} raised {type(err).__name__}: {err}; fix the file"
+            f"importing {what} file {path} raised {type(err).__name__}: {err}; fix the file"
         ) from None
     finally:
         sys.path.pop(0)
@@ -108,7 +109,7 @@ def load_reward(
         path = Path(path_text).expanduser()
         if not path.is_file():
             raise UserError(f"reward file {path} does not exist (from --rewards {spec})")
-        fn = _load_attribute(_import_file(path), attr, str(path))
+        fn = load_attribute(import_file(path), attr, str(path))
         return getattr(fn, "__name__", attr), fn
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -128,7 +129,7 @@ def load_reward(
             raise UserError(
                 f"cannot import module {module_name!r} for reward {spec!r}: {err}"
             ) from None
-        fn = _load_attribute(module, attr, module_name)
+        fn = load_attribute(module, attr, module_name)
         return getattr(fn, "__name__", attr), fn
     known = sorted({*(task.reward_funcs if task else {}), *BUILTIN_REWARDS})
     close = difflib.get_close_matches(spec, known, n=1)
@@ -223,9 +224,12 @@ class RewardSet:
         state: TrainerState,
         timeout: float | None = REWARD_TIMEOUT,
         only_pass: bool = False,
+        transcripts: Sequence[list[dict]] | None = None,
     ) -> Scores:
         """Score `texts` (`repeats` consecutive completions per row) with every function (or
-        only the pass reward), through TRL's calling convention."""
+        only the pass reward), through TRL's calling convention. With tools, `transcripts` are
+        what the functions receive as completions: each completion's role-tagged assistant and
+        tool turns, whatever the prompt's format."""
         logged: dict[str, list[float]] = {}
         extra: dict[str, list[Any]] = {}
 
@@ -236,8 +240,13 @@ class RewardSet:
             extra.setdefault(str(column), []).extend(values)
 
         conversational = is_conversational(rows[0]["prompt"])
+        completions = (
+            [list(t) for t in transcripts]
+            if transcripts is not None
+            else completion_objects(texts, conversational)
+        )
         kwargs = reward_kwargs(
-            completion_objects(texts, conversational),
+            completions,
             rows,
             repeats,
             completion_ids=[list(ids) for ids in completion_ids],

@@ -20,15 +20,35 @@ from grouprl.rollout import encode_prompts
 from grouprl.tasks import Task, get_task
 from grouprl.tasks.data import DEFAULT_MAX_NEW_TOKENS, RowFormat, dataset_task
 from grouprl.tasks.scoring import RewardSet, build_reward_set
+from grouprl.tasks.tools import TagTools, load_tools
 from grouprl.train.config import DataOptions, RunConfig
 
 
-def task_budget(opts: DataOptions) -> int:
-    """The generation budget a run takes when --max-new-tokens is not given: the built-in
-    task's own, or 256 for a dataset (known before any data is read)."""
+def task_defaults(opts: DataOptions) -> dict[str, Any]:
+    """What a run takes from its task when the flags do not say (known before any data is
+    read): `task_max_new_tokens`, the built-in task's budget or 256 for a dataset,
+    `task_model`, the task's policy (builtin:arith for a dataset) and `task_steps`, its run's
+    length. `resolve`'s keywords."""
     if opts.dataset is not None:
-        return DEFAULT_MAX_NEW_TOKENS
-    return get_task(opts.task or "arithmetic").max_new_tokens
+        return {"task_max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "task_model": "builtin:arith"}
+    task = get_task(opts.task or "arithmetic")
+    return {"task_max_new_tokens": task.max_new_tokens, "task_model": task.default_model,
+            "task_steps": task.default_steps}  # fmt: skip
+
+
+def build_tools(opts: DataOptions, task: Task, tokenizer: Any) -> TagTools | None:
+    """The tools a run's sampler answers calls with (`--tools`, default: the task's), in
+    `--tool-format`; None without any."""
+    specs = opts.tools if opts.tools is not None else sorted(task.tools or {})
+    if not specs:
+        return None
+    return TagTools(
+        load_tools(specs, task.tools),
+        tokenizer,
+        max_calls=opts.max_turns,
+        max_response_tokens=opts.max_tool_response_tokens,
+        timeout=opts.tool_timeout,
+    )
 
 
 def build_task(opts: DataOptions) -> Task:

@@ -49,6 +49,7 @@ class Sampler:
     device: torch.device
     dist: Dist = SINGLE  # this rank's place in a torchrun job
     warn: Callable[[str], None] = print
+    tools: Any = None  # the engine's tool handler (`grouprl.tasks.tools`), for evaluation
     warned: set[str] = field(default_factory=set)  # one-time warnings already given
 
     def warn_once(self, key: str, message: str) -> None:
@@ -192,6 +193,7 @@ def sample_round(
         completion_ids=rollout.completion_id_lists(),
         state=TrainerState(global_step=step, max_steps=cfg.steps),
         timeout=cfg.reward_timeout,
+        transcripts=None if rollout.turns is None else rollout.turns.transcripts,
     )
     rewards = scores.total  # (N,) on the CPU
     if cfg.overlong_penalty:

@@ -48,6 +48,7 @@ AdvEstimator = Literal["grpo", "rloo"]  # grouprl.core.ADVANTAGE_ESTIMATORS
 AdvScale = Literal["group", "batch", "none"]  # grouprl.core.ADVANTAGE_SCALES
 KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
 EvalSplit = Literal["heldout", "train", "all"]
+ToolFormat = Literal["tags"]
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,10 @@ class RunOptions:
 class ModelOptions:
     """The policy and where it runs (shared by train and eval)."""
 
-    model: str = "builtin:arith"
+    model: str | None = None
     """Policy to start from: a local Hugging Face model directory, builtin:NAME, or a hub id
-    (Qwen/Qwen2.5-0.5B-Instruct), given to from_pretrained as it is."""
+    (Qwen/Qwen2.5-0.5B-Instruct), given to from_pretrained as it is. None: the task's own
+    (builtin:arith; builtin:lookup for --task lookup)."""
     trust_remote_code: bool = False
     """Let from_pretrained run code shipped with the model (only for models you trust)."""
     device: str = "auto"
@@ -131,7 +133,22 @@ class DataOptions:
     reward_timeout: float = 60.0
     """Seconds a reward function may take for one step's completions before the run stops."""
     max_new_tokens: int | None = None
-    """Generation budget per completion. None: the task's own budget (256 for --dataset)."""
+    """Generation budget per completion (with tools: the whole trajectory, the tools'
+    observations included). None: the task's own budget (256 for --dataset)."""
+    tools: list[str] | None = None
+    """Tools the policy may call while it writes: path/to/tools.py:fn, package.module:fn, or a
+    tool the task ships (typed functions with docstrings, sync or async, as TRL takes them).
+    None: the task's own tools (lookup's), else none."""
+    tool_format: ToolFormat = "tags"
+    """How calls are written: tags, <NAME>ARGS</NAME> with the observation following as plain
+    text (for base and character-level models)."""
+    max_turns: int = 4
+    """Tool calls a trajectory may make; one more ends it (0: tools available, never run)."""
+    max_tool_response_tokens: int | None = None
+    """Observations longer than this many tokens are cut (with "..."). None: no limit but the
+    budget."""
+    tool_timeout: float = 10.0
+    """Seconds a tool call may take; a call past it returns an error observation."""
 
 
 @dataclass(frozen=True)
@@ -168,8 +185,9 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Module names that get adapters, e.g. q_proj v_proj. None: every linear layer but the head."""
 
     # ----- sampling -----
-    steps: int = 200
-    """Number of training steps (one rollout batch each)."""
+    steps: int | None = None
+    """Number of training steps (one rollout batch each). None: the task's own (200; 120 for
+    lookup)."""
     prompts_per_step: int = 16
     """Prompts per step (B). Each gets group_size completions: N = B*G completions a step."""
     group_size: int = 8
@@ -348,7 +366,7 @@ LAUNCH_FIELDS = ("config", "resume", "allow_change")
 RESUMABLE_FIELDS = (
     "steps", "eval_every", "eval_size", "eval_samples", "save_every", "keep_last",
     "log_samples", "log_ratios", "log_ratios_every", "doctor", "threads", "progress",
-    "reward_timeout", "device", "strategy",
+    "reward_timeout", "tool_timeout", "device", "strategy",
 )  # fmt: skip
 
 Config = TypeVar("Config")
@@ -618,6 +636,8 @@ def local_paths_absolute(cfg: Any) -> Any:
         )
     if cfg.pass_reward is not None:
         cfg = dataclasses.replace(cfg, pass_reward=absolute_spec(cfg.pass_reward))
+    if getattr(cfg, "tools", None):
+        cfg = dataclasses.replace(cfg, tools=[absolute_spec(spec) for spec in cfg.tools])
     return cfg
 
 
@@ -643,6 +663,8 @@ class RunConfig(TrainConfig):
     overlong_penalty: bool = field(kw_only=True)
     overlong_cache: int = field(kw_only=True)
     max_new_tokens: int = field(kw_only=True)
+    model: str = field(kw_only=True)
+    steps: int = field(kw_only=True)
 
     def __post_init__(self) -> None:
         fields = dataclasses.fields(self)
@@ -651,9 +673,16 @@ class RunConfig(TrainConfig):
             raise ValueError(f"RunConfig fields left unresolved: {', '.join(empty)}; use resolve()")
 
 
-def resolve(cfg: TrainConfig, *, task_max_new_tokens: int, world_size: int = 1) -> RunConfig:
-    """Fill every field left at None from the preset and the task, then `validate` for a job
-    of `world_size` processes.
+def resolve(
+    cfg: TrainConfig,
+    *,
+    task_max_new_tokens: int,
+    world_size: int = 1,
+    task_model: str = "builtin:arith",
+    task_steps: int = 200,
+) -> RunConfig:
+    """Fill every field left at None from the preset and the task (its budget and its model),
+    then `validate` for a job of `world_size` processes.
 
     Local paths (model, datasets, reward files) are recorded absolute, so a resumed run reads
     the same files from any working directory; hub ids and builtin:NAME stay as they are.
@@ -666,6 +695,10 @@ def resolve(cfg: TrainConfig, *, task_max_new_tokens: int, world_size: int = 1) 
             values[name] = value
     if values["max_new_tokens"] is None:
         values["max_new_tokens"] = task_max_new_tokens
+    if values["model"] is None:
+        values["model"] = task_model
+    if values["steps"] is None:
+        values["steps"] = task_steps
     if values["norm_len"] is None:
         values["norm_len"] = values["max_new_tokens"]
     if values["overlong_cache"] is None:
@@ -733,6 +766,13 @@ def _data_checks(opts: DataOptions) -> list[tuple[bool, str]]:
         ),
         (opts.rewards is None or len(opts.rewards) > 0, "rewards must name at least one function"),
         (opts.reward_timeout > 0, "reward_timeout must be > 0 seconds"),
+        (opts.max_turns >= 0, "max_turns must be >= 0 (0: tools available, never run)"),
+        (
+            opts.max_tool_response_tokens is None or opts.max_tool_response_tokens >= 1,
+            "max_tool_response_tokens must be at least 1",
+        ),
+        (opts.tool_timeout > 0, "tool_timeout must be > 0 seconds"),
+        (opts.tools is None or len(opts.tools) > 0, "tools must name at least one tool"),
         (
             opts.max_new_tokens is None or opts.max_new_tokens >= 1,
             "max_new_tokens must be at least 1",

@@ -42,6 +42,7 @@ from grouprl.train.build import (
     autocast,
     build_rewards,
     build_task,
+    build_tools,
     prompt_budget,
     rows_that_fit,
     stop_strings,
@@ -65,6 +66,8 @@ class EvalResult:
     samples: int
     mean_length: float = 0.0
     """Mean sampled completion length in tokens (EOS included)."""
+    tool_call_rate: float | None = None
+    """Share of sampled completions that called a tool at least once; None without tools."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -87,7 +90,11 @@ def reward_judge(reward_fn: RewardFn, timeout: float | None = REWARD_TIMEOUT) ->
     name = getattr(reward_fn, "__name__", "reward")
 
     def judge(rows: Sequence[dict], rollout: Rollout) -> list[bool]:
-        completions = completion_objects(rollout.texts, is_conversational(rows[0]["prompt"]))
+        completions = (
+            rollout.turns.transcripts
+            if rollout.turns is not None
+            else completion_objects(rollout.texts, is_conversational(rows[0]["prompt"]))
+        )
         values = call_reward(
             name,
             reward_fn,
@@ -118,6 +125,7 @@ def pass_judge(rewards: RewardSet, *, state: TrainerState, timeout: float | None
             state=state,
             timeout=timeout,
             only_pass=True,
+            transcripts=None if rollout.turns is None else rollout.turns.transcripts,
         )
         return scores.passed.tolist()
 
@@ -144,6 +152,7 @@ def evaluate(
     gather: Callable[[Any], list[Any]] | None = None,
     agree: Callable[[UserError | None], None] | None = None,
     lockstep: Callable[[bool], bool] | None = None,
+    tools: Any = None,
 ) -> EvalResult:
     """pass@1, pass@k (k = samples) and greedy pass@1 of `model` on `rows`.
 
@@ -171,7 +180,8 @@ def evaluate(
     error: UserError | None = None
     batches = [rows[i : i + batch_prompts] for i in range(0, len(rows), batch_prompts)]
     bar = _progress(console, progress)
-    common = {"max_new_tokens": max_new_tokens, "stop": stop, "lockstep": lockstep}
+    common = {"max_new_tokens": max_new_tokens, "stop": stop, "lockstep": lockstep, "tools": tools}
+    calls: list[int] = []  # (n,) samples per problem that called a tool
     try:
         with bar:
             task_id = bar.add_task("eval", total=len(rows))
@@ -199,6 +209,9 @@ def evaluate(
                     lengths += (
                         rollouts[0].sampled_lengths.view(len(batch), samples).sum(-1).tolist()
                     )
+                    if rollouts[0].turns is not None:
+                        per = rollouts[0].turns.calls > 0  # (N,) completions that called
+                        calls += per.view(len(batch), samples).sum(-1).tolist()
                     greedy_solved += flags[1] if greedy else []
                 elif lockstep is None:
                     break
@@ -208,14 +221,16 @@ def evaluate(
     if agree is not None:
         agree(error)
     keep = len(rows) if real_rows is None else real_rows
-    counts = (solved[:keep], greedy_solved[:keep], lengths[:keep])
-    return _result(gather(counts) if gather is not None else [counts], samples, greedy)
+    counts = (solved[:keep], greedy_solved[:keep], lengths[:keep], calls[:keep])
+    return _result(gather(counts) if gather is not None else [counts], samples, greedy, tools)
 
 
-def _result(shares: list[tuple[list, list, list]], samples: int, greedy: bool) -> EvalResult:
+def _result(shares: list[tuple], samples: int, greedy: bool, tools: Any) -> EvalResult:
     """pass@1, pass@k and greedy pass@1 from every rank's per-problem (solved samples, greedy
-    solved, sampled tokens)."""
-    solved, greedy_solved, lengths = ([x for share in shares for x in share[i]] for i in range(3))
+    solved, sampled tokens, samples that called a tool)."""
+    solved, greedy_solved, lengths, calls = (
+        [x for share in shares for x in share[i]] for i in range(4)
+    )
     n = len(solved)
     return EvalResult(
         n=n,
@@ -224,6 +239,7 @@ def _result(shares: list[tuple[list, list, list]], samples: int, greedy: bool) -
         greedy_pass_at_1=sum(greedy_solved) / n if greedy else None,
         samples=samples,
         mean_length=sum(lengths) / (n * samples),
+        tool_call_rate=sum(calls) / (n * samples) if tools is not None else None,
     )
 
 
@@ -273,10 +289,13 @@ def run_eval(
             gather=dist.gather if dist.enabled else None,
             agree=dist.check if dist.enabled else None,
             lockstep=lockstep.all_done,
+            tools=sampler.tools,
         )
     out = {"pass_at_1": result.pass_at_1, f"pass_at_{result.samples}": result.pass_at_k}
     if result.greedy_pass_at_1 is not None:
         out["greedy_pass_at_1"] = result.greedy_pass_at_1
+    if result.tool_call_rate is not None:
+        out["tool_call_rate"] = result.tool_call_rate
     return out
 
 
@@ -295,8 +314,10 @@ def run(cfg: EvalConfig, *, progress: bool = True) -> dict[str, Any]:
 def _run(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
     task = build_task(cfg)
     device = resolve_device(cfg.device)
-    model = load_model(cfg.model, device=device, trust_remote_code=cfg.trust_remote_code)
-    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    name = cfg.model or task.default_model
+    model = load_model(name, device=device, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = load_tokenizer(name, trust_remote_code=cfg.trust_remote_code)
+    tools = build_tools(cfg, task, tokenizer)
     rewards = build_rewards(cfg, task, device)
     max_new_tokens = cfg.max_new_tokens or task.max_new_tokens
     budget = prompt_budget(cfg, model, max_new_tokens)
@@ -319,9 +340,10 @@ def _run(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
         seed=cfg.seed,
         greedy=cfg.greedy,
         progress=progress,
+        tools=tools,
     )
     return {
-        "model": cfg.model,
+        "model": name,
         "task": task.name,
         "split": cfg.split,
         "pass_reward": rewards.pass_reward,
@@ -344,6 +366,8 @@ def _table(out: dict[str, Any]) -> Table:
         table.add_row("pass@1 (greedy)", f"{out['greedy_pass_at_1']:.1%}")
     table.add_row("judged by (pass reward)", out["pass_reward"])
     table.add_row("mean completion tokens", f"{out['mean_length']:.1f}")
+    if out.get("tool_call_rate") is not None:
+        table.add_row("completions calling a tool", f"{out['tool_call_rate']:.1%}")
     table.add_row("seconds", f"{out['seconds']:.1f}")
     return table
 

@@ -54,9 +54,10 @@ class Lockstep:
         """What the sampler asks at each decode check under lockstep (see `sample_groups`)."""
         return self.dist.all_done if self.active else None
 
-    def engine(self, model: nn.Module, tokenizer: Any) -> HFRolloutEngine:
-        """The Hugging Face engine over `model`, decoding in step with the other ranks."""
-        return HFRolloutEngine(model, tokenizer, lockstep=self.all_done)
+    def engine(self, model: nn.Module, tokenizer: Any, tools: Any = None) -> HFRolloutEngine:
+        """The Hugging Face engine over `model` (answering calls with `tools`), decoding in
+        step with the other ranks."""
+        return HFRolloutEngine(model, tokenizer, lockstep=self.all_done, tools=tools)
 
     def pad_rows(self, share: Sequence[dict], rows: Sequence[dict]) -> list[dict]:
         """This rank's `share` of the evaluation `rows`, padded under lockstep with copies of

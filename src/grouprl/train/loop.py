@@ -355,6 +355,7 @@ def batch_metrics(batch: Batch, dist: Dist = SINGLE) -> dict[str, float]:
         "by_function": batch.by_function,
         "passed": batch.passed,
         "entropy": None if entropy is None else (float(entropy[mask].sum()), int(mask.sum())),
+        "tools": _tool_counts(batch.rollout),
     }
     shares = dist.gather(local) if dist.enabled else [local]
     rewards = torch.cat([s["rewards"] for s in shares])  # (N_global,) group-contiguous
@@ -378,7 +379,36 @@ def batch_metrics(batch: Batch, dist: Dist = SINGLE) -> dict[str, float]:
         metrics[f"reward_{name}"] = float(values.nanmean())
     if batch.passed is not None:  # the pass reward's verdict: the one definition of correct
         metrics["accuracy"] = float(torch.cat([s["passed"] for s in shares]).float().mean())
+    if local["tools"] is not None:
+        total = {k: sum(s["tools"][k] for s in shares) for k in local["tools"]}
+        rows = total["rows"]
+        metrics.update(
+            tool_calls_mean=total["calls"] / rows,
+            tool_call_rate=total["calling"] / rows,
+            tool_failure_frac=total["failures"] / total["calls"] if total["calls"] else 0.0,
+            turns_mean=total["turns"] / rows,
+            observation_token_frac=total["observed"] / max(total["tokens"], 1),
+            ended_by_turns_frac=total["ended_by_turns"] / rows,
+        )
     return metrics
+
+
+def _tool_counts(rollout: Rollout) -> dict[str, int] | None:
+    """A tool rollout's counts, to sum over ranks: rows, calls, rows that called, failed calls,
+    model turns, observation tokens, attended tokens, rows ended by --max-turns."""
+    turns = rollout.turns
+    if turns is None:
+        return None
+    return {
+        "rows": len(rollout.texts),
+        "calls": int(turns.calls.sum()),
+        "calling": int((turns.calls > 0).sum()),
+        "failures": int(turns.failures.sum()),
+        "turns": sum(m["role"] == "assistant" for t in turns.transcripts for m in t),
+        "observed": int((rollout.mask & ~rollout.loss_mask).sum()),
+        "tokens": int(rollout.mask.sum()),
+        "ended_by_turns": int(turns.ended_by_turns.sum()),
+    }
 
 
 def _nanstd_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -403,6 +433,8 @@ def _samples(batch: Batch, advantages: torch.Tensor, k: int) -> list[dict[str, A
                 **{name: values[row] for name, values in batch.extra.items()},
             }
         )
+        if batch.rollout.turns is not None:  # the whole transcript, tool turns marked
+            out[-1]["transcript"] = batch.rollout.turns.transcripts[row]
     return out
 
 

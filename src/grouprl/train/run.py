@@ -46,13 +46,14 @@ from grouprl.train import distributed
 from grouprl.train.build import (
     build_rewards,
     build_task,
+    build_tools,
     forward_dtype,
     keep_freed_memory,
     load_policy,
     prompt_budget,
     rows_that_fit,
     stop_strings,
-    task_budget,
+    task_defaults,
 )
 from grouprl.train.collect import Sampler
 from grouprl.train.config import RunConfig, TrainConfig, resolve, to_yaml
@@ -127,7 +128,7 @@ def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
     env = distributed.torchrun_env()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = resolve(cfg, task_max_new_tokens=task_budget(cfg), world_size=env[1] if env else 1)
+        cfg = resolve(cfg, world_size=env[1] if env else 1, **task_defaults(cfg))
         task = build_task(cfg)
     for warning in caught:
         warn(str(warning.message))
@@ -147,8 +148,10 @@ def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
                 shard(model, device=device)
     else:
         dist.broadcast_parameters(policy)
+    tools = build_tools(cfg, task, tokenizer)
     sampler = Sampler(
-        engine=lockstep.engine(policy, tokenizer),  # samples with the policy itself: no sync
+        # samples with the policy itself (no sync), answering tool calls as it goes
+        engine=lockstep.engine(policy, tokenizer, tools=tools),
         tokenizer=tokenizer,
         stream=PromptStream(task.train, cfg.seed),
         rewards=build_rewards(cfg, task, device),
@@ -158,6 +161,7 @@ def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
         device=device,
         dist=dist,
         warn=warn,
+        tools=tools,
     )
     optimizer = make_optimizer(cfg, policy)
     return Run(

@@ -125,24 +125,37 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
 
 
 def encode_batch(
-    tokenizer, prompts: list[str], completions: list[str]
+    tokenizer, prompts: list[str], completions: list[str | list[tuple[str, str]]]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded [prompt (with BOS if the tokenizer adds it), completion, EOS] sequences.
 
-    Returns input_ids (R, L), attention_mask (R, L) and labels (R, L) with -100 on prompt and
-    padding positions, so the loss covers exactly the completion tokens and the EOS.
+    A completion is a string, or a transcript of (role, text) turns of a tool-use task, each
+    turn encoded on its own as the sampler feeds them (a tool's observation is encoded once).
+    Returns input_ids (R, L), attention_mask (R, L) and labels (R, L) with -100 on prompt,
+    padding and tool positions, so the loss covers exactly what the policy writes and the EOS:
+    a model fitted to tool turns would learn to invent tool outputs.
     """
     prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
-    completion_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
-    rows = [p + c + [tokenizer.eos_token_id] for p, c in zip(prompt_ids, completion_ids)]
-    length = max(len(r) for r in rows)
+    rows, trained = [], []  # ids after the prompt, and whether each is the policy's
+    for completion in completions:
+        turns = [("assistant", completion)] if isinstance(completion, str) else completion
+        ids, own = [], []
+        for role, text in turns:
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            own += [role != "tool"] * len(piece)
+        rows.append([*ids, tokenizer.eos_token_id])
+        trained.append([*own, True])
+    length = max(len(p) + len(r) for p, r in zip(prompt_ids, rows))
     input_ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), length), -100, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompt_ids, rows)):
-        input_ids[i, : len(r)] = torch.tensor(r)
-        labels[i, len(p) : len(r)] = input_ids[i, len(p) : len(r)]
-        attention_mask[i, : len(r)] = 1
+    for i, (p, r, own) in enumerate(zip(prompt_ids, rows, trained)):
+        full = torch.tensor(p + r)
+        input_ids[i, : len(full)] = full
+        attention_mask[i, : len(full)] = 1
+        keep = torch.tensor(own, dtype=torch.bool)
+        labels[i, len(p) : len(full)] = torch.where(keep, full[len(p) :], -100)
     return input_ids, attention_mask, labels
 
 
@@ -165,7 +178,7 @@ def train_sft(cfg: SFTConfig, console: Console | None = None) -> SFTResult:
     _validate(cfg)
     _check_output_dir(cfg)
     task = get_task(cfg.task)
-    if cfg.noise > 0 and task.noisy_solution is None:
+    if cfg.noise > 0 and task.noisy_solution is None and task.transcript is None:
         raise UserError(f"task {cfg.task!r} has no noisy traces; use --noise 0")
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
@@ -208,7 +221,9 @@ def _train(cfg: SFTConfig, task: Task, console: Console) -> SFTResult:
         bar = progress.add_task("sft", total=cfg.steps, loss="-")
         for step in range(cfg.steps):
             batch = [rows[order_rng.randrange(len(rows))] for _ in range(cfg.batch_size)]
-            if cfg.noise > 0:
+            if task.transcript is not None:  # a tool-use task: turns, tool turns untrained
+                completions = [task.transcript(r, noise_rng, cfg.noise) for r in batch]
+            elif cfg.noise > 0:
                 assert task.noisy_solution is not None
                 completions = [task.noisy_solution(r, noise_rng, cfg.noise) for r in batch]
             else:

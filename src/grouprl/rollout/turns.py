@@ -1,0 +1,179 @@
+"""Multi-turn decoding: tool calls answered inside the decode loop.
+
+When a row's newest token closes a tool call (one of the handler's `closers`, checked like a
+stop string on the row's current turn only), the sampler asks a `TurnHandler` what follows: the
+observation's token ids, which it then feeds to that row one per decode step as forced tokens
+while the other rows go on sampling. The row's KV cache simply grows by them; nothing is
+re-prefilled and no text is re-encoded. A forced token has no log-prob of the policy: `old_logp`
+and entropy are 0 there, and it is attended (`mask`) but not trained (`loss_mask`).
+
+Token fidelity by construction: a trajectory's `completion_ids` are exactly the sampled ids and
+the observation ids fed to the model, in order. Text is decoded only to find and parse calls and
+for the transcript; it is never encoded again. The budget `max_new_tokens` counts both: an
+observation longer than what is left is cut to fit and the trajectory ends there (one that fits
+exactly is kept whole, and ends it too).
+
+The handler owns what a call means (its format, the tools, their limits); `Turns` owns the
+per-row bookkeeping: where each turn starts, the queue of ids still to feed, the transcript, and
+the counts the trainer logs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from grouprl.messages import Observation, ToolRequest
+from grouprl.rollout.stops import StopStrings
+
+
+@runtime_checkable
+class TurnHandler(Protocol):
+    """What the sampler asks when rows close a tool call (see `grouprl.tasks.tools`)."""
+
+    closers: list[str]  # strings that end a model turn with a call (not the trajectory)
+
+    def respond(self, requests: Sequence[ToolRequest]) -> list[Observation]:
+        """One observation per request, in order."""
+        ...
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """A rollout's multi-turn facts, one entry per completion row."""
+
+    transcripts: list[list[dict[str, Any]]]  # role-tagged turns: assistant and tool messages
+    calls: torch.Tensor  # (N,) long: tool calls run
+    failures: torch.Tensor  # (N,) long: calls that gave an error observation
+    ended_by_turns: torch.Tensor  # (N,) bool: ended by a call past the limit of calls
+
+    def select(self, rows: list[int]) -> TurnRecord:
+        index = torch.as_tensor(rows, dtype=torch.long)
+        return TurnRecord([self.transcripts[i] for i in rows], self.calls[index],
+                          self.failures[index], self.ended_by_turns[index])  # fmt: skip
+
+    @staticmethod
+    def concat(parts: Sequence[TurnRecord]) -> TurnRecord:
+        return TurnRecord(
+            [t for p in parts for t in p.transcripts],
+            torch.cat([p.calls for p in parts]),
+            torch.cat([p.failures for p in parts]),
+            torch.cat([p.ended_by_turns for p in parts]),
+        )
+
+
+class Turns:
+    """Per-row turn state of one decode loop (rows are output rows, 0 … N−1)."""
+
+    def __init__(self, handler: TurnHandler, tokenizer: Any, n: int, max_new_tokens: int,
+                 device: torch.device) -> None:  # fmt: skip
+        self.handler, self.tokenizer = handler, tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.closers = StopStrings(tokenizer, handler.closers)
+        self.since = [0] * n  # where each row's current model turn starts
+        self.queue: dict[int, deque[int]] = {}  # ids still to feed, by row
+        self.fed = torch.zeros((n, max_new_tokens), dtype=torch.bool, device=device)
+        self.tool_turns: list[list[tuple[int, int, dict]]] = [[] for _ in range(n)]
+        self.calls, self.failures = [0] * n, [0] * n
+        self.ended_by_turns = [False] * n
+
+    def force(self, rows: torch.Tensor | None, tok: torch.Tensor, logp: torch.Tensor,
+              entropy: torch.Tensor, t: int) -> torch.Tensor:  # fmt: skip
+        """Replace, in place, the step-`t` token of every batch row with ids to feed by the next
+        one (its log-prob and entropy by 0). Returns (n,) bool: the batch rows fed."""
+        fed = torch.zeros(tok.shape[0], dtype=torch.bool, device=tok.device)
+        if not self.queue:
+            return fed
+        out = list(range(tok.shape[0])) if rows is None else rows.tolist()
+        for b, row in enumerate(out):
+            waiting = self.queue.get(row)
+            if waiting:
+                tok[b] = waiting.popleft()
+                fed[b] = True
+                self.fed[row, t] = True
+                if not waiting:
+                    del self.queue[row]
+        logp.masked_fill_(fed, 0.0)
+        entropy.masked_fill_(fed, 0.0)
+        return fed
+
+    def after_step(self, tokens: torch.Tensor, rows: torch.Tensor | None,
+                   sampled: torch.Tensor, t: int) -> torch.Tensor:  # fmt: skip
+        """Rows among `sampled` (n,) bool whose newest token closed a call: ask the handler,
+        queue what it answers. Returns (n,) bool: the batch rows whose trajectory ends now."""
+        ends = torch.zeros_like(sampled)
+        closed = self.closers.hits(tokens, rows, sampled, t, since=self.since)
+        if not bool(closed.any()):
+            return ends
+        batch_rows = closed.nonzero().squeeze(1).tolist()
+        out = [b if rows is None else int(rows[b]) for b in batch_rows]
+        texts = self.tokenizer.batch_decode(
+            [tokens[r, self.since[r] : t + 1].tolist() for r in out], skip_special_tokens=True
+        )
+        requests = [ToolRequest(r, text, self.calls[r]) for r, text in zip(out, texts)]
+        for b, r, answer in zip(batch_rows, out, self.handler.respond(requests), strict=True):
+            self.calls[r] += answer.calls
+            self.failures[r] += answer.failures
+            if answer.end:
+                ends[b] = True
+                self.ended_by_turns[r] = True
+                continue
+            ids = list(answer.ids)[: self.max_new_tokens - (t + 1)]  # what the budget leaves
+            if answer.messages:
+                self.tool_turns[r].append((t + 1, t + 1 + len(ids), _joined(answer.messages)))
+            if ids:
+                self.queue[r] = deque(ids)
+                self.since[r] = t + 1 + len(ids)
+        return ends
+
+    def record(self, tokens: torch.Tensor, lengths: torch.Tensor, ended: torch.Tensor,
+               eos_ids: Sequence[int], cut: Any = None) -> TurnRecord:  # fmt: skip
+        """The transcripts (assistant text decoded from the sampled spans, tool turns decoded
+        from the ids fed) and counts, once decoding is done. `cut(text)`: the stop-string cut of
+        a row's last assistant turn, where the row ended."""
+        eos = set(eos_ids)
+        spans, pieces = [], []  # (row, role, message) in order, and the ids to decode
+        for row, length in enumerate(lengths.tolist()):
+            ids = tokens[row, :length].tolist()
+            if bool(ended[row]) and ids and ids[-1] in eos:
+                ids = ids[:-1]
+            start = 0
+            for begin, end, message in self.tool_turns[row]:
+                spans.append((row, "assistant", None))
+                pieces.append(ids[start:begin])
+                spans.append((row, "tool", message))
+                pieces.append(ids[begin:end])
+                start = end
+            spans.append((row, "assistant", None))
+            pieces.append(ids[start:])
+        texts = self.tokenizer.batch_decode(pieces, skip_special_tokens=True)
+        transcripts: list[list[dict[str, Any]]] = [[] for _ in range(len(lengths))]
+        last = {row: i for i, (row, _, _) in enumerate(spans)}  # each row's final turn
+        for i, ((row, role, message), text) in enumerate(zip(spans, texts, strict=True)):
+            if cut is not None and last[row] == i and bool(ended[row]):
+                text = cut(text)
+            if role == "tool":
+                transcripts[row].append({**message, "content": text})
+            elif text or last[row] == i:  # the final turn even when empty: it is the answer
+                transcripts[row].append({"role": "assistant", "content": text})
+        return TurnRecord(
+            transcripts,
+            torch.tensor(self.calls, dtype=torch.long),
+            torch.tensor(self.failures, dtype=torch.long),
+            torch.tensor(self.ended_by_turns, dtype=torch.bool),
+        )
+
+
+def _joined(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several calls answered in one observation: one tool turn naming them all."""
+    if len(messages) == 1:
+        return dict(messages[0])
+    return {
+        "role": "tool",
+        "name": ",".join(str(m.get("name", "")) for m in messages),
+        "error": any(m.get("error") for m in messages),
+    }
