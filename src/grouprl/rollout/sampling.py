@@ -10,6 +10,10 @@ The loop is a plain KV-cache decode that calls the model's forward directly. Com
 - runs no logits processors or stopping criteria objects: temperature, top-k and top-p are three
   tensor ops, EOS is one `isin`;
 - drops finished rows from the batch once at least half of it has finished (compaction).
+  Until then a finished row stays in the batch and is fed the pad token (its outputs discarded,
+  its positions masked): a full row of compute per step. Compaction copies the kept cache rows
+  once, so at most about as many wasted rows as running ones are carried, and there are at most
+  log2(B·G) compactions.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from grouprl.errors import UserError
 from grouprl.messages import is_conversational
 from grouprl.rollout import _hf
 from grouprl.rollout.stops import StopStrings
-from grouprl.rollout.turns import TurnHandler, Turns
+from grouprl.rollout.turns import TurnHandler, TurnRecord, Turns
 from grouprl.rollout.types import Rollout
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -275,43 +279,27 @@ def sample_groups(
       2. Prefill the B prompts once (B rows, not B·G), keeping only the last position's logits.
       3. Broadcast each prompt's KV cache to its G rows (group-contiguous) in a pre-allocated
          buffer with room for `max_new_tokens` more positions.
-      4. Decode all B·G rows together, one token per step: s = logits / temperature;
-         old_logp = log_softmax(s)[token], taken *before* top-k / top-p; the token is drawn from
-         softmax(top_p(top_k(s))) with a `torch.Generator` seeded from `seed`; the entropy of
-         softmax(s), also before top-k / top-p, is kept per position (`Rollout.entropy`).
-         temperature = 0 is greedy (argmax); its old_logp is under softmax(logits) (temperature
-         1), and `Rollout.temperature` is then 1.0.
+      4. Decode all B·G rows together, one token per step: s = logits / temperature; the
+         token is drawn from softmax(top_p(top_k(s))) by a `torch.Generator` seeded from
+         `seed`; old_logp = log_softmax(s)[token] and the entropy of softmax(s) are taken
+         *before* top-k / top-p. temperature = 0 is greedy (argmax; old_logp at temperature 1).
       5. A row finishes at an EOS token (the tokenizer's, or any in the model's
-         generation_config) or at the token that completes a stop string; the loop ends when
-         every row has finished or after `max_new_tokens`.
-
-    What finished rows cost: until compaction, a finished row stays in the batch and is fed the
-    pad token (its outputs are discarded and its positions masked), i.e. a full row of model
-    compute per step. As soon as at least half the batch has finished, finished rows are dropped
-    from the batch and from the KV cache (one copy of the kept cache rows), so at most about as
-    many wasted rows as running ones are carried, and there are at most log2(B·G) compactions.
+         generation_config) or at the token that completes a stop string.
 
     Stop strings are kept: `mask` ends at (and includes) the token that completed the stop
     string, and `texts` is cut right after the stop string (characters the same token added
     after it are dropped from the text only). Texts skip special tokens, so EOS never appears.
 
     `lockstep(done) -> bool`, when given, is asked at every check whether every participant is
-    done (processes whose forward passes are collectives, as under FSDP): this process keeps
-    stepping, feeding its finished rows pad tokens, until all are, so every participant runs the
-    same number of forward passes. It also samples under `no_grad` rather than
-    `inference_mode`: FSDP all-gathers parameters into buffers it reuses outside this call, which
-    must not become inference tensors.
-
-    `tools`, when given, answers tool calls inside the loop (see `grouprl.rollout.turns`): a row
-    that closes a call gets its observation's ids as forced tokens, attended but outside
-    `loss_mask`, with `old_logp` and entropy 0; `Rollout.turns` holds the transcripts. Without
-    it the loop runs exactly as above.
+    done (processes whose forwards are collectives, FSDP): this one keeps stepping, feeding pad
+    tokens, until all are, under `no_grad` (FSDP's all-gathered buffers must not become
+    inference tensors). `tools` answers tool calls inside the loop (`grouprl.rollout.turns`):
+    observations are fed as forced tokens outside `loss_mask`; `Rollout.turns` holds the
+    transcripts. Without it the loop runs exactly as above.
 
     Same model, prompts, settings and `seed` give the same completions (on the same device and
-    library versions). With `seed=None` the global torch RNG is used.
-
-    The model is used in whatever mode it is in (call `model.eval()` to disable dropout);
-    sampling runs under `torch.inference_mode()`.
+    library versions); `seed=None` uses the global torch RNG. The model is used in whatever mode
+    it is in (`model.eval()` turns dropout off); sampling runs under `torch.inference_mode()`.
     """
     _validate(group_size, max_new_tokens, temperature, top_p, top_k, stop)
     device = _hf.model_device(model)
@@ -348,12 +336,7 @@ def sample_groups(
     width = int(lengths.max())  # T
     tokens, logp, entropy = tokens[:, :width], logp[:, :width], entropy[:, :width]  # (N, T)
     mask = torch.arange(width, device=device)[None, :] < lengths[:, None]  # (N, T)
-    if turns is None:
-        texts, record = _decode_texts(tokenizer, tokens, lengths, ended, eos_ids, stop), None
-    else:  # the text as the model and the tools wrote it (a stop string cuts the last turn)
-        cut = StopStrings(tokenizer, stop).cut if stop else None
-        record = turns.record(tokens, lengths, ended, eos_ids, cut)
-        texts = ["".join(m["content"] for m in turns_) for turns_ in record.transcripts]
+    texts, record = _texts(tokenizer, tokens, lengths, ended, eos_ids, stop, turns)
     # clone() outside inference mode: inference tensors cannot be saved for backward, and the
     # trainer's loss uses old_logp next to differentiable log-probs.
     return Rollout(
@@ -407,25 +390,10 @@ def _decode(
     # read tokens on the host anyway, so then every step.
     check_every = 1 if device.type == "cpu" or stopper or turns else 4
 
-    # 1-2. Prefill each prompt once.
-    prompt_pos = _hf.left_pad_positions(prompt_mask)  # (B, P)
-    cache = _hf.new_cache(model)
-    logits = _forward_last(model, prompt_ids, prompt_mask, prompt_pos, cache)  # (B, V)
-
-    # 3. Broadcast to the groups. Batch state below is per *batch* row; `rows` maps batch rows
-    # to output rows once compaction has dropped some (None = identity).
-    # One copy of each prompt's keys and values for its G rows, where the architecture allows
-    # and the prompts are long enough for the copies to matter (measured, 2 CPU threads: 150-
-    # token prompts, G = 8, 128 new tokens on a 20M Llama, generation 7.05 -> 5.93 s; the
-    # built-in task's 10-token prompts, 0.182 -> 0.186 s, so short prompts keep per-row copies)
-    shared = (
-        group_size > 1
-        and prompt_width >= SHARED_PROMPT_MIN_TOKENS
-        and _hf.shares_prompt_attention(model)
-    )
-    _hf.expand_cache(
-        cache, group_size, extra=max_new_tokens, prompt_mask=prompt_mask if shared else None
-    )
+    # 1-3. Prefill each prompt once, broadcast its cache to its group.
+    cache, logits, shared = _prefill(model, prompt_ids, prompt_mask, group_size, max_new_tokens)
+    # Batch state below is per *batch* row; `rows` maps batch rows to output rows once
+    # compaction has dropped some (None = identity).
     logits = logits.repeat_interleave(group_size, dim=0)  # (n, V)
     attn = torch.ones((n, prompt_width + max_new_tokens), dtype=torch.bool, device=device)
     attn[:, :prompt_width] = prompt_mask.repeat_interleave(group_size, dim=0)
@@ -436,19 +404,7 @@ def _decode(
     with _hf.SharedPromptDecoding(model, cache) if shared else contextlib.nullcontext():
         for t in range(max_new_tokens):
             # 4. Pick a token per row.
-            scores = logits if temperature == 1.0 else logits / temperature  # (n, V)
-            logp_all = torch.log_softmax(scores, dim=-1)  # (n, V)
-            p_all = logp_all.exp()  # (n, V)
-            if greedy:
-                tok = scores.argmax(-1)  # (n,)
-            else:
-                truncated = top_p_filter(top_k_filter(scores, top_k), top_p)
-                probs = p_all if truncated is scores else truncated.softmax(-1)
-                tok = sample_categorical(probs, generator)  # (n,)
-            lp = logp_all.gather(-1, tok[:, None]).squeeze(1)  # (n,)
-            # p·log p with log p clamped (in place, it is not used again) to a finite value: a token
-            # with p = 0 (a -inf logit) adds 0 instead of NaN
-            ent = -(p_all * logp_all.clamp_(min=torch.finfo(logp_all.dtype).min)).sum(-1)  # (n,)
+            tok, lp, ent = _pick(logits, temperature, greedy, top_k, top_p, generator)
             tok = tok.masked_fill(done, pad_id)
             lp = lp.masked_fill(done, 0.0)
             ent = ent.masked_fill(done, 0.0)
@@ -491,6 +447,80 @@ def _decode(
     lengths = stop_at.clamp(max=max_new_tokens)  # (N,)
     ended = stop_at <= max_new_tokens  # (N,)
     return tokens, old_logp, entropy, lengths, ended
+
+
+def _prefill(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    group_size: int,
+    max_new_tokens: int,
+) -> tuple[Any, torch.Tensor, bool]:
+    """Run the B prompts once and broadcast each one's KV cache to its G rows, with room for
+    `max_new_tokens` more positions. Returns the cache, the (B, V) logits of the prompts' last
+    positions, and whether the cache keeps one copy of each prompt per group.
+
+    One copy per group where the architecture allows and the prompts are long enough for the
+    copies to matter (measured, 2 CPU threads: 150-token prompts, G = 8, 128 new tokens on a 20M
+    Llama, generation 7.05 -> 5.93 s; the built-in task's 10-token prompts, 0.182 -> 0.186 s,
+    so short prompts keep per-row copies)."""
+    prompt_pos = _hf.left_pad_positions(prompt_mask)  # (B, P)
+    cache = _hf.new_cache(model)
+    logits = _forward_last(model, prompt_ids, prompt_mask, prompt_pos, cache)  # (B, V)
+    shared = (
+        group_size > 1
+        and prompt_ids.shape[1] >= SHARED_PROMPT_MIN_TOKENS
+        and _hf.shares_prompt_attention(model)
+    )
+    _hf.expand_cache(
+        cache, group_size, extra=max_new_tokens, prompt_mask=prompt_mask if shared else None
+    )
+    return cache, logits, shared
+
+
+def _pick(
+    logits: torch.Tensor,
+    temperature: float,
+    greedy: bool,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step's choice for each row, from logits (n, V): the token (n,), its log-prob
+    under softmax(logits / temperature) (before top-k / top-p) (n,), and that distribution's
+    entropy (n,)."""
+    scores = logits if temperature == 1.0 else logits / temperature  # (n, V)
+    logp_all = torch.log_softmax(scores, dim=-1)  # (n, V)
+    p_all = logp_all.exp()  # (n, V)
+    if greedy:
+        tok = scores.argmax(-1)  # (n,)
+    else:
+        truncated = top_p_filter(top_k_filter(scores, top_k), top_p)
+        probs = p_all if truncated is scores else truncated.softmax(-1)
+        tok = sample_categorical(probs, generator)  # (n,)
+    lp = logp_all.gather(-1, tok[:, None]).squeeze(1)  # (n,)
+    # p·log p with log p clamped (in place, it is not used again) to a finite value: a token with
+    # p = 0 (a -inf logit) adds 0 instead of NaN
+    ent = -(p_all * logp_all.clamp_(min=torch.finfo(logp_all.dtype).min)).sum(-1)  # (n,)
+    return tok, lp, ent
+
+
+def _texts(
+    tokenizer: Any,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    ended: torch.Tensor,
+    eos_ids: Sequence[int],
+    stop: Sequence[str] | None,
+    turns: Turns | None,
+) -> tuple[list[str], TurnRecord | None]:
+    """The completions' texts, and with tools their transcripts: the text as the model and the
+    tools wrote it (a stop string cuts the last turn)."""
+    if turns is None:
+        return _decode_texts(tokenizer, tokens, lengths, ended, eos_ids, stop), None
+    cut = StopStrings(tokenizer, stop).cut if stop else None
+    record = turns.record(tokens, lengths, ended, eos_ids, cut)
+    return ["".join(m["content"] for m in t) for t in record.transcripts], record
 
 
 def _decode_texts(
