@@ -1,4 +1,5 @@
-"""Where a run's numbers go: JSONL files, TensorBoard, and PNG plots."""
+"""Where a run's numbers go: JSONL files, the trackers (TensorBoard, W&B, trackio, MLflow), and
+PNG plots."""
 
 from grouprl.report.plots import plot_run
 from grouprl.report.sinks import JsonlWriter, MetricSinks

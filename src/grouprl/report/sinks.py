@@ -1,4 +1,4 @@
-"""Metric sinks: one JSON object per line, and TensorBoard scalars."""
+"""Metric sinks: one JSON object per line, mirrored to the run's trackers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.faults import fault
+from grouprl.report.trackers import Trackers
 
 
 def _clean(value: Any) -> Any:
@@ -61,33 +62,29 @@ def truncate_jsonl(path: Path, *, keep_through_step: int) -> int:
 
 
 class MetricSinks:
-    """metrics.jsonl, eval.jsonl, samples.jsonl, ratios.jsonl and TensorBoard event files in a
-    run directory."""
+    """metrics.jsonl, eval.jsonl, samples.jsonl and ratios.jsonl in a run directory, mirrored to
+    the trackers `--report-to` names (see `grouprl.report.trackers`)."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True, purge_step: int | None = None):
-        """purge_step: on a resumed run, TensorBoard drops what it logged at this step and after
-        (the steps the run replays)."""
+    def __init__(self, run_dir: Path, trackers: Trackers | None = None):
         self.run_dir = Path(run_dir)
         self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl")
         self.evals = JsonlWriter(self.run_dir / "eval.jsonl")
         self.samples = JsonlWriter(self.run_dir / "samples.jsonl")
         self.ratios = JsonlWriter(self.run_dir / "ratios.jsonl")
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(
-                log_dir=str(self.run_dir / "tensorboard"), purge_step=purge_step
-            )
+        self.trackers = trackers
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         fault("log")
         self.metrics.write({"step": step, **metrics})
-        self._scalars("train", step, metrics)
+        if self.trackers is not None:
+            self.trackers.log("train", step, metrics)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """The evaluation, and to the trackers the completions sampled since the last one."""
         self.evals.write({"step": step, **metrics})
-        self._scalars("eval", step, metrics)
+        if self.trackers is not None:
+            self.trackers.log("eval", step, metrics)
+            self.trackers.samples_table(step)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         for sample in samples:
@@ -97,19 +94,15 @@ class MetricSinks:
         """Completion lengths and Σ_t log ρ_t after the step's updates (see `grouprl compare`)."""
         self.ratios.write({"step": step, "lengths": lengths, "log_ratio_sum": log_ratios})
 
-    def _scalars(self, prefix: str, step: int, metrics: dict[str, float]) -> None:
-        if self._tb is None:
-            return
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._tb.add_scalar(f"{prefix}/{key}", value, step)
-        self._tb.flush()
+    def log_plots(self, step: int, paths: list[Path]) -> None:
+        if self.trackers is not None:
+            self.trackers.images(step, paths)
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         for writer in (self.metrics, self.evals, self.samples, self.ratios):
             writer.close()
-        if self._tb is not None:
-            self._tb.close()
+        if self.trackers is not None:
+            self.trackers.close(ok)
 
 
 class NullSinks:
@@ -127,5 +120,8 @@ class NullSinks:
     def log_ratios(self, step: int, lengths: list[int], log_ratios: list[float]) -> None:
         pass
 
-    def close(self) -> None:
+    def log_plots(self, step: int, paths: list[Path]) -> None:
+        pass
+
+    def close(self, ok: bool = True) -> None:
         pass

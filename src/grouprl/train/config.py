@@ -283,6 +283,12 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Run `grouprl doctor`'s checks at each evaluation and print a line per new warning."""
     progress: bool = True
     """Show a live progress bar (off: one plain line per eval)."""
+    report_to: list[str] | None = None
+    """Trackers that also get the run: any of tensorboard, wandb, trackio, mlflow (space- or
+    comma-separated), or none. None: tensorboard. The run directory's JSONL logs and plots are
+    written whatever this says."""
+    run_name: str | None = None
+    """The run's name in the trackers. None: the run directory's name."""
 
 
 @dataclass(frozen=True)
@@ -366,7 +372,7 @@ LAUNCH_FIELDS = ("config", "resume", "allow_change")
 RESUMABLE_FIELDS = (
     "steps", "eval_every", "eval_size", "eval_samples", "save_every", "keep_last",
     "log_samples", "log_ratios", "log_ratios_every", "doctor", "threads", "progress",
-    "reward_timeout", "tool_timeout", "device", "strategy",
+    "reward_timeout", "tool_timeout", "device", "strategy", "report_to", "run_name",
 )  # fmt: skip
 
 Config = TypeVar("Config")
@@ -545,9 +551,9 @@ def load_yaml(path: Path) -> dict[str, Any]:
     return values
 
 
-def to_yaml(cfg: TrainConfig) -> str:
-    """The config a run records: every field but the launch directives and the output
-    directory (copied as a template, it starts a new run in a new directory)."""
+def config_record(cfg: TrainConfig) -> dict[str, Any]:
+    """The config a run records, as plain values: every field but the launch directives and the
+    output directory (copied as a template, it starts a new run in a new directory)."""
     skip = {*LAUNCH_FIELDS, "output_dir"}  # the record lives in its directory: no need to say
     values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
     for key, value in values.items():
@@ -555,7 +561,12 @@ def to_yaml(cfg: TrainConfig) -> str:
             values[key] = str(value)
         elif isinstance(value, tuple):
             values[key] = list(value)
-    return yaml.safe_dump(values, sort_keys=False)
+    return values
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """`config_record` as the YAML a run directory's config.yaml holds."""
+    return yaml.safe_dump(config_record(cfg), sort_keys=False)
 
 
 def parse_train_args(argv: Sequence[str]) -> TrainConfig:
@@ -705,6 +716,9 @@ def resolve(
         values["overlong_cache"] = max(1, values["max_new_tokens"] // 4)
     if values["lora_r"] is not None and values["lora_alpha"] is None:
         values["lora_alpha"] = 2.0 * values["lora_r"]
+    from grouprl.report.trackers import report_targets
+
+    values["report_to"] = list(report_targets(values["report_to"], installed=False))
     resolved = local_paths_absolute(RunConfig(**values))
     validate(resolved, world_size)
     return resolved
@@ -868,6 +882,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         (cfg.max_nonfinite_steps >= 1, "max_nonfinite_steps must be at least 1"),
     ]
     _raise_first(checks, _choice_problems(cfg))
+    from grouprl.report.trackers import report_targets
+
+    report_targets(cfg.report_to)  # a tracker that is unknown or not installed: one line
     _warn_dubious(cfg)
 
 

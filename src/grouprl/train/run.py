@@ -39,6 +39,7 @@ from grouprl.models.lora import save_final
 from grouprl.report import MetricSinks, plot_run
 from grouprl.report.runs import FINAL_MARKER, finished_at
 from grouprl.report.sinks import NullSinks, truncate_jsonl
+from grouprl.report.trackers import Trackers, report_targets
 from grouprl.tasks import Task
 from grouprl.tasks.data import PromptStream
 from grouprl.train import checkpoint as ckpt
@@ -56,7 +57,7 @@ from grouprl.train.build import (
     task_defaults,
 )
 from grouprl.train.collect import Sampler
-from grouprl.train.config import RunConfig, TrainConfig, resolve, to_yaml
+from grouprl.train.config import RunConfig, TrainConfig, config_record, resolve, to_yaml
 from grouprl.train.distributed import Dist
 from grouprl.train.fsdp import Lockstep, full_state, shard
 from grouprl.train.update import grad_scaler, make_optimizer
@@ -255,19 +256,35 @@ def _write_config(run: Run) -> None:
 
 @contextlib.contextmanager
 def open_sinks(run: Run, state: RunState) -> Iterator[None]:
-    """The run's metric sinks (rank 0; nothing elsewhere), closed at the end, whatever ends it.
-    On a resumed run TensorBoard forgets what the replayed steps logged before (the JSONL logs
-    were truncated by `restore`)."""
+    """The run's metric sinks and trackers (rank 0; nothing elsewhere), closed at the end,
+    whatever ends it. On a resumed run TensorBoard forgets what the replayed steps logged before
+    (the JSONL logs were truncated by `restore`); the other trackers skip what they already
+    have."""
     purge = _last_logged(run, state) + 1 if run.cfg.resume is not None else None
 
     def open_on_main() -> None:  # rank 0 alone: the sinks hold open files
-        run.sinks = MetricSinks(run.run_dir, purge_step=purge)
+        try:
+            trackers = Trackers(
+                run.run_dir,
+                report_targets(run.cfg.report_to),
+                config=config_record(run.cfg),
+                run_name=run.cfg.run_name,
+                purge_step=purge,
+                warn=run.warn,
+            )
+        except UserError:
+            if run.cfg.resume is None:  # nothing ran: leave the directory free for the next try
+                (run.run_dir / "config.yaml").unlink(missing_ok=True)
+            raise
+        run.sinks = MetricSinks(run.run_dir, trackers)
 
     run.on_main(open_on_main)
+    ok = False
     try:
         yield
+        ok = True
     finally:
-        run.sinks.close()
+        run.sinks.close(ok)
         run.sinks = NullSinks()
 
 
@@ -407,6 +424,7 @@ def write_final(run: Run, step: int) -> Path | None:
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         plots = plot_run(run_dir)
+        run.sinks.log_plots(step, plots)
         return plots[0].parent if plots else None
 
     return run.on_main(write)
