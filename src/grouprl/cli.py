@@ -105,6 +105,23 @@ def _compare(argv: list[str]) -> int:
     return main(argv, before_training=_quiet_hf)
 
 
+def _check(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(
+            "usage: grouprl check [any grouprl train flag] [--check-steps N] [--json] "
+            "[--output FILE] [--memory-limit GB]\n\n"
+            "Builds the run as train would, samples --check-steps (2) steps of groups, measures "
+            "one update without stepping the optimizer, and reports whether it would learn: "
+            "prompts as the model sees them, reward spread, groups without gradient, lengths, "
+            "speed, memory. Writes nothing unless --output. Exit 1 when the run would not learn."
+        )
+        return 0
+    _quiet_hf()
+    from grouprl.train.check import main
+
+    return main(argv)
+
+
 def _doctor(argv: list[str]) -> int:
     import json
 
@@ -126,6 +143,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "eval": (_eval, "held-out pass@1 / pass@k of a model on a task"),
     "sft": (_sft, "supervised warm start on a task's worked solutions"),
     "compare": (_compare, "algorithms side by side on the same data and seeds, with a report"),
+    "check": (_check, "before training: will this run learn, and how long will it take"),
     "doctor": (_doctor, "what looks wrong in a run, with evidence and a suggestion"),
     "explain": (_explain, "the seeds' worked examples, computed live"),
     "plot": (_plot, "PNG plots of a run directory"),

@@ -126,6 +126,35 @@ CASES = {
         {},
         {("length_runaway", "warning")},
     ),
+    "reward_dominates": (  # two rewards, one of them setting 95% of the advantage
+        dict(reward_share_correct=lambda s: 0.95, reward_share_format=lambda s: 0.05),
+        {},
+        {("reward_dominates", "warning")},
+    ),
+    "rewards_balanced": (
+        dict(reward_share_correct=lambda s: 0.6, reward_share_format=lambda s: 0.4),
+        {},
+        set(),
+    ),
+    "length_hacking": (  # reward and length up together, the pass rate flat
+        dict(reward_mean=ramp(0.3, 0.6), completion_len_mean=ramp(20, 40), accuracy=lambda s: 0.3),
+        {},
+        {("length_hacking", "warning")},
+    ),
+    "reward_flat": (  # a weighted reward stops varying while the pass rate is low
+        dict(reward_format_spread=lambda s: 0.3 if s < 30 else 0.0),
+        {},
+        {("reward_flat_format", "warning")},
+    ),
+    "reward_flat_converged": (  # the same once (almost) everything passes: no finding
+        dict(
+            reward_format_spread=lambda s: 0.3 if s < 30 else 0.0,
+            accuracy=ramp(0.5, 0.97),
+            reward_mean=ramp(0.5, 0.97),
+        ),
+        {},
+        set(),
+    ),
     "gaming": (
         dict(reward_mean=ramp(0.2, 0.8)),
         {"evals": {0: 0.3, 15: 0.31, 30: 0.29, 45: 0.3, 60: 0.3}},

@@ -237,3 +237,28 @@ def test_a_template_on_a_column_of_the_wrong_type_names_the_row(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"n": i} for i in range(70)])
     with pytest.raises(UserError, match=r"row 0: --prompt-template cannot be filled"):
         dataset_task(str(path), RowFormat(prompt_template="{n[0]}"))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("rows.jsonl", '{"prompt": "1+1="}\n{"prompt": \n{"prompt": "3+3="}\n',
+         "line 2 is not valid JSON (Expecting value, column 12)"),
+        ("rows.jsonl", '{"prompt": "1+1="}\n["a list"]\n', "line 2 is not a JSON object"),
+        ("rows.json", '[{"prompt": "1+1="},\n', "not valid JSON at line 2, column 1"),
+        ("rows.csv", "prompt,answer\n1+1=,2\n2+2=,4,extra\n",
+         "line 3 has 3 fields where the header has 2"),
+        ("rows.parquet", "not parquet at all\n", "not a Parquet file"),
+    ],
+)  # fmt: skip
+def test_a_malformed_data_file_is_one_line_naming_the_line(tmp_path, capfd, name, content, message):
+    from grouprl.tasks.data import load_table
+
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(UserError) as raised:
+        load_table(str(path))
+    assert str(raised.value).startswith(f"cannot read dataset {path}: {message}")
+    assert "\n" not in str(raised.value)
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == ""  # datasets' own log line is not shown

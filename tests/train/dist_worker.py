@@ -34,6 +34,10 @@ B, G = 8, 4
 # Groups 0 and 1 all right, group 3 all wrong: rank 0 (groups 0-3) skips 3 groups, rank 1 none.
 REWARDS = [[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0],
            [0, 1, 0, 0], [1, 1, 0, 1], [0, 0, 1, 0], [1, 0, 1, 1]]  # fmt: skip
+# A second reward for GDPO, constant where REWARDS is (the same groups stay silent)
+SECOND = [[0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0], [0.5, 0.5, 0.5, 0.5],
+          [1, 0, 0, 1], [0, 0, 1, 1], [1, 1, 0, 0], [0, 1, 0, 1]]  # fmt: skip
+WEIGHTS = {"correct": 1.0, "second": 0.5}
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +68,7 @@ def train_three_steps(cfg, dist: Dist, policy, batch, lora: bool = False):
         sample_groups(model, tokenizer, ["1+1="], group_size=2, max_new_tokens=4, seed=0,
                       lockstep=dist.all_done)  # fmt: skip
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, eps=1e-4)
-    advantages = loop.batch_advantages(cfg, batch, dist)
+    advantages = loop.batch_advantages(cfg, batch, dist, WEIGHTS)
     if dist.fsdp:  # as in training: the step-0 checkpoint gathers states before any update
         fsdp.gather_full_state(model, optimizer)
     grads, diagnostics = {}, None
@@ -93,7 +97,8 @@ def fixed_batch(policy, tokenizer) -> loop.Batch:
         policy, tokenizer, [r["prompt"] for r in rows], group_size=G, max_new_tokens=20, seed=3
     )
     rewards = torch.tensor(REWARDS, dtype=torch.float32).reshape(-1)
-    return loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
+    second = torch.tensor(SECOND, dtype=torch.float32).reshape(-1)
+    return loop.Batch(rollout, list(rows), rewards, {"correct": rewards, "second": second})
 
 
 def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
@@ -102,6 +107,7 @@ def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
              for strategy in ("ddp", "fsdp")]  # fmt: skip
     # LoRA; and micro-batches, where ranks run different numbers of chunks (FSDP pads)
     cases += [("grpo", "ddp", True, None), ("gspo", "ddp", True, None), ("dapo", "fsdp", False, 3)]
+    cases += [("gdpo", "ddp", False, None)]  # advantages from the gathered per-reward scores
     for algo, strategy, lora, micro in cases:
         extra = {"minibatches": 2} if algo == "gspo" else {}
         cfg = config(algo, micro_batch_size=micro, **extra)

@@ -307,7 +307,7 @@ def test_choice_names_are_the_core_registries_and_the_presets():
     for choices, registry in (
         (config.RatioLevel, core.RATIO_LEVELS),
         (config.LossAgg, core.AGGREGATIONS),
-        (config.AdvEstimator, core.ADVANTAGE_ESTIMATORS),
+        (config.AdvEstimator, {*core.ADVANTAGE_ESTIMATORS, "gdpo"}),  # gdpo: gdpo_advantages
         (config.AdvScale, core.ADVANTAGE_SCALES),
         (config.KLEstimator, core.KL_ESTIMATORS),
         (config.Algo, config.PRESETS),

@@ -9,6 +9,7 @@ and shaping.py (DAPO's overlong penalty) for the formulas and their papers.
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
+    gdpo_advantages,
     group_advantages,
     mixed_groups,
     zero_variance_groups,
@@ -41,6 +42,7 @@ __all__ = [
     "PolicyLoss",
     "aggregate",
     "clipped_objective",
+    "gdpo_advantages",
     "group_advantages",
     "kl_penalty",
     "log_ratio",

@@ -12,6 +12,9 @@ and every token of completion i gets Â_i. Variants, each a small function in a 
   std of the group-centred rewards over the whole batch + eps; "none" (Dr. GRPO, arXiv 2503.20783):
   no division.
 
+GDPO (arXiv 2601.05242) for several rewards normalises each reward inside the group first, then
+normalises their weighted sum over the batch (`gdpo_advantages`).
+
 Deviations and choices: the std is the population std by default (the seeds' formula); TRL and
 verl use the sample std (``unbiased_std=True``). A NaN reward means "could not be scored": it gets
 advantage 0 and is left out of every mean, std and count. A group whose valid rewards are all equal
@@ -130,4 +133,54 @@ def group_advantages(
     silent = zero_variance_groups(rewards)[:, None] | ~valid  # (B, G)
     centred = torch.where(silent, 0.0, r - mean)  # (B, G)
     advantages = estimate(centred, count) / divisor(centred, valid, eps, unbiased_std)  # (B, G)
+    return torch.where(silent, 0.0, advantages)
+
+
+def gdpo_advantages(
+    rewards: Tensor,  # (B, G, K): K rewards' raw scores, NaN = not scored
+    weights: Tensor | list[float],  # (K,)
+    *,
+    eps: float = 1e-4,
+) -> Tensor:
+    """Group reward-decoupled advantages (B, G) (GDPO, Liu et al., arXiv 2601.05242), as the
+    authors' reference implementation computes them:
+
+        Â_k,i = (r_k,i − mean_G(r_k)) / (std_G(r_k) + eps)     each reward k inside its group
+        A_i   = Σ_k w_k · Â_k,i
+        Â_i   = (A_i − mean_batch(A)) / (std_batch(A) + eps)   once over the whole batch
+
+    with sample (Bessel) stds and an unscored reward counted as 0. Under GRPO the weighted sum is
+    normalised instead, so distinct reward combinations collapse into one advantage (G = 2:
+    (0,0) vs (1,0) and (0,0) vs (1,1) both give ±1); here they stay apart.
+
+    Choices: a reward constant inside a group gets Â_k = 0 exactly, and a group in which every
+    reward is constant gets advantages of exactly 0 after the batch step too (the reference
+    would give it −mean/std there; zero keeps such groups silent, as GRPO's are, so they can be
+    skipped). Pass the whole job's batch: the batch statistics are global. With K = 1 this is
+    GRPO's advantage of w·r with the sample std (`group_advantages`).
+    """
+    if rewards.dim() != 3:
+        raise ValueError(f"rewards must have shape (B, G, K), got {tuple(rewards.shape)}")
+    _, G, K = rewards.shape
+    if G < 2:
+        raise ValueError("group-relative advantages need a group size G of at least 2, got G = 1")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    rewards = rewards.detach()
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    w = torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
+    if w.shape != (K,):
+        raise ValueError(f"weights must have shape ({K},), got {tuple(w.shape)}")
+    if K == 1:
+        return group_advantages(rewards[..., 0] * w[0], eps=eps, unbiased_std=True)
+    r = torch.nan_to_num(rewards, nan=0.0)  # (B, G, K)
+    centred = r - r.mean(1, keepdim=True)  # (B, G, K)
+    constant = r.amax(1, keepdim=True) <= r.amin(1, keepdim=True)  # (B, 1, K)
+    centred = torch.where(constant, 0.0, centred)  # exact zeros, not rounding noise
+    per_reward = centred / (r.std(1, keepdim=True) + eps)  # (B, G, K)
+    combined = (per_reward * w).sum(-1)  # (B, G)
+    flat = combined.reshape(-1)
+    advantages = (combined - flat.mean()) / (flat.std() + eps)  # (B, G)
+    silent = constant.all(-1)  # (B, 1): every reward constant in the group
     return torch.where(silent, 0.0, advantages)

@@ -116,6 +116,20 @@ EXAMPLES = 3
 #: 0.40 to 0.00 within 20 steps.
 ACCURACY_DROP = 0.1
 
+# ----- reward health (runs with several rewards) ---------------------------------------------
+#: One weighted reward's share Cov(w_k·r_k, R) / Var(R) of the within-group variance of the
+#: total reward R above this, over the last window, means it alone decides the advantages: the
+#: other rewards move less than a tenth of them. (Our threshold; the shares sum to 1.)
+REWARD_DOMINANCE = 0.9
+#: Reward up by REWARD_GAIN and mean completion length up this many times (first window ->
+#: last) while the training pass rate moved less than FLAT_BAND: the reward is paying for
+#: length, not correctness (length hacking; Singhal et al., arXiv 2310.03716, on RLHF).
+LENGTH_HACK_GROWTH = 1.3
+#: A weighted reward whose std over a step's completions fell below this (last window) after
+#: varying in the first, while the pass rate is under CONVERGED: it no longer ranks anything.
+SPREAD_GONE = 1e-6
+CONVERGED = 0.9
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -540,6 +554,62 @@ def check_heldout_drop(run: RunLog) -> list[Finding]:
     ]
 
 
+def check_reward_health(run: RunLog) -> list[Finding]:
+    """Several rewards: one deciding everything; reward bought with length; a reward gone flat."""
+    out = []
+    shares = {}
+    for key in sorted({k for r in run.metrics for k in r if k.startswith("reward_share_")}):
+        steps, values = _values(run, key)
+        if len(values) >= MIN_STEPS:
+            w = _window(len(values))
+            shares[key.removeprefix("reward_share_")] = (statistics.mean(values[-w:]), steps, w)
+    if len(shares) >= 2:
+        name, (top, steps, w) = max(shares.items(), key=lambda kv: kv[1][0])
+        if top >= REWARD_DOMINANCE:
+            listed = ", ".join(f"{n} {v[0]:.2f}" for n, v in shares.items())
+            out.append(Finding(
+                "reward_dominates", "warning", f"reward {name} decides almost all of the advantage",
+                f"share of the within-group reward variance, steps {steps[-w]}-{steps[-1]}: "
+                f"{listed} (threshold {REWARD_DOMINANCE})",
+                "the other rewards barely move the advantages: raise their weights, or use "
+                "--algo gdpo, which normalises each reward inside its group before combining",
+            ))  # fmt: skip
+    reward, length, accuracy = (_ends(run, k) for k in ("reward_mean", "completion_len_mean",
+                                                        "accuracy"))  # fmt: skip
+    if (
+        reward
+        and length
+        and accuracy
+        and (
+            reward[1] - reward[0] >= REWARD_GAIN
+            and length[1] >= LENGTH_HACK_GROWTH * length[0]
+            and abs(accuracy[1] - accuracy[0]) < FLAT_BAND
+        )
+    ):
+        out.append(Finding(
+            "length_hacking", "warning", "the reward rises with completion length, not correctness",
+            f"reward {reward[0]:.2f} -> {reward[1]:.2f}, mean length {length[0]:.0f} -> "
+            f"{length[1]:.0f} tokens, pass rate {accuracy[0]:.2f} -> {accuracy[1]:.2f} "
+            f"({reward[2]} -> {reward[3]})",
+            "a reward (or its weight) pays for longer answers: cap or normalise it by length, "
+            "or lower its weight against the pass reward",
+        ))  # fmt: skip
+    for key in sorted({k for r in run.metrics for k in r if k.endswith("_spread")}):
+        name = key.removeprefix("reward_").removesuffix("_spread")
+        spread = _ends(run, key)
+        if spread is None or accuracy is None:
+            continue
+        if spread[0] > SPREAD_GONE and spread[1] < SPREAD_GONE and accuracy[1] < CONVERGED:
+            out.append(Finding(
+                f"reward_flat_{name}", "warning", f"reward {name} gives every completion one score",
+                f"its std over a step's completions {spread[0]:.3f} ({spread[2]}) -> "
+                f"{spread[1]:.1e} ({spread[3]}) while the pass rate is {accuracy[1]:.2f}",
+                f"{name} no longer ranks anything: check it on recent samples.jsonl lines "
+                "(a saturated format bonus is harmless; a broken scorer is not)",
+            ))  # fmt: skip
+    return out
+
+
 CHECKS: list[Callable[[RunLog], list[Finding]]] = [
     check_heldout_drop,
     check_zero_variance,
@@ -549,6 +619,7 @@ CHECKS: list[Callable[[RunLog], list[Finding]]] = [
     check_nonfinite,
     check_length,
     check_reward_vs_heldout,
+    check_reward_health,
     check_tools,
 ]
 

@@ -68,8 +68,63 @@ def _datasets():
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # its error lines too: a file it cannot parse is reported in one line by `load_table`
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     return datasets
+
+
+def _unreadable(source: str, path: Path, err: Exception) -> str:
+    """One line for a data file datasets could not parse: where (line or row) and what."""
+    problem = _file_problem(path) if path.is_file() else None
+    return f"cannot read dataset {source}: {problem or one_line(err)}"
+
+
+def _file_problem(path: Path) -> str | None:
+    """The first thing wrong in a JSON, JSONL, CSV or Parquet file, found by reading it plainly
+    (datasets' own errors name a byte position, or nothing)."""
+    suffix = path.suffix.lower()
+    if suffix in (".json", ".jsonl"):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if suffix == ".json":
+            try:
+                json.loads(text)
+                return None
+            except ValueError as whole:
+                if text.lstrip().startswith("["):  # one JSON document, not JSON Lines
+                    return (
+                        f"not valid JSON at line {whole.lineno}, column {whole.colno}: {whole.msg}"
+                    )
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as bad:
+                return f"line {number} is not valid JSON ({bad.msg}, column {bad.colno})"
+            if not isinstance(value, dict):
+                return f'line {number} is not a JSON object ({{"prompt": ...}}) but {type(value).__name__}'
+        return None
+    if suffix == ".csv":
+        import csv
+
+        with path.open(newline="", encoding="utf-8", errors="replace") as f:
+            reader = csv.reader(f)
+            header = next(reader, [])
+            for row in reader:
+                if row and len(row) != len(header):
+                    return (
+                        f"line {reader.line_num} has {len(row)} fields where the header has "
+                        f"{len(header)} (quote fields that hold commas)"
+                    )
+        return None
+    if suffix == ".parquet":
+        with path.open("rb") as f:
+            head = f.read(4)
+            f.seek(max(0, path.stat().st_size - 4))
+            tail = f.read(4)
+        if head != b"PAR1" or tail != b"PAR1":
+            return "not a Parquet file (it does not start and end with Parquet's PAR1 marker)"
+    return None
 
 
 def load_table(source: str, split: str = "train") -> Any:
@@ -112,7 +167,7 @@ def load_table(source: str, split: str = "train") -> Any:
             raise UserError(f"dataset {source} has no rows; give it at least one") from None
         if "split" in str(err).lower():
             raise UserError(f"dataset {source} has no split {split!r}: {one_line(err)}") from None
-        raise UserError(f"cannot read dataset {source}: {one_line(err)}") from None
+        raise UserError(_unreadable(source, path, err)) from None
     except StopIteration:  # an empty JSON file
         raise UserError(f"dataset {source} is empty; give it at least one row") from None
     except Exception as err:  # parse errors, hub lookups offline, ...
@@ -121,7 +176,7 @@ def load_table(source: str, split: str = "train") -> Any:
                 f"dataset {source!r} is not a local file or directory and could not be loaded "
                 f"as a hub dataset ({one_line(err)}); give a path to a data file"
             ) from None
-        raise UserError(f"cannot read dataset {source}: {one_line(err)}") from None
+        raise UserError(_unreadable(source, path, err)) from None
     if len(table) == 0:
         raise UserError(f"dataset {source} has no rows; give it at least one")
     return table

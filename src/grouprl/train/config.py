@@ -35,7 +35,7 @@ from grouprl.tasks.specs import absolute_spec
 # Choices: every named option's values, once (tests/train/test_config.py checks that the core
 # registries and the presets have exactly these names)
 
-Algo = Literal["grpo", "gspo", "dr_grpo", "dapo"]
+Algo = Literal["grpo", "gspo", "dr_grpo", "dapo", "gdpo"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 Precision = Literal["fp32", "bf16"]
 Strategy = Literal["ddp", "fsdp"]
@@ -44,7 +44,8 @@ RatioLevel = Literal["token", "sequence", "sequence_token"]  # grouprl.core.RATI
 LossAgg = Literal[  # grouprl.core.AGGREGATIONS
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
 ]
-AdvEstimator = Literal["grpo", "rloo"]  # grouprl.core.ADVANTAGE_ESTIMATORS
+# grouprl.core.ADVANTAGE_ESTIMATORS, and gdpo (grouprl.core.gdpo_advantages: one per reward)
+AdvEstimator = Literal["grpo", "rloo", "gdpo"]
 AdvScale = Literal["group", "batch", "none"]  # grouprl.core.ADVANTAGE_SCALES
 KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
 EvalSplit = Literal["heldout", "train", "all"]
@@ -240,8 +241,10 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """How per-token losses are averaged; sets the implicit length weighting. None: preset."""
     norm_len: int | None = None
     """Constant divisor for seq_mean_token_sum_norm. None: max_new_tokens."""
-    adv_estimator: AdvEstimator = "grpo"
-    """Baseline: the group mean (grpo) or the mean of the other G-1 rewards (rloo)."""
+    adv_estimator: AdvEstimator | None = None
+    """Baseline: the group mean (grpo), the mean of the other G-1 rewards (rloo), or gdpo: each
+    reward normalised in its group, their weighted sum then over the batch (arXiv 2601.05242;
+    sets its own scaling, so no --adv-scale). None: preset (gdpo for --algo gdpo, else grpo)."""
     adv_scale: AdvScale | None = None
     """Advantage scaling: by the group std, the batch std, or none (Dr. GRPO). None: preset."""
     unbiased_std: bool = False
@@ -330,6 +333,7 @@ class Preset:
     dynamic_sampling: bool = False
     mask_truncated: bool = False
     overlong_penalty: bool = False
+    adv_estimator: str = "grpo"
 
 
 PRESETS: dict[str, Preset] = {
@@ -353,6 +357,11 @@ PRESETS: dict[str, Preset] = {
         minibatches=1,
         dynamic_sampling=True,
         overlong_penalty=True,
+    ),
+    # GDPO (arXiv 2601.05242): GRPO with each reward normalised inside its group before the
+    # weighted sum, which is then normalised over the batch; for runs with several rewards.
+    "gdpo": Preset(
+        "token", 0.2, 0.2, "seq_mean_token_mean", "group", 0.0, minibatches=1, adv_estimator="gdpo"
     ),
 }
 
@@ -668,6 +677,7 @@ class RunConfig(TrainConfig):
     loss_agg: LossAgg = field(kw_only=True)
     norm_len: int = field(kw_only=True)
     adv_scale: AdvScale = field(kw_only=True)
+    adv_estimator: AdvEstimator = field(kw_only=True)
     minibatches: int = field(kw_only=True)
     dynamic_sampling: bool = field(kw_only=True)
     mask_truncated: bool = field(kw_only=True)
@@ -700,6 +710,19 @@ def resolve(
     """
     if cfg.algo not in PRESETS:
         raise UserError(f"invalid config: algo {cfg.algo!r} is not one of {', '.join(PRESETS)}")
+    if cfg.algo == "gdpo" and cfg.adv_estimator not in (None, "gdpo"):
+        raise UserError(
+            f"--algo gdpo is its own advantage estimator; drop --adv-estimator "
+            f"{cfg.adv_estimator}, or use --algo grpo --adv-estimator {cfg.adv_estimator}"
+        )
+    # (a saved config, resumed, holds the preset's scale: that one is no choice of the user's)
+    if "gdpo" in (cfg.algo, cfg.adv_estimator) and cfg.adv_scale not in (
+        None, PRESETS[cfg.algo].adv_scale
+    ):  # fmt: skip
+        raise UserError(
+            "gdpo scales each reward by its group's std and the sum by the batch's; drop "
+            "--adv-scale, or use another --adv-estimator"
+        )
     values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
     for name, value in dataclasses.asdict(PRESETS[cfg.algo]).items():
         if values[name] is None:

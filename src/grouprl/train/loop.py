@@ -51,7 +51,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from grouprl.core import group_advantages
+from grouprl.core import gdpo_advantages, group_advantages, overlong_penalty
 from grouprl.errors import UserError
 from grouprl.faults import fault
 from grouprl.models.lora import base_model_context
@@ -149,7 +149,7 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
     metrics = collected.metrics()
     samples, ratios, nonfinite = [], None, state.nonfinite_in_a_row
     if batch is not None:
-        advantages = batch_advantages(cfg, batch, dist)  # (N,)
+        advantages = batch_advantages(cfg, batch, dist, run.sampler.rewards.weights)  # (N,)
         probe = _ratio_probe(cfg, state.step, batch, run)
         ref_logp = None
         if cfg.beta > 0:  # the initial policy: a frozen copy, or LoRA's base model
@@ -164,7 +164,7 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
         samples = _samples(batch, advantages, cfg.log_samples)
         ratios = None if probe is None else _probe_ratios(cfg, probe, run.policy, dist)
     # everything sampled, kept or not; then what dynamic sampling kept
-    metrics.update(batch_metrics(collected.sampled, dist))
+    metrics.update(batch_metrics(collected.sampled, dist, run.sampler.rewards.weights))
     if batch is not None and collected.filtered:
         metrics.update({f"{k}_kept": v for k, v in batch_metrics(batch, dist).items()})
     metrics["lr"] = run.optimizer.param_groups[0]["lr"]  # the rate this step's updates used
@@ -177,19 +177,47 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
     return state, StepLog(metrics, samples, ratios)
 
 
-def batch_advantages(cfg: RunConfig, batch: Batch, dist: Dist) -> torch.Tensor:
+def batch_advantages(
+    cfg: RunConfig, batch: Batch, dist: Dist, weights: dict[str, float] | None = None
+) -> torch.Tensor:
     """This rank's advantages (N,), computed over the whole job's batch (so a batch-level
-    scale uses the global batch's statistics)."""
+    scale uses the global batch's statistics). `weights`: the reward functions' (for gdpo)."""
     G, per = cfg.group_size, len(batch.rows)
-    rewards = torch.cat(dist.gather(batch.rewards)) if dist.enabled else batch.rewards
-    advantages = group_advantages(
-        rewards.view(-1, G),
-        scale=cfg.adv_scale,
-        estimator=cfg.adv_estimator,
-        eps=cfg.adv_eps,
-        unbiased_std=cfg.unbiased_std,
-    ).reshape(-1)  # (N_global,)
+    if cfg.adv_estimator == "gdpo":
+        components, w = gdpo_components(cfg, batch, weights or {})
+        gathered = torch.cat(dist.gather(components)) if dist.enabled else components
+        advantages = gdpo_advantages(gathered.view(-1, G, len(w)), w, eps=cfg.adv_eps)
+        advantages = advantages.to(batch.rewards.dtype)
+    else:
+        rewards = torch.cat(dist.gather(batch.rewards)) if dist.enabled else batch.rewards
+        advantages = group_advantages(
+            rewards.view(-1, G),
+            scale=cfg.adv_scale,
+            estimator=cfg.adv_estimator,
+            eps=cfg.adv_eps,
+            unbiased_std=cfg.unbiased_std,
+        )
+    advantages = advantages.reshape(-1)  # (N_global,)
     return advantages[dist.rank * per * G : (dist.rank + 1) * per * G]
+
+
+def gdpo_components(
+    cfg: RunConfig, batch: Batch, weights: dict[str, float]
+) -> tuple[torch.Tensor, list[float]]:
+    """GDPO's rewards (N, K) and weights (K,): each weighted reward function's raw scores, and
+    DAPO's overlong penalty, when on, as one more reward of weight 1 (normalised in its group
+    like the others)."""
+    names = [name for name, w in weights.items() if w != 0 and name in batch.by_function]
+    columns = [batch.by_function[name].to(torch.float64) for name in names]
+    w = [weights[name] for name in names]
+    if cfg.overlong_penalty:
+        lengths = batch.rollout.sampled_lengths.cpu()
+        columns.append(
+            overlong_penalty(lengths, max_len=cfg.max_new_tokens, cache_len=cfg.overlong_cache)
+            .to(torch.float64)
+        )  # fmt: skip
+        w.append(1.0)
+    return torch.stack(columns, -1), w
 
 
 def log_step(run: Run, state: RunState, log: StepLog, bar: _StepBar) -> None:
@@ -343,9 +371,12 @@ class _StepBar:
             self.console.print(f"step {step:>5}/{self.steps}  {info}")
 
 
-def batch_metrics(batch: Batch, dist: Dist = SINGLE) -> dict[str, float]:
+def batch_metrics(
+    batch: Batch, dist: Dist = SINGLE, weights: dict[str, float] | None = None
+) -> dict[str, float]:
     """Reward, accuracy, length and entropy metrics of `batch` on every rank together; lengths
-    and entropy over the sampled tokens (the loss mask)."""
+    and entropy over the sampled tokens (the loss mask). With the reward `weights`: each
+    weighted reward's spread, and with two or more, each one's share of the advantage."""
     mask = batch.rollout.loss_mask
     entropy = batch.rollout.entropy  # of the sampling policy, over every sampled token
     local = {
@@ -377,6 +408,13 @@ def batch_metrics(batch: Batch, dist: Dist = SINGLE) -> dict[str, float]:
     for name in batch.by_function:
         values = torch.cat([s["by_function"][name] for s in shares])
         metrics[f"reward_{name}"] = float(values.nanmean())
+    weighted = {n: w for n, w in (weights or {}).items() if w != 0 and n in batch.by_function}
+    for name in weighted:
+        values = torch.cat([s["by_function"][name] for s in shares]).double()
+        scored = values[~values.isnan()]
+        metrics[f"reward_{name}_spread"] = float(scored.std(unbiased=False)) if len(scored) else 0.0
+    if len(weighted) >= 2:
+        metrics.update(_reward_shares(shares, rewards, weighted, G))
     if batch.passed is not None:  # the pass reward's verdict: the one definition of correct
         metrics["accuracy"] = float(torch.cat([s["passed"] for s in shares]).float().mean())
     if local["tools"] is not None:
@@ -391,6 +429,24 @@ def batch_metrics(batch: Batch, dist: Dist = SINGLE) -> dict[str, float]:
             ended_by_turns_frac=total["ended_by_turns"] / rows,
         )
     return metrics
+
+
+def _reward_shares(
+    shares: list[dict], rewards: torch.Tensor, weights: dict[str, float], G: int
+) -> dict[str, float]:
+    """Each weighted reward's share of the within-group variance of the total reward R:
+    Σ_groups Cov(w_k·r_k, R) / Σ_groups Var(R), which sums to 1 over the rewards (an unscored
+    score counts as 0). A share near 1 means that reward alone sets the advantages."""
+    total = torch.nan_to_num(rewards.double(), nan=0.0).view(-1, G)
+    centred = total - total.mean(-1, keepdim=True)
+    variance = float(centred.square().sum())
+    out = {}
+    for name, w in weights.items():
+        part = w * torch.nan_to_num(torch.cat([s["by_function"][name] for s in shares]).double())
+        part = part.view(-1, G)
+        covariance = float(((part - part.mean(-1, keepdim=True)) * centred).sum())
+        out[f"reward_share_{name}"] = covariance / variance if variance > 0 else math.nan
+    return out
 
 
 def _tool_counts(rollout: Rollout) -> dict[str, int] | None:

@@ -1,0 +1,547 @@
+"""`grouprl check`: will this run learn, and how long will it take? Asked before it starts.
+
+Builds model, data, rewards and templates exactly as `train` does (the same flags, the same
+errors; `setup_run`), samples `--check-steps` steps' worth of groups through the trainer's own
+`collect_batch`, runs one real update's forwards and backwards without stepping the optimizer
+(the weights do not change), and reports: the first prompts as the model sees them with a
+completion each, each reward's spread and how often it decides a group's ranking, the pass rate
+per prompt and the share of groups that would carry no gradient at this and other group sizes,
+completion lengths against the budget, throughput, the time per step and for the run, and the
+update's peak memory. Findings as `doctor` writes them; exit 1 when the run would not learn.
+
+Nothing is written unless `--output FILE` is given.
+
+The zero-gradient share. A group of G completions of a prompt whose pass rate is p carries no
+gradient when all pass or all fail: P = pᴳ + (1−p)ᴳ. With n samples of a prompt, k passing, the
+measured k/n is often exactly 0 or 1, so p is given the posterior Beta(k+½, n−k+½) (Jeffreys'
+prior) and the share is its expectation, in closed form
+
+    E[pᴳ] = Π_{i<G} (a+i)/(a+b+i),  E[(1−p)ᴳ] = Π_{i<G} (b+i)/(a+b+i),  a = k+½, b = n−k+½,
+
+averaged over the prompts sampled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from grouprl.errors import UserError
+from grouprl.report.doctor import Finding
+from grouprl.train.build import prompt_ids
+from grouprl.train.collect import collect_batch
+from grouprl.train.config import parse_train_args
+from grouprl.train.run import Run, setup_run
+
+GROUP_SIZES = (2, 4, 8, 16, 32, 64)
+NO_GRADIENT_TARGET = 0.5  # a group size is suggested that brings the no-gradient share below this
+NO_GRADIENT_STOP = 0.9  # above this share of groups without gradient, the run would not learn
+SAME_SCORE = 0.95  # a weighted reward giving one score to this share of completions is a finding
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """`grouprl check`'s own flags (every other flag is `grouprl train`'s)."""
+
+    steps: int = 2  # --check-steps: steps' worth of groups to sample
+    output: Path | None = None  # --output FILE: the report as JSON
+    json: bool = False  # --json: print the report as JSON instead of tables
+    memory_limit_gb: float | None = None  # --memory-limit GB: predict what fits
+
+
+def split_args(argv: list[str]) -> tuple[CheckOptions, list[str]]:
+    """check's own flags out of argv; the rest are train's."""
+    own = {"--check-steps": "steps", "--output": "output", "--memory-limit": "memory_limit_gb"}
+    values: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, _, inline = arg.partition("=")
+        if name == "--json":
+            values["json"] = True
+        elif name in own:
+            if not inline and i + 1 >= len(argv):
+                raise UserError(f"{name} needs a value")
+            value = inline or argv[i + 1]
+            i += 0 if inline else 1
+            try:
+                kind = {"steps": int, "output": Path, "memory_limit_gb": float}[own[name]]
+                values[own[name]] = kind(value)
+            except ValueError:
+                raise UserError(f"{name} {value!r} is not a number") from None
+        else:
+            rest.append(arg)
+        i += 1
+    options = CheckOptions(**values)
+    if options.steps < 1:
+        raise UserError("--check-steps must be at least 1")
+    return options, rest
+
+
+def no_gradient_share(k: int, n: int, group_size: int) -> float:
+    """E[pᴳ + (1−p)ᴳ] under p ~ Beta(k+½, n−k+½): the chance that a group of `group_size`
+    carries no gradient, for a prompt that passed k of n samples."""
+    a, b = k + 0.5, n - k + 0.5
+    all_pass = math.prod((a + i) / (a + b + i) for i in range(group_size))
+    none_pass = math.prod((b + i) / (a + b + i) for i in range(group_size))
+    return all_pass + none_pass
+
+
+class _PeakRSS:
+    """The process's resident memory, sampled every few ms on a thread while inside (a CPU has
+    no allocator peak to read; /proc/self/statm on Linux, else the lifetime ru_maxrss)."""
+
+    def __enter__(self) -> _PeakRSS:
+        self.peak = self.start = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+class _NoStep:
+    """The optimizer as the update sees it, but `step` does nothing: check measures an update
+    and leaves the weights (and AdamW's moments) as they were."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.param_groups = optimizer.param_groups
+        self._optimizer = optimizer
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+
+@dataclass
+class Report:
+    config: dict[str, Any]
+    prompts: list[dict[str, Any]]
+    rewards: dict[str, dict[str, float]]
+    correlations: dict[str, float]
+    pass_counts: list[list[int]]  # per prompt: [passes, samples]
+    measured_no_gradient: float
+    predicted_no_gradient: dict[int, float]
+    suggested_group_size: int | None
+    lengths: dict[str, float]
+    timing: dict[str, float]
+    memory: dict[str, Any]
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def would_not_learn(self) -> bool:
+        return any(f.code in STOPPERS for f in self.findings)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "findings"}
+        out["findings"] = [f.to_json() for f in self.findings]
+        out["would_not_learn"] = self.would_not_learn
+        return out
+
+
+STOPPERS = {"no_gradient", "all_truncated", "never_passes"}
+
+
+def check(argv: list[str], *, console: Console | None = None) -> Report:
+    """The report for `grouprl train`'s flags `argv` (check's own flags already taken out)."""
+    options, train_argv = split_args(argv)
+    cfg = parse_train_args(train_argv)
+    run = setup_run(cfg, console=console)
+    if run.dist.enabled:
+        raise UserError("grouprl check runs in one process; run it without torchrun")
+    return measure(run, options)
+
+
+def measure(run: Run, options: CheckOptions) -> Report:
+    cfg, sampler = run.cfg, run.sampler
+    G = cfg.group_size
+    run.console.print(f"check: sampling {options.steps} step(s) of {cfg.prompts_per_step} x {G}")
+    batches, seconds, position = [], 0.0, 0
+    for step in range(options.steps):
+        collected = collect_batch(cfg, sampler, step, position)
+        position = collected.position
+        seconds += collected.seconds
+        batches.append(collected)
+    sampled = [c.sampled for c in batches]
+    tokens = sum(int(b.rollout.sampled_lengths.sum()) for b in sampled)
+    timing = {"sampling_seconds_per_step": seconds / len(batches), "tokens_per_s": tokens / seconds}
+    timing.update(_measure_update(run, batches[0]))
+    memory = timing.pop("memory")
+    per_step = timing["sampling_seconds_per_step"] + timing["update_seconds"]
+    timing["seconds_per_step"] = per_step
+    timing["run_seconds"] = per_step * cfg.steps + _eval_seconds(
+        cfg, timing["tokens_per_s"], sampled
+    )
+    memory.update(_fit(cfg, memory, options.memory_limit_gb))
+
+    counts = _pass_counts(sampled, G)
+    rewards, correlations = _reward_stats(sampled, sampler.rewards.weights, G)
+    measured = sum(c.counts.zero_std for c in batches) / sum(c.counts.sampled for c in batches)
+    predicted = {
+        g: sum(no_gradient_share(k, n, g) for k, n in counts) / len(counts) for g in GROUP_SIZES
+    }
+    if G not in predicted:
+        predicted[G] = sum(no_gradient_share(k, n, G) for k, n in counts) / len(counts)
+    suggested = next((g for g in sorted(predicted) if predicted[g] < NO_GRADIENT_TARGET), None)
+    report = Report(
+        config={
+            "algo": cfg.algo,
+            "model": cfg.model,
+            "group_size": G,
+            "prompts_per_step": cfg.prompts_per_step,
+            "steps": cfg.steps,
+            "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
+        },
+        prompts=_first_prompts(run, sampled[0], G),
+        rewards=rewards,
+        correlations=correlations,
+        pass_counts=[list(c) for c in counts],
+        measured_no_gradient=measured,
+        predicted_no_gradient=predicted,
+        suggested_group_size=suggested,
+        lengths=_lengths(sampled, cfg.max_new_tokens),
+        timing=timing,
+        memory=memory,
+    )
+    report.findings = findings(report, sampled, sampler.rewards.pass_reward)
+    return report
+
+
+def _measure_update(run: Run, collected: Any) -> dict[str, Any]:
+    """One step's update (every epoch and minibatch, forwards and backwards) on the first
+    step's batch, timed and its peak memory measured; the optimizer never steps."""
+    from grouprl.train.loop import batch_advantages
+    from grouprl.train.update import update
+
+    cfg = run.cfg
+    batch = collected.kept if collected.kept is not None else collected.sampled
+    batch = batch.to(run.device)
+    advantages = batch_advantages(cfg, batch, run.dist, run.sampler.rewards.weights)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+        torch.cuda.reset_peak_memory_stats(run.device)
+    start = time.perf_counter()
+    with _PeakRSS() as rss:
+        update(cfg, run.policy, _NoStep(run.optimizer), batch, advantages, None,
+               scaler=run.scaler, dist=run.dist, lockstep=run.lockstep)  # fmt: skip
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+    seconds = time.perf_counter() - start
+    run.optimizer.zero_grad(set_to_none=True)
+    trained = sum(p.numel() for p in run.policy.parameters() if p.requires_grad)
+    if run.device.type == "cuda":
+        peak, base, method = (
+            torch.cuda.max_memory_allocated(run.device),
+            None,
+            "CUDA allocator peak",
+        )
+    else:
+        peak, base, method = rss.peak, rss.start, "process RSS sampled every 5 ms"
+    per_forward = cfg.micro_batch_size or (len(batch.rollout.texts) // cfg.minibatches)
+    memory = {"peak_gb": peak / 1e9, "before_gb": None if base is None else base / 1e9,
+              "method": method, "completions_per_forward": per_forward,
+              "adamw_state_gb": 2 * 4 * trained / 1e9}  # fmt: skip
+    return {
+        "update_seconds": seconds,
+        "update_completions": len(batch.rollout.texts),
+        "memory": memory,
+    }
+
+
+def _fit(cfg: Any, memory: dict[str, Any], limit_gb: float | None) -> dict[str, Any]:
+    """What fits `limit_gb`: the update's activations (peak − before) grow in proportion to the
+    completions per forward (--micro-batch-size); AdamW's two moments (8 bytes per trained
+    parameter), not yet allocated because check never steps, are added."""
+    if limit_gb is None or memory["before_gb"] is None:
+        return {}
+    base = memory["before_gb"] + memory["adamw_state_gb"]
+    per_completion = (
+        max(memory["peak_gb"] - memory["before_gb"], 0) / memory["completions_per_forward"]
+    )
+    room = limit_gb - base
+    fits = int(room // per_completion) if per_completion > 0 else memory["completions_per_forward"]
+    return {
+        "limit_gb": limit_gb,
+        "predicted_gb": base + per_completion * memory["completions_per_forward"],
+        "micro_batch_size_that_fits": max(0, min(fits, memory["completions_per_forward"])),
+        "prediction": "before + AdamW moments + (peak - before) x micro-batch / measured",
+    }
+
+
+def _eval_seconds(cfg: Any, tokens_per_s: float, sampled: list[Any]) -> float:
+    """The run's evaluations at the measured sampling speed and mean completion length."""
+    lengths = torch.cat([b.rollout.sampled_lengths.float().cpu() for b in sampled])
+    evals = 2 + (cfg.steps // cfg.eval_every if cfg.eval_every else 0)
+    completions = cfg.eval_size * (cfg.eval_samples + 1)  # sampled, and one greedy each
+    return evals * completions * float(lengths.mean()) / tokens_per_s
+
+
+def _pass_counts(sampled: list[Any], G: int) -> list[tuple[int, int]]:
+    counts = []
+    for batch in sampled:
+        passed = batch.passed.view(-1, G)
+        counts += [(int(row.sum()), G) for row in passed]
+    return counts
+
+
+def _reward_stats(
+    sampled: list[Any], weights: dict[str, float], G: int
+) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Per reward: mean, std, unscored share, the share of completions given its most common
+    score, and the share of groups it ranks (its scores differ inside the group); and the
+    Pearson correlation of each pair over completions both scored."""
+    stats, columns = {}, {}
+    for name, weight in weights.items():
+        values = torch.cat([b.by_function[name].double().cpu() for b in sampled])
+        scored = values[~values.isnan()]
+        columns[name] = values
+        groups = values.view(-1, G)
+        filled = torch.nan_to_num(groups, nan=-math.inf)
+        ranks = (filled.amax(-1) > filled.amin(-1)).double().mean()
+        common = scored.unique(return_counts=True)[1].max() / len(scored) if len(scored) else 1.0
+        stats[name] = {
+            "weight": weight,
+            "mean": float(scored.mean()) if len(scored) else math.nan,
+            "std": float(scored.std(unbiased=False)) if len(scored) else math.nan,
+            "unscored": float(1 - len(scored) / len(values)),
+            "same_score": float(common),
+            "ranks_groups": float(ranks),
+        }
+    correlations = {}
+    names = list(columns)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            both = ~(columns[a].isnan() | columns[b].isnan())
+            x, y = columns[a][both], columns[b][both]
+            if len(x) > 1 and x.std() > 0 and y.std() > 0:
+                correlations[f"{a}~{b}"] = float(torch.corrcoef(torch.stack([x, y]))[0, 1])
+    return stats, correlations
+
+
+def _lengths(sampled: list[Any], budget: int) -> dict[str, float]:
+    lengths = torch.cat([b.rollout.sampled_lengths.double().cpu() for b in sampled])
+    truncated = torch.cat([b.rollout.truncated.cpu() for b in sampled])
+    q = torch.quantile(lengths, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    return {"max_new_tokens": budget, "truncated": float(truncated.double().mean()),
+            "min": float(lengths.min()), "p10": float(q[0]), "p50": float(q[1]),
+            "p90": float(q[2]), "max": float(lengths.max())}  # fmt: skip
+
+
+def _first_prompts(run: Run, batch: Any, G: int, k: int = 3) -> list[dict[str, Any]]:
+    """The first prompts exactly as the model sees them (template, system prompt and special
+    tokens visible), with the first completion sampled for each."""
+    out = []
+    for g, row in enumerate(batch.rows[:k]):
+        ids = prompt_ids(run.tokenizer, row["prompt"])
+        out.append({
+            "rendered": run.tokenizer.decode(ids, skip_special_tokens=False),
+            "tokens": len(ids),
+            "completion": batch.rollout.texts[g * G],
+            "passed": bool(batch.passed[g * G]),
+            "answer": row.get("answer"),
+        })  # fmt: skip
+    return out
+
+
+def findings(report: Report, sampled: list[Any], pass_reward: str) -> list[Finding]:
+    """What would stop the run learning (warnings that make check exit 1), and what would slow
+    it, each with its number and one suggestion."""
+    out = []
+    passes = sum(k for k, _ in report.pass_counts)
+    if passes == 0:
+        examples = [{"prompt": p["rendered"][-80:], "completion": p["completion"],
+                     "answer": p["answer"]} for p in report.prompts]  # fmt: skip
+        out.append(Finding(
+            "never_passes", "warning", f"the pass reward ({pass_reward}) never passes",
+            f"0 of {sum(n for _, n in report.pass_counts)} completions scored >= 1",
+            "look at the completions below: the model may not answer in the format the reward "
+            "expects (fix the prompt, template or reward), or the task is too hard for it",
+            examples,
+        ))  # fmt: skip
+    if report.lengths["truncated"] >= 1.0:
+        out.append(Finding(
+            "all_truncated", "warning", "every completion hit --max-new-tokens",
+            f"{report.lengths['truncated']:.0%} truncated at {report.lengths['max_new_tokens']} "
+            "tokens",
+            "raise --max-new-tokens (or add a --stop string the model writes at the end)",
+        ))  # fmt: skip
+    elif report.lengths["truncated"] > 0.5:
+        out.append(Finding(
+            "mostly_truncated", "info", "most completions hit --max-new-tokens",
+            f"{report.lengths['truncated']:.0%} truncated", "raise --max-new-tokens",
+        ))  # fmt: skip
+    if report.measured_no_gradient > NO_GRADIENT_STOP:
+        out.append(Finding(
+            "no_gradient", "warning", "almost no group carries a gradient",
+            f"{report.measured_no_gradient:.0%} of groups scored alike (all pass or all fail; "
+            f"threshold {NO_GRADIENT_STOP:.0%})",
+            _group_advice(report),
+        ))  # fmt: skip
+    elif report.predicted_no_gradient[report.config["group_size"]] > NO_GRADIENT_TARGET:
+        out.append(Finding(
+            "little_gradient", "info", "many groups would carry no gradient",
+            f"predicted {report.predicted_no_gradient[report.config['group_size']]:.0%} at "
+            f"G = {report.config['group_size']}", _group_advice(report),
+        ))  # fmt: skip
+    for name, s in report.rewards.items():
+        if s["weight"] != 0 and s["same_score"] >= SAME_SCORE:
+            out.append(Finding(
+                f"same_score_{name}", "info" if name != pass_reward else "warning",
+                f"reward {name} gives nearly everything the same score",
+                f"{s['same_score']:.0%} of completions got its most common score (threshold "
+                f"{SAME_SCORE:.0%}); it ranks {s['ranks_groups']:.0%} of groups",
+                "check it on a few completions by hand; a reward that never varies adds nothing",
+            ))  # fmt: skip
+        if s["unscored"] > 0.5:
+            out.append(Finding(
+                f"unscored_{name}", "info", f"reward {name} leaves most completions unscored",
+                f"{s['unscored']:.0%} None", "check the columns it reads and when it returns None",
+            ))  # fmt: skip
+    memory = report.memory
+    if "limit_gb" in memory and memory["predicted_gb"] > memory["limit_gb"]:
+        fits = memory["micro_batch_size_that_fits"]
+        out.append(Finding(
+            "memory", "warning", "the update is predicted not to fit --memory-limit",
+            f"predicted {memory['predicted_gb']:.2f} GB against {memory['limit_gb']:g} GB",
+            f"--micro-batch-size {fits} (the same update, in chunks)" if fits
+            else "--gradient-checkpointing, a smaller --max-new-tokens, or LoRA (--lora-r)",
+        ))  # fmt: skip
+    return sorted(out, key=lambda f: f.severity != "warning")
+
+
+def _group_advice(report: Report) -> str:
+    passes = sum(k for k, _ in report.pass_counts) / max(1, sum(n for _, n in report.pass_counts))
+    side = "easier prompts" if passes < 0.5 else "harder prompts"
+    if report.suggested_group_size is not None:
+        return (
+            f"--group-size {report.suggested_group_size} is predicted to bring it below "
+            f"{NO_GRADIENT_TARGET:.0%}; or {side}, or --algo dapo (dynamic sampling)"
+        )
+    return f"use {side} (pass rate {passes:.0%}): no group size up to 64 helps enough"
+
+
+def print_report(report: Report, console: Console) -> None:
+    cfg = report.config
+    console.print(
+        f"[bold]grouprl check[/]: {cfg['model']}, {cfg['algo']}, {cfg['prompts_per_step']} "
+        f"prompts x G={cfg['group_size']}, {cfg['steps']} steps"
+    )
+    for i, p in enumerate(report.prompts):
+        console.print(f"[bold]prompt {i}[/] ({p['tokens']} tokens, as the model sees it):")
+        console.print(p["rendered"], markup=False, highlight=False)
+        mark = "pass" if p["passed"] else "fail"
+        console.print(f"  -> {p['completion']!r} ({mark})", markup=False, highlight=False)
+    table = Table(title="rewards")
+    for col in ("reward", "weight", "mean", "std", "unscored", "same score", "ranks groups"):
+        table.add_column(col, justify="right" if col != "reward" else "left")
+    for name, s in report.rewards.items():
+        cells = [f"{s['weight']:g}", f"{s['mean']:.3f}", f"{s['std']:.3f}"]
+        cells += [f"{s[k]:.0%}" for k in ("unscored", "same_score", "ranks_groups")]
+        table.add_row(name, *cells)
+    console.print(table)
+    for pair, r in report.correlations.items():
+        console.print(f"correlation {pair}: {r:+.2f}")
+    table = Table(title="groups with no gradient (all pass or all fail)")
+    table.add_column("G", justify="right")
+    table.add_column("predicted", justify="right")
+    for g, share in sorted(report.predicted_no_gradient.items()):
+        here = "  <- this run" if g == cfg["group_size"] else ""
+        table.add_row(str(g), f"{share:.0%}{here}")
+    console.print(table)
+    passes = sum(k for k, _ in report.pass_counts)
+    samples = sum(n for _, n in report.pass_counts)
+    console.print(
+        f"measured at G={cfg['group_size']}: {report.measured_no_gradient:.0%} of "
+        f"{len(report.pass_counts)} groups; pass rate {passes}/{samples}"
+    )
+    ln = report.lengths
+    console.print(
+        f"lengths: p10 {ln['p10']:.0f}, median {ln['p50']:.0f}, p90 {ln['p90']:.0f}, max "
+        f"{ln['max']:.0f} of {ln['max_new_tokens']}; {ln['truncated']:.0%} truncated"
+    )
+    t, m = report.timing, report.memory
+    console.print(
+        f"speed: {t['tokens_per_s']:.0f} sampled tokens/s; a step ~{t['seconds_per_step']:.1f} s"
+        f" (sampling {t['sampling_seconds_per_step']:.1f} + update {t['update_seconds']:.1f});"
+        f" the run ~{_duration(t['run_seconds'])} with its evaluations"
+    )
+    console.print(
+        f"memory: update peak {m['peak_gb']:.2f} GB ({m['method']}; "
+        f"{m['completions_per_forward']} completions per forward)"
+    )
+    if "limit_gb" in m:
+        console.print(
+            f"  for --memory-limit {m['limit_gb']:g} GB: predicted {m['predicted_gb']:.2f} GB at "
+            f"this micro-batch; {_fits(m['micro_batch_size_that_fits'])} "
+            f"({m['prediction']})"
+        )
+    if not report.findings:
+        console.print("no findings: nothing here says this run would not learn")
+    for f in report.findings:
+        console.print(f"{f.severity:<8}{f.title}", markup=False)
+        console.print(f"        evidence: {f.evidence}", markup=False)
+        console.print(f"        suggest:  {f.suggestion}", markup=False)
+        for ex in f.examples:
+            console.print(
+                f"        e.g. {ex.get('prompt')!r} -> {ex.get('completion')!r}", markup=False
+            )
+
+
+def _fits(micro_batch_size: int) -> str:
+    if micro_batch_size == 0:
+        return "no micro-batch size fits"
+    return f"--micro-batch-size {micro_batch_size} fits"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def main(argv: list[str]) -> int:
+    console = Console(stderr=True)
+    options, _ = split_args(argv)
+    report = check(argv, console=console)
+    if options.json:
+        print(json.dumps(report.to_json(), default=str))
+    else:
+        print_report(report, Console())
+    if options.output is not None:
+        options.output.write_text(json.dumps(report.to_json(), indent=1, default=str) + "\n")
+    return 1 if report.would_not_learn else 0

@@ -1,0 +1,107 @@
+"""`grouprl check`: the numbers it reports are the ones a direct computation on the same groups
+gives, it finds the runs that would not learn (exit 1), it writes nothing, and it leaves the
+weights as they were."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from grouprl.cli import main
+from grouprl.train.check import CheckOptions, measure, no_gradient_share
+from grouprl.train.config import parse_train_args
+from grouprl.train.run import setup_run
+
+TINY = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "2", "--threads", "1",
+        "--check-steps", "1"]  # fmt: skip
+
+
+def _check(capsys, *args):
+    code = main(["check", "--json", *TINY, *args])
+    out = capsys.readouterr().out
+    return code, json.loads(out)
+
+
+def test_the_no_gradient_share_follows_the_beta_posterior_formula():
+    # k = 0 of n = 2: p ~ Beta(1/2, 5/2); E[p²] = (1/2·3/2)/(3·4), E[(1-p)²] = (5/2·7/2)/(3·4)
+    assert no_gradient_share(0, 2, 2) == pytest.approx((0.75 + 8.75) / 12, rel=1e-12)
+    # k = 1 of 2: symmetric, E[p²] = E[(1-p)²] = (3/2·5/2)/(3·4)
+    assert no_gradient_share(1, 2, 2) == pytest.approx(2 * 3.75 / 12, rel=1e-12)
+    # more samples that all pass make all-pass groups likelier
+    assert no_gradient_share(8, 8, 4) > no_gradient_share(2, 2, 4) > 0.5
+
+
+def test_check_on_the_built_in_task_finds_nothing_and_its_numbers_are_recomputable(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    code, report = _check(capsys)
+    assert code == 0 and not report["would_not_learn"]
+    assert [f for f in report["findings"] if f["severity"] == "warning"] == []
+    counts = report["pass_counts"]
+    assert len(counts) == 4 and all(n == 4 for _, n in counts)
+    # the built-in rewards: correct x1 (format x0), so a group has no gradient iff all or none pass
+    assert report["measured_no_gradient"] == sum(k in (0, n) for k, n in counts) / len(counts)
+    for g, share in report["predicted_no_gradient"].items():
+        assert share == pytest.approx(
+            sum(no_gradient_share(k, n, int(g)) for k, n in counts) / len(counts), rel=1e-12
+        )
+    passes = sum(k for k, _ in counts)
+    assert report["rewards"]["correct"]["mean"] == pytest.approx(passes / 16, rel=1e-12)
+    assert report["prompts"][0]["rendered"].startswith("<bos>")  # special tokens shown
+    assert report["timing"]["seconds_per_step"] > 0 and report["memory"]["peak_gb"] > 0
+    assert list(tmp_path.iterdir()) == []  # nothing written: no runs/ directory
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["--max-new-tokens", "2"], "all_truncated"),
+        (["--rewards", "REWARDS:always", "1.0"], "no_gradient"),
+        (["--rewards", "REWARDS:tagged", "1.0"], "never_passes"),
+    ],
+)
+def test_a_run_that_would_not_learn_is_found_and_exits_1(tmp_path, capsys, args, code):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(
+        "def always(completions, **kw):\n    return [1.0 for _ in completions]\n\n"
+        "def tagged(completions, **kw):\n"
+        "    return [1.0 if '<answer>' in c else 0.0 for c in completions]\n"
+    )
+    args = [a.replace("REWARDS", str(rewards)) for a in args]
+    exit_code, report = _check(capsys, *args)
+    assert exit_code == 1 and report["would_not_learn"]
+    assert code in [f["code"] for f in report["findings"] if f["severity"] == "warning"]
+    if code == "never_passes":  # with the completions that show why
+        found = next(f for f in report["findings"] if f["code"] == code)
+        assert found["examples"] and all(
+            "<answer>" not in e["completion"] for e in found["examples"]
+        )
+
+
+def test_check_leaves_an_existing_run_untouched_and_bad_flags_are_trains_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "1", "--output-dir", str(run), *TINY[:-2], "--eval-samples",
+                 "1", "--no-progress"]) == 0  # fmt: skip
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["check", "--output-dir", str(run), *TINY]) == 2
+    check_err = capsys.readouterr().err
+    assert main(["train", "--output-dir", str(run), *TINY[:-2]]) == 2
+    assert capsys.readouterr().err == check_err.replace("grouprl check:", "grouprl train:")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert main(["check", *TINY, "--group-size", "1"]) == 2
+    assert "group_size must be at least 2" in capsys.readouterr().err
+
+
+def test_check_never_steps_the_optimizer(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = setup_run(parse_train_args(TINY[:-2]))
+    before = {n: p.detach().clone() for n, p in run.policy.named_parameters()}
+    report = measure(run, CheckOptions(steps=1))
+    assert report.timing["update_completions"] > 0
+    after = dict(run.policy.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert run.optimizer.state == {}  # AdamW never stepped: no moments
