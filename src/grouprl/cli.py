@@ -109,7 +109,7 @@ def _check(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(
             "usage: grouprl check [any grouprl train flag] [--check-steps N] [--json] "
-            "[--output FILE] [--memory-limit GB]\n\n"
+            "[--output FILE] [--memory-limit GB] [--second-temperature T]\n\n"
             "Builds the run as train would, samples --check-steps (2) steps of groups, measures "
             "one update without stepping the optimizer, and reports whether it would learn: "
             "prompts as the model sees them, reward spread, groups without gradient, lengths, "

@@ -37,8 +37,10 @@ def test_check_on_the_built_in_task_finds_nothing_and_its_numbers_are_recomputab
     tmp_path, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
-    code, report = _check(capsys)
+    code, report = _check(capsys, "--second-temperature", "0.5")
     assert code == 0 and not report["would_not_learn"]
+    assert report["second_temperature"]["temperature"] == 0.5  # measured there, not extrapolated
+    assert 0 <= report["second_temperature"]["measured_no_gradient"] <= 1
     assert [f for f in report["findings"] if f["severity"] == "warning"] == []
     counts = report["pass_counts"]
     assert len(counts) == 4 and all(n == 4 for _, n in counts)

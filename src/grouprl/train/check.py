@@ -23,6 +23,7 @@ averaged over the prompts sampled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -59,11 +60,13 @@ class CheckOptions:
     output: Path | None = None  # --output FILE: the report as JSON
     json: bool = False  # --json: print the report as JSON instead of tables
     memory_limit_gb: float | None = None  # --memory-limit GB: predict what fits
+    second_temperature: float | None = None  # --second-temperature T: sample step 0 at T too
 
 
 def split_args(argv: list[str]) -> tuple[CheckOptions, list[str]]:
     """check's own flags out of argv; the rest are train's."""
-    own = {"--check-steps": "steps", "--output": "output", "--memory-limit": "memory_limit_gb"}
+    own = {"--check-steps": "steps", "--output": "output", "--memory-limit": "memory_limit_gb",
+           "--second-temperature": "second_temperature"}  # fmt: skip
     values: dict[str, Any] = {}
     rest: list[str] = []
     i = 0
@@ -78,7 +81,8 @@ def split_args(argv: list[str]) -> tuple[CheckOptions, list[str]]:
             value = inline or argv[i + 1]
             i += 0 if inline else 1
             try:
-                kind = {"steps": int, "output": Path, "memory_limit_gb": float}[own[name]]
+                kinds = {"steps": int, "output": Path}
+                kind = kinds.get(own[name], float)
                 values[own[name]] = kind(value)
             except ValueError:
                 raise UserError(f"{name} {value!r} is not a number") from None
@@ -88,6 +92,8 @@ def split_args(argv: list[str]) -> tuple[CheckOptions, list[str]]:
     options = CheckOptions(**values)
     if options.steps < 1:
         raise UserError("--check-steps must be at least 1")
+    if options.second_temperature is not None and not options.second_temperature > 0:
+        raise UserError("--second-temperature must be > 0")
     return options, rest
 
 
@@ -156,6 +162,7 @@ class Report:
     predicted_no_gradient: dict[int, float]
     suggested_group_size: int | None
     lengths: dict[str, float]
+    second_temperature: dict[str, float] | None
     timing: dict[str, float]
     memory: dict[str, Any]
     findings: list[Finding] = field(default_factory=list)
@@ -233,11 +240,29 @@ def measure(run: Run, options: CheckOptions) -> Report:
         predicted_no_gradient=predicted,
         suggested_group_size=suggested,
         lengths=_lengths(sampled, cfg.max_new_tokens),
+        second_temperature=_at_temperature(run, options.second_temperature),
         timing=timing,
         memory=memory,
     )
     report.findings = findings(report, sampled, sampler.rewards.pass_reward)
     return report
+
+
+def _at_temperature(run: Run, temperature: float | None) -> dict[str, float] | None:
+    """The first step's prompts sampled again at `temperature`: what it measures there (the
+    pass rate and groups without gradient), not an extrapolation."""
+    if temperature is None:
+        return None
+    cfg = dataclasses.replace(run.cfg, temperature=temperature)
+    collected = collect_batch(cfg, run.sampler, 0, 0)
+    counts = _pass_counts([collected.sampled], cfg.group_size)
+    return {
+        "temperature": temperature,
+        "pass_rate": sum(k for k, _ in counts) / sum(n for _, n in counts),
+        "measured_no_gradient": collected.counts.zero_std / collected.counts.sampled,
+        "predicted_no_gradient": sum(no_gradient_share(k, n, cfg.group_size) for k, n in counts)
+        / len(counts),
+    }
 
 
 def _measure_update(run: Run, collected: Any) -> dict[str, Any]:
@@ -400,8 +425,10 @@ def findings(report: Report, sampled: list[Any], pass_reward: str) -> list[Findi
         ))  # fmt: skip
     elif report.lengths["truncated"] > 0.5:
         out.append(Finding(
-            "mostly_truncated", "info", "most completions hit --max-new-tokens",
-            f"{report.lengths['truncated']:.0%} truncated", "raise --max-new-tokens",
+            "mostly_truncated", "warning", "most completions hit --max-new-tokens",
+            f"{report.lengths['truncated']:.0%} truncated at {report.lengths['max_new_tokens']} "
+            f"tokens (median length {report.lengths['p50']:.0f})",
+            "raise --max-new-tokens: a cut-off completion rarely holds an answer",
         ))  # fmt: skip
     if report.measured_no_gradient > NO_GRADIENT_STOP:
         out.append(Finding(
@@ -443,6 +470,8 @@ def findings(report: Report, sampled: list[Any], pass_reward: str) -> list[Findi
 
 
 def _group_advice(report: Report) -> str:
+    if report.lengths["truncated"] > 0.5:
+        return "raise --max-new-tokens first: most completions are cut off before they answer"
     passes = sum(k for k, _ in report.pass_counts) / max(1, sum(n for _, n in report.pass_counts))
     side = "easier prompts" if passes < 0.5 else "harder prompts"
     if report.suggested_group_size is not None:
@@ -487,6 +516,13 @@ def print_report(report: Report, console: Console) -> None:
         f"measured at G={cfg['group_size']}: {report.measured_no_gradient:.0%} of "
         f"{len(report.pass_counts)} groups; pass rate {passes}/{samples}"
     )
+    if report.second_temperature is not None:
+        t2 = report.second_temperature
+        console.print(
+            f"at temperature {t2['temperature']:g} (step 0's prompts again): pass rate "
+            f"{t2['pass_rate']:.0%}, groups without gradient {t2['measured_no_gradient']:.0%} "
+            f"measured, {t2['predicted_no_gradient']:.0%} predicted"
+        )
     ln = report.lengths
     console.print(
         f"lengths: p10 {ln['p10']:.0f}, median {ln['p50']:.0f}, p90 {ln['p90']:.0f}, max "
@@ -541,7 +577,7 @@ def main(argv: list[str]) -> int:
     if options.json:
         print(json.dumps(report.to_json(), default=str))
     else:
-        print_report(report, Console())
+        print_report(report, Console(soft_wrap=True))
     if options.output is not None:
         options.output.write_text(json.dumps(report.to_json(), indent=1, default=str) + "\n")
     return 1 if report.would_not_learn else 0

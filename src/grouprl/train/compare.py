@@ -37,7 +37,7 @@ class CompareArgs:
     (report.md, figures/). Every other flag is a `grouprl train` flag, given to every run."""
 
     algos: str = "grpo,gspo"
-    """Comma-separated presets to compare: grpo, gspo, dr_grpo, dapo."""
+    """Comma-separated presets to compare: grpo, gspo, dr_grpo, dapo, gdpo."""
     seeds: int = 1
     """Seeds per algorithm: --seed, --seed + 1, ... (the spread over seeds decides the verdict)."""
     output_dir: Path | None = None
