@@ -16,7 +16,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev,trackers]"
+	$(BIN)/pip install --quiet -e ".[dev,trackers,gguf]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -47,7 +47,7 @@ COMPAT := .venv-compat
 test-compat:
 	$(PYTHON) -m venv $(COMPAT)
 	$(COMPAT)/bin/pip install --quiet --upgrade pip
-	$(COMPAT)/bin/pip install --quiet -c compat/lowest.txt -e ".[dev,trackers]"
+	$(COMPAT)/bin/pip install --quiet -c compat/lowest.txt -e ".[dev,trackers,gguf]"
 	$(COMPAT)/bin/python -m pytest -p no:cacheprovider
 
 lint: $(STAMP)

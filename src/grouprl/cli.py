@@ -75,6 +75,17 @@ def _eval(argv: list[str]) -> int:
     return main(cfg)
 
 
+def _generate(argv: list[str]) -> int:
+    from grouprl.train.config import parse_args
+    from grouprl.train.generate import GenerateConfig
+
+    cfg = parse_args(GenerateConfig, argv, prog="grouprl generate", source="the command line")
+    _quiet_hf()
+    from grouprl.train.generate import main
+
+    return main(cfg)
+
+
 def _sft(argv: list[str]) -> int:
     from grouprl.train.sft import SFTConfig, main
 
@@ -141,6 +152,7 @@ def _doctor(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "train a policy with GRPO, GSPO, Dr. GRPO or DAPO"),
     "eval": (_eval, "held-out pass@1 / pass@k of a model on a task"),
+    "generate": (_generate, "a model's completions for a prompt, rendered as training renders it"),
     "sft": (_sft, "supervised warm start on a task's worked solutions"),
     "compare": (_compare, "algorithms side by side on the same data and seeds, with a report"),
     "check": (_check, "before training: will this run learn, and how long will it take"),

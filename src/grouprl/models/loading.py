@@ -2,7 +2,8 @@
 
 A model spec is
 - `builtin:NAME`: a directory shipped inside the package under `models/builtin/NAME`;
-- a local path: any directory `save_pretrained` wrote;
+- a local path: any directory `save_pretrained` wrote, or a `.gguf` file (llama.cpp's format,
+  dequantised by transformers into a plain float32 model of its architecture; needs `gguf`);
 - anything else that looks like a hub id (`Qwen/Qwen2.5-0.5B-Instruct`): passed to
   `from_pretrained` as it is, so the hub's cache and download behaviour apply. Offline
   (`HF_HUB_OFFLINE=1`, or no network) an id that is not in the cache fails with one line.
@@ -61,6 +62,10 @@ def resolve_model_path(spec: str | Path) -> Path | str:
             raise UserError(f"no bundled model {spec!r}; bundled models: {valid}")
         return path
     path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise UserError(f"model {spec!r}: no such GGUF file; check the path")
+        return path
     if path.exists():
         if is_adapter_dir(path):
             return path
@@ -129,6 +134,49 @@ def _from_pretrained(loader, source: Path | str, what: str, **kwargs):
         hf_logging.set_verbosity(verbosity)
 
 
+def is_gguf(source: Path | str) -> bool:
+    return isinstance(source, Path) and source.suffix.lower() == ".gguf"
+
+
+def _check_gguf(path: Path) -> None:
+    """A GGUF file that can be read: the `gguf` package installed, the file GGUF's."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(f"{path} is a GGUF file, which needs gguf: pip install 'grouprl[gguf]'")
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise UserError(f"{path} is not a GGUF file (it does not start with GGUF's magic)")
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """A `.gguf` file as a plain model of its architecture: transformers dequantises it to
+    float32 but attaches a GGUF quantizer, which `save_pretrained` (every checkpoint, final/)
+    refuses; so its weights move into a fresh model built from the same config, without the
+    quantization config. The model's name is the file, so a LoRA adapter saved on it names the
+    file as its base."""
+    _check_gguf(path)
+    quantized = _from_pretrained(
+        AutoModelForCausalLM, path.parent, "causal LM", gguf_file=path.name, dtype=torch.float32
+    )
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
+    tied = {k for k in missing if getattr(config, "tie_word_embeddings", False) and "lm_head" in k}
+    if set(missing) - tied or unexpected:
+        raise UserError(
+            f"cannot load {path}: its weights do not match a {type(plain).__name__} "
+            f"({len(missing)} missing, {len(unexpected)} unexpected)"
+        )
+    plain.tie_weights()
+    plain.generation_config = quantized.generation_config
+    plain.name_or_path = plain.config._name_or_path = str(path)
+    del quantized
+    return plain.to(dtype)
+
+
 def resolve_device(spec: str = "auto") -> torch.device:
     """`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`; UserError otherwise."""
     spec = str(spec).strip().lower()
@@ -170,6 +218,8 @@ def load_model(
         with warnings.catch_warnings():  # peft reads attributes transformers 5 deprecates
             warnings.simplefilter("ignore", FutureWarning)
             return PeftModel.from_pretrained(base, source).merge_and_unload().eval()
+    if is_gguf(source):
+        return _load_gguf(source, dtype).to(device).eval()
     model, info = _from_pretrained(
         AutoModelForCausalLM,
         source,
@@ -203,9 +253,15 @@ def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False) -> PreT
     adapter = isinstance(source, Path) and is_adapter_dir(source)
     if adapter and not (source / "tokenizer_config.json").is_file():  # none saved: the base's
         return load_tokenizer(adapter_base(source), trust_remote_code=trust_remote_code)
-    tokenizer = _from_pretrained(
-        AutoTokenizer, source, "tokenizer", trust_remote_code=trust_remote_code
-    )
+    if is_gguf(source):  # the tokenizer, chat template and EOS the file holds
+        _check_gguf(source)
+        tokenizer = _from_pretrained(
+            AutoTokenizer, source.parent, "tokenizer", gguf_file=source.name
+        )
+    else:
+        tokenizer = _from_pretrained(
+            AutoTokenizer, source, "tokenizer", trust_remote_code=trust_remote_code
+        )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(f"the tokenizer of {spec} has neither a pad nor an EOS token; add one")
