@@ -9,14 +9,23 @@ import json
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from grouprl.cli import main
 from grouprl.errors import UserError
 from grouprl.models import load_model, load_tokenizer
+from grouprl.models.loading import GGUF_TRANSFORMERS
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("gguf") is None, reason="gguf is not installed: pip install gguf"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("gguf") is None, reason="gguf is not installed: pip install gguf"
+    ),
+    pytest.mark.skipif(
+        Version(transformers.__version__) < Version(GGUF_TRANSFORMERS),
+        reason=f"GGUF loading needs transformers >= {GGUF_TRANSFORMERS}",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

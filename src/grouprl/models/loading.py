@@ -33,6 +33,10 @@ from grouprl.errors import UserError, one_line
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 
+#: The lowest transformers GGUF loading is tested with: how 5.x attaches its GGUF quantizer and
+#: names the dequantised weights has changed between releases, and the suite's lowest-versions
+#: environment (transformers 5.0) does not cover it.
+GGUF_TRANSFORMERS = "5.24"
 #: `--base-dtype` / `--precision` spellings.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -144,6 +148,14 @@ def _check_gguf(path: Path) -> None:
 
     if importlib.util.find_spec("gguf") is None:
         raise UserError(f"{path} is a GGUF file, which needs gguf: pip install 'grouprl[gguf]'")
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(GGUF_TRANSFORMERS):
+        raise UserError(
+            f"GGUF models need transformers >= {GGUF_TRANSFORMERS} (found "
+            f"{transformers.__version__}): pip install -U transformers"
+        )
     with path.open("rb") as f:
         if f.read(4) != b"GGUF":
             raise UserError(f"{path} is not a GGUF file (it does not start with GGUF's magic)")
