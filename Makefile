@@ -22,10 +22,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/grouprl train
 
+# Two pytest workers, a test file each at a time (module fixtures run once): each test runs
+# torch on one thread, so on 2 cores two files at once take about two thirds of the time.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # Runs stopped by SIGKILL and SIGTERM at 20 random points each must resume to the same end.
 test-faults: $(STAMP)

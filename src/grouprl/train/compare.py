@@ -107,11 +107,14 @@ def run_comparison(args: CompareArgs, rest: list[str]) -> int:
             raise UserError(f"{flag} is set by compare for each run; drop it (see --help)")
     base = parse_train_args(rest)  # every flag checked once, before anything runs
     overridden = [f.name for f in dataclasses.fields(Preset) if getattr(base, f.name) is not None]
-    if len(overridden) == len(dataclasses.fields(Preset)):
+    # what still tells the runs apart: a field left to the presets on which they differ
+    apart = [f.name for f in dataclasses.fields(Preset) if f.name not in overridden
+             and len({getattr(PRESETS[a], f.name) for a in algos}) > 1]  # fmt: skip
+    if not apart:
         raise UserError(
-            "every algorithm-defining field is set (a run's saved config.yaml records all of "
-            "them), so every preset would train the same run; start from a config without "
-            f"them or drop them ({', '.join(f.name for f in dataclasses.fields(Preset))})"
+            "the algorithm-defining fields set leave nothing that tells these presets apart (a "
+            "run's saved config.yaml records all of them), so every preset would train the same "
+            f"run; start from a config without them or drop them ({', '.join(overridden)})"
         )
     if overridden:
         flags = ", ".join("--" + name.replace("_", "-") for name in overridden)
