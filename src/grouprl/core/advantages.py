@@ -71,6 +71,19 @@ ADVANTAGE_SCALES: dict[str, Callable[[Tensor, Tensor, float, bool], Tensor]] = {
 }
 
 
+def _checked(rewards: Tensor, shape: str, eps: float) -> Tensor:
+    """`rewards` detached and floating point, after the checks every estimator needs: its
+    `shape` ("(B, G)" or "(B, G, K)"), a group of at least 2, eps >= 0."""
+    if rewards.dim() != shape.count(",") + 1:
+        raise ValueError(f"rewards must have shape {shape}, got {tuple(rewards.shape)}")
+    if rewards.shape[1] < 2:
+        raise ValueError("group-relative advantages need a group size G of at least 2, got G = 1")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    rewards = rewards.detach()
+    return rewards if rewards.is_floating_point() else rewards.to(torch.get_default_dtype())
+
+
 def zero_variance_groups(rewards: Tensor) -> Tensor:
     """(B,) True where a group's scored rewards (B, G) all agree, or fewer than two were scored.
 
@@ -115,15 +128,7 @@ def group_advantages(
     """
     estimate = choose(ADVANTAGE_ESTIMATORS, estimator, "advantage estimator")
     divisor = choose(ADVANTAGE_SCALES, scale, "advantage scale")
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must have shape (B, G), got {tuple(rewards.shape)}")
-    if rewards.shape[1] < 2:
-        raise ValueError("group-relative advantages need a group size G of at least 2, got G = 1")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    rewards = rewards.detach()
-    if not rewards.is_floating_point():
-        rewards = rewards.to(torch.get_default_dtype())
+    rewards = _checked(rewards, "(B, G)", eps)
     valid = ~rewards.isnan()  # (B, G)
     count = valid.sum(-1, keepdim=True)  # (B, 1)
     r = torch.where(valid, rewards, 0.0)  # (B, G)
@@ -159,16 +164,8 @@ def gdpo_advantages(
     skipped). Pass the whole job's batch: the batch statistics are global. With K = 1 this is
     GRPO's advantage of w·r with the sample std (`group_advantages`).
     """
-    if rewards.dim() != 3:
-        raise ValueError(f"rewards must have shape (B, G, K), got {tuple(rewards.shape)}")
-    _, G, K = rewards.shape
-    if G < 2:
-        raise ValueError("group-relative advantages need a group size G of at least 2, got G = 1")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    rewards = rewards.detach()
-    if not rewards.is_floating_point():
-        rewards = rewards.to(torch.get_default_dtype())
+    rewards = _checked(rewards, "(B, G, K)", eps)
+    K = rewards.shape[-1]
     w = torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
     if w.shape != (K,):
         raise ValueError(f"weights must have shape ({K},), got {tuple(w.shape)}")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.errors import UserError, one_line
+from grouprl.report.runs import read_jsonl
 
 RECORD = "trackers.json"
 STREAMS = ("train", "eval", "samples", "plots")
@@ -388,14 +389,5 @@ class Trackers:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            out.append(record)
-    return out
+    """The records of a run's JSONL log that carry a step."""
+    return [r for r in read_jsonl(path) if isinstance(r.get("step"), int)]
