@@ -387,7 +387,7 @@ def _decode(
     stop_at = torch.full((n,), max_new_tokens + 1, dtype=torch.long, device=device)  # (N,)
     # Host-side checks (all finished? compact?) need a device sync; on CPU that is free, on an
     # accelerator it stalls the launch queue, so there they run every few steps. Stop strings
-    # read tokens on the host anyway, so then every step.
+    # and tool calls read tokens on the host anyway, so with either, every step.
     check_every = 1 if device.type == "cpu" or stopper or turns else 4
 
     # 1-3. Prefill each prompt once, broadcast its cache to its group.

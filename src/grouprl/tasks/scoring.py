@@ -73,6 +73,18 @@ def load_attribute(module: Any, attr: str, where: str) -> RewardFn:
     return fn
 
 
+def import_function(module_name: str, attr: str, spec: str, what: str = "reward") -> RewardFn:
+    """`package.module:function` (the `what` named by `spec`), one UserError line if it is not
+    there."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UserError(
+            f"cannot import module {module_name!r} for {what} {spec!r}: {err}"
+        ) from None
+    return load_attribute(module, attr, module_name)
+
+
 def import_file(path: Path, what: str = "reward") -> Any:
     """Import a Python file as a module (its directory importable while it runs); `what` the
     file holds (a reward, a tool) names it in errors."""
@@ -123,13 +135,7 @@ def load_reward(
         return model.__name__, model
     module_name, sep, attr = spec.rpartition(":")
     if sep and module_name and attr:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise UserError(
-                f"cannot import module {module_name!r} for reward {spec!r}: {err}"
-            ) from None
-        fn = load_attribute(module, attr, module_name)
+        fn = import_function(module_name, attr, spec)
         return getattr(fn, "__name__", attr), fn
     known = sorted({*(task.reward_funcs if task else {}), *BUILTIN_REWARDS})
     close = difflib.get_close_matches(spec, known, n=1)

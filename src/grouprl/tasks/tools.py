@@ -75,7 +75,7 @@ class Tool:
 
 def load_tool(spec: str, builtin: dict[str, Callable[..., Any]] | None = None) -> Tool:
     """The tool a spec names: a task's own tool by name, path/to/tools.py:fn, or module:fn."""
-    from grouprl.tasks.scoring import import_file, load_attribute
+    from grouprl.tasks.scoring import import_file, import_function, load_attribute
 
     if builtin and spec in builtin:
         return Tool(spec, builtin[spec])
@@ -96,15 +96,7 @@ def load_tool(spec: str, builtin: dict[str, Callable[..., Any]] | None = None) -
                 f"module and function (package.module:fn){', or one of ' if known else ''}"
                 f"{', '.join(known)}"
             )
-        import importlib
-
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise UserError(
-                f"cannot import module {module_name!r} for tool {spec!r}: {err}"
-            ) from None
-        fn = load_attribute(module, attr, module_name)
+        fn = import_function(module_name, attr, spec, "tool")
     name = getattr(fn, "__name__", attr)
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise UserError(f"tool {spec!r}: its name {name!r} cannot be a tag; name the function")
