@@ -20,7 +20,8 @@ class ToolRequest:
 
     row: int  # the completion row, 0 … N−1 (group-contiguous)
     text: str  # the row's model text since its last observation; ends with a closer
-    calls_made: int  # tool calls the row ran before this turn
+    calls_made: int  # tool calls (and environment steps) the row ran before this turn
+    at_end: bool = False  # the turn ended (EOS or a stop string), not at a call's closer
 
 
 @dataclass(frozen=True)
@@ -31,5 +32,7 @@ class Observation:
     ids: list[int] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)  # {"role": "tool", ...}
     calls: int = 0  # calls run (successful or not)
+    steps: int = 0  # environment steps taken (they count against the limit, as calls do)
     failures: int = 0  # of them, those that gave an error observation
-    end: bool = False  # the trajectory ends here (a call past the limit of calls)
+    end: bool = False  # the trajectory ends here (a call past the limit, or the episode is over)
+    over_limit: bool = False  # it ends because the row made as many calls as it may

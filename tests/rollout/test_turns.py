@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
-from transformers import DynamicCache
 
 from grouprl.messages import ToolRequest
 from grouprl.models import load_tokenizer
 from grouprl.rollout import _hf, sample_groups
 from grouprl.tasks.tools import TagTools, Tool, load_tool
+from scripted import ScriptCache, Scripted
 
 
 def add(a: int, b: int) -> int:
@@ -51,56 +49,6 @@ async def later(a: int, b: int) -> int:
     return a + b
 
 
-class _Cache(DynamicCache):
-    """The scripted model's memory: each row's ids so far (it follows compaction)."""
-
-    rows: list[list[int]]
-    prompt: list[int]
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        keep = indices.tolist()
-        self.rows = [self.rows[i] for i in keep]
-        self.prompt = [self.prompt[i] for i in keep]
-
-
-class Scripted(nn.Module):
-    """Writes script[prompt] one character per step, then EOS; logits 2 on the script's token,
-    0 elsewhere, so its log-prob is log(e² / (e² + V − 1)) at every sampled position."""
-
-    def __init__(self, tokenizer, scripts: dict[str, str]) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1))
-        self.tokenizer, self.vocab = tokenizer, len(tokenizer)
-        self.scripts = {
-            tuple(tokenizer(p)["input_ids"]): tokenizer(s, add_special_tokens=False)["input_ids"]
-            for p, s in scripts.items()
-        }
-        self.eos = tokenizer.eos_token_id
-        self.config = SimpleNamespace(model_type="scripted", _attn_implementation="eager")
-        self.generation_config = SimpleNamespace(eos_token_id=self.eos)
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache=True, logits_to_keep=0):  # fmt: skip
-        cache = past_key_values
-        if not getattr(cache, "rows", None):  # the prefill: one row per prompt
-            cache.rows = [[t for t, m in zip(r, a) if m] for r, a in
-                          zip(input_ids.tolist(), attention_mask.tolist())]  # fmt: skip
-            cache.prompt = [len(r) for r in cache.rows]
-        else:
-            if len(cache.rows) < input_ids.shape[0]:  # expanded to the groups
-                g = input_ids.shape[0] // len(cache.rows)
-                cache.rows = [list(r) for r in cache.rows for _ in range(g)]
-                cache.prompt = [p for p in cache.prompt for _ in range(g)]
-            for row, ids in zip(cache.rows, input_ids.tolist()):
-                row.extend(ids)
-        logits = torch.zeros(input_ids.shape[0], 1, self.vocab)
-        for i, (row, p) in enumerate(zip(cache.rows, cache.prompt)):
-            script = self.scripts[tuple(row[:p])]
-            done = len(row) - p
-            logits[i, 0, script[done] if done < len(script) else self.eos] = 2.0
-        return SimpleNamespace(logits=logits)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer("builtin:arith")
@@ -108,7 +56,7 @@ def tokenizer():
 
 @pytest.fixture(autouse=True)
 def _scripted_cache(monkeypatch):
-    monkeypatch.setattr(_hf, "new_cache", lambda model: _Cache())
+    monkeypatch.setattr(_hf, "new_cache", lambda model: ScriptCache())
 
 
 def _run(tokenizer, pieces, tail="", *, tools=(add,), max_calls=4, budget=40, limit=None):

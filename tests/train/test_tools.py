@@ -27,7 +27,7 @@ def lookup():
     model = to_float64(load_model("builtin:lookup"))
     tokenizer = load_tokenizer("builtin:lookup")
     task = get_task("lookup")
-    tools = build_tools(TrainConfig(task="lookup"), task, tokenizer)
+    tools = build_tools(TrainConfig(task="lookup"), task, tokenizer).handler
     rows = task.train[:8]
     rollout = sample_groups(model, tokenizer, [r["prompt"] for r in rows], group_size=4,
                             max_new_tokens=task.max_new_tokens, seed=1, tools=tools)  # fmt: skip

@@ -73,6 +73,48 @@ CHATML = (
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+#: Qwen2.5's tool-use template, reduced: tools listed in the system turn as JSON schemas, calls
+#: as `<tool_call>` blocks in the assistant turn, consecutive results in one user turn of
+#: `<tool_response>` blocks. Prefix-preserving, as Qwen2.5's own is.
+QWEN25_TOOLS = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content }}
+    {%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+    {{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and '
+        'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": '
+        '<function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first)
+        or (message.role == 'assistant' and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
 _CORPUS = [
     "What is 12 plus 30? The answer is 42.",
     "<think>add the tens then the ones</think> <answer>42</answer>",
@@ -81,9 +123,10 @@ _CORPUS = [
 ] * 20
 
 
-def save_tiny_chat_model(directory: str | Path, *, seed: int = 0):
+def save_tiny_chat_model(directory: str | Path, *, seed: int = 0, template: str = CHATML):
     """Save a random 2-layer Qwen2 (hidden 32) with a byte-level BPE tokenizer (300 tokens),
-    a ChatML template, and EOS ids `<|im_end|>` and `<|endoftext|>`; returns (model, tokenizer)."""
+    a ChatML template (or `template`, e.g. `QWEN25_TOOLS`), and EOS ids `<|im_end|>` and
+    `<|endoftext|>`; returns (model, tokenizer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     backend = Tokenizer(models.BPE())
@@ -99,7 +142,7 @@ def save_tiny_chat_model(directory: str | Path, *, seed: int = 0):
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = template
     torch.manual_seed(seed)
     ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     config = Qwen2Config(

@@ -502,7 +502,9 @@ def check_tools(run: RunLog) -> list[Finding]:
     if calls is None:  # a run without tools
         return []
     findings = []
-    if calls[0] == 0 and calls[1] == 0:
+    steps = _ends(run, "env_steps_mean")
+    played = steps is not None and steps[1] > 0  # a step() game may have no tools at all
+    if calls[0] == 0 and calls[1] == 0 and not played:
         findings.append(Finding(
             "tools_unused", "warning", "the policy never calls its tools",
             f"tool calls per trajectory 0 from {calls[2]} to {calls[3]}",

@@ -47,7 +47,10 @@ class HFRolloutEngine:
         top_k: int = 0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
+        tools: TurnHandler | None = None,
     ) -> Rollout:
+        """`tools`: this rollout's handler, instead of the engine's (an environment's rows
+        each have their own)."""
         return sample_groups(
             self.model,
             self.tokenizer,
@@ -61,5 +64,5 @@ class HFRolloutEngine:
             seed=seed,
             chat_template=self.chat_template,
             lockstep=self.lockstep,
-            tools=self.tools,
+            tools=tools or self.tools,
         )

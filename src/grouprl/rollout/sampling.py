@@ -45,7 +45,11 @@ SHARED_PROMPT_MIN_TOKENS = 32
 
 
 def encode_prompts(
-    tokenizer: Any, prompts: Sequence[Prompt], *, chat_template: bool = False
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    *,
+    chat_template: bool = False,
+    tools: list[dict] | None = None,
 ) -> tuple[list[list[int]], list[str]]:
     """Token ids and display texts for each prompt.
 
@@ -54,7 +58,8 @@ def encode_prompts(
     `{"role", "content"}` chat messages (TRL's conversational format), rendered with the
     tokenizer's chat template and `add_generation_prompt=True`. With `chat_template=True` a
     string becomes one user message and is rendered the same way. The rendered text already
-    holds the template's special tokens, so none are added again.
+    holds the template's special tokens, so none are added again. `tools`: JSON schemas the
+    template renders into chat prompts (the chat tool format).
     """
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise UserError("prompts must be a non-empty list of strings or token-id lists")
@@ -70,7 +75,7 @@ def encode_prompts(
                 )
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             rendered = tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True
+                list(messages), tools=tools, tokenize=False, add_generation_prompt=True
             )
             row = tokenizer(rendered, add_special_tokens=False)["input_ids"]
             texts.append(prompt if isinstance(prompt, str) else rendered)
@@ -421,7 +426,7 @@ def _decode(
                 since = None if turns is None else turns.since
                 hit |= stopper.hits(tokens, rows, ~(fed | hit), t, since=since)
             if turns is not None:
-                hit |= turns.after_step(tokens, rows, ~(fed | hit), t)
+                hit = turns.after_step(tokens, rows, ~fed, hit, t)
             stop_at[out_rows] = torch.where(hit, t + 1, stop_at[out_rows])
             done |= hit
             if t == max_new_tokens - 1:

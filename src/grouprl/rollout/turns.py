@@ -1,8 +1,9 @@
 """Multi-turn decoding: tool calls answered inside the decode loop.
 
 When a row's newest token closes a tool call (one of the handler's `closers`, checked like a
-stop string on the row's current turn only), the sampler asks a `TurnHandler` what follows: the
-observation's token ids, which it then feeds to that row one per decode step as forced tokens
+stop string on the row's current turn only), or, for a handler that `ends_turns`, when a row's
+turn ends (an end-of-turn token such as `<|im_end|>`, or a stop string), the sampler asks a
+`TurnHandler` what follows: the observation's token ids, which it then feeds to that row one per decode step as forced tokens
 while the other rows go on sampling. The row's KV cache simply grows by them; nothing is
 re-prefilled and no text is re-encoded. A forced token has no log-prob of the policy: `old_logp`
 and entropy are 0 there, and it is attended (`mask`) but not trained (`loss_mask`).
@@ -12,6 +13,10 @@ the observation ids fed to the model, in order. Text is decoded only to find and
 for the transcript; it is never encoded again. The budget `max_new_tokens` counts both: an
 observation longer than what is left is cut to fit and the trajectory ends there (one that fits
 exactly is kept whole, and ends it too).
+
+A turn that ends with nothing to answer (no call in it, the episode over) ends the trajectory
+there, as EOS always does; one the handler answers goes on after its end-of-turn token, which
+stays in the trajectory (sampled, trained) with the observation's boundary tokens after it.
 
 The handler owns what a call means (its format, the tools, their limits); `Turns` owns the
 per-row bookkeeping: where each turn starts, the queue of ids still to feed, the transcript, and
@@ -36,6 +41,7 @@ class TurnHandler(Protocol):
     """What the sampler asks when rows close a tool call (see `grouprl.tasks.tools`)."""
 
     closers: list[str]  # strings that end a model turn with a call (not the trajectory)
+    ends_turns: bool  # also asked when a turn ends at EOS or a stop string (chat calls, step())
 
     def respond(self, requests: Sequence[ToolRequest]) -> list[Observation]:
         """One observation per request, in order."""
@@ -50,11 +56,13 @@ class TurnRecord:
     calls: torch.Tensor  # (N,) long: tool calls run
     failures: torch.Tensor  # (N,) long: calls that gave an error observation
     ended_by_turns: torch.Tensor  # (N,) bool: ended by a call past the limit of calls
+    environments: list[Any] | None = None  # each row's environment instance, if any
 
     def select(self, rows: list[int]) -> TurnRecord:
         index = torch.as_tensor(rows, dtype=torch.long)
+        envs = None if self.environments is None else [self.environments[i] for i in rows]
         return TurnRecord([self.transcripts[i] for i in rows], self.calls[index],
-                          self.failures[index], self.ended_by_turns[index])  # fmt: skip
+                          self.failures[index], self.ended_by_turns[index], envs)  # fmt: skip
 
     @staticmethod
     def concat(parts: Sequence[TurnRecord]) -> TurnRecord:
@@ -63,6 +71,9 @@ class TurnRecord:
             torch.cat([p.calls for p in parts]),
             torch.cat([p.failures for p in parts]),
             torch.cat([p.ended_by_turns for p in parts]),
+            None
+            if any(p.environments is None for p in parts)
+            else [e for p in parts for e in p.environments],
         )
 
 
@@ -73,12 +84,13 @@ class Turns:
                  device: torch.device) -> None:  # fmt: skip
         self.handler, self.tokenizer = handler, tokenizer
         self.max_new_tokens = max_new_tokens
-        self.closers = StopStrings(tokenizer, handler.closers)
+        self.closers = StopStrings(tokenizer, handler.closers) if handler.closers else None
+        self.ends_turns = bool(getattr(handler, "ends_turns", False))
         self.since = [0] * n  # where each row's current model turn starts
         self.queue: dict[int, deque[int]] = {}  # ids still to feed, by row
         self.fed = torch.zeros((n, max_new_tokens), dtype=torch.bool, device=device)
         self.tool_turns: list[list[tuple[int, int, dict]]] = [[] for _ in range(n)]
-        self.calls, self.failures = [0] * n, [0] * n
+        self.calls, self.failures, self.steps = [0] * n, [0] * n, [0] * n
         self.ended_by_turns = [False] * n
 
     def force(self, rows: torch.Tensor | None, tok: torch.Tensor, logp: torch.Tensor,
@@ -101,26 +113,35 @@ class Turns:
         entropy.masked_fill_(fed, 0.0)
         return fed
 
-    def after_step(self, tokens: torch.Tensor, rows: torch.Tensor | None,
-                   sampled: torch.Tensor, t: int) -> torch.Tensor:  # fmt: skip
-        """Rows among `sampled` (n,) bool whose newest token closed a call: ask the handler,
-        queue what it answers. Returns (n,) bool: the batch rows whose trajectory ends now."""
-        ends = torch.zeros_like(sampled)
-        closed = self.closers.hits(tokens, rows, sampled, t, since=self.since)
-        if not bool(closed.any()):
-            return ends
-        batch_rows = closed.nonzero().squeeze(1).tolist()
+    def after_step(self, tokens: torch.Tensor, rows: torch.Tensor | None, sampled: torch.Tensor,
+                   hit: torch.Tensor, t: int) -> torch.Tensor:  # fmt: skip
+        """Ask the handler about the rows among `sampled` (n,) bool (those that sampled this
+        step's token) whose newest token closed a call, or, if it `ends_turns`, ended their turn
+        (`hit`, (n,) bool: EOS or a stop string); queue what it answers. Returns `hit` updated:
+        the batch rows whose trajectory ends now (a call past the limit ends one; an answered
+        turn end goes on)."""
+        hit = hit.clone()
+        asking = torch.zeros_like(sampled)
+        if self.closers is not None:
+            asking |= self.closers.hits(tokens, rows, sampled & ~hit, t, since=self.since)
+        at_end = sampled & hit if self.ends_turns else torch.zeros_like(sampled)
+        asking |= at_end
+        if not bool(asking.any()):
+            return hit
+        batch_rows = asking.nonzero().squeeze(1).tolist()
         out = [b if rows is None else int(rows[b]) for b in batch_rows]
         texts = self.tokenizer.batch_decode(
             [tokens[r, self.since[r] : t + 1].tolist() for r in out], skip_special_tokens=True
         )
-        requests = [ToolRequest(r, text, self.calls[r]) for r, text in zip(out, texts)]
+        requests = [ToolRequest(r, text, self.calls[r] + self.steps[r], at_end=bool(at_end[b]))
+                    for b, r, text in zip(batch_rows, out, texts)]  # fmt: skip
         for b, r, answer in zip(batch_rows, out, self.handler.respond(requests), strict=True):
             self.calls[r] += answer.calls
             self.failures[r] += answer.failures
+            self.steps[r] += answer.steps
             if answer.end:
-                ends[b] = True
-                self.ended_by_turns[r] = True
+                hit[b] = True
+                self.ended_by_turns[r] = answer.over_limit
                 continue
             ids = list(answer.ids)[: self.max_new_tokens - (t + 1)]  # what the budget leaves
             if answer.messages:
@@ -128,12 +149,16 @@ class Turns:
             if ids:
                 self.queue[r] = deque(ids)
                 self.since[r] = t + 1 + len(ids)
-        return ends
+                hit[b] = False  # an answered turn end: the trajectory goes on
+            elif answer.messages:  # answered, but no room left: cut by the budget
+                hit[b] = False
+        return hit
 
     def record(self, tokens: torch.Tensor, lengths: torch.Tensor, ended: torch.Tensor,
                eos_ids: Sequence[int], cut: Any = None) -> TurnRecord:  # fmt: skip
         """The transcripts (assistant text decoded from the sampled spans, tool turns decoded
-        from the ids fed) and counts, once decoding is done. `cut(text)`: the stop-string cut of
+        from the ids fed, or the tool's own text where the ids also hold a chat template's
+        markup) and counts, once decoding is done. `cut(text)`: the stop-string cut of
         a row's last assistant turn, where the row ended."""
         eos = set(eos_ids)
         spans, pieces = [], []  # (row, role, message) in order, and the ids to decode
@@ -156,8 +181,11 @@ class Turns:
         for i, ((row, role, message), text) in enumerate(zip(spans, texts, strict=True)):
             if cut is not None and last[row] == i and bool(ended[row]):
                 text = cut(text)
-            if role == "tool":
-                transcripts[row].append({**message, "content": text})
+            if role == "tool":  # an observation: a tool's (or an environment's) turn
+                keep = getattr(self.handler, "keeps_content", False) and "content" in message
+                transcripts[row].append(
+                    {**message, "content": message["content"] if keep else text}
+                )
             elif text or last[row] == i:  # the final turn even when empty: it is the answer
                 transcripts[row].append({"role": "assistant", "content": text})
         return TurnRecord(
@@ -165,6 +193,7 @@ class Turns:
             torch.tensor(self.calls, dtype=torch.long),
             torch.tensor(self.failures, dtype=torch.long),
             torch.tensor(self.ended_by_turns, dtype=torch.bool),
+            getattr(self.handler, "environments", None),
         )
 
 
@@ -176,4 +205,5 @@ def _joined(messages: list[dict[str, Any]]) -> dict[str, Any]:
         "role": "tool",
         "name": ",".join(str(m.get("name", "")) for m in messages),
         "error": any(m.get("error") for m in messages),
+        "content": "\n".join(str(m.get("content", "")) for m in messages),
     }

@@ -149,7 +149,15 @@ def load_reward(
 
 #: Keyword arguments every reward call gets besides the dataset's columns (TRL 1.16's).
 CALL_ARGUMENTS = frozenset(
-    {"completions", "prompts", "completion_ids", "trainer_state", "log_metric", "log_extra"}
+    {
+        "completions",
+        "prompts",
+        "completion_ids",
+        "trainer_state",
+        "log_metric",
+        "log_extra",
+        "environments",
+    }
 )
 #: Columns the built-in rewards read from their keyword arguments.
 _BUILTIN_COLUMNS = {"correct": ("answer",), "accuracy": ("answer",)}
@@ -231,11 +239,13 @@ class RewardSet:
         timeout: float | None = REWARD_TIMEOUT,
         only_pass: bool = False,
         transcripts: Sequence[list[dict]] | None = None,
+        environments: Sequence[Any] | None = None,
     ) -> Scores:
         """Score `texts` (`repeats` consecutive completions per row) with every function (or
         only the pass reward), through TRL's calling convention. With tools, `transcripts` are
         what the functions receive as completions: each completion's role-tagged assistant and
-        tool turns, whatever the prompt's format."""
+        tool turns, whatever the prompt's format; with an environment, `environments` (one
+        instance per completion) reach them as TRL passes them."""
         logged: dict[str, list[float]] = {}
         extra: dict[str, list[Any]] = {}
 
@@ -259,6 +269,7 @@ class RewardSet:
             trainer_state=state,
             log_metric=log_metric,
             log_extra=log_extra,
+            **({} if environments is None else {"environments": list(environments)}),
         )
         chosen = [r for r in self.rewards if not only_pass or r.name == self.pass_reward]
         raw = call_rewards({r.name: r.fn for r in chosen}, kwargs, timeout=timeout)

@@ -32,6 +32,7 @@ as well. Nothing is evaluated: arguments are parsed, never `eval`'d.
 from __future__ import annotations
 
 import asyncio
+import copy
 import difflib
 import inspect
 import json
@@ -39,7 +40,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from grouprl.errors import UserError
 from grouprl.messages import Observation, ToolRequest
@@ -120,6 +121,7 @@ class Call:
 
     name: str
     args: str
+    error: str | None = None  # a call that could not be parsed: what was wrong with it
 
 
 def _converted(value: str, annotation: Any) -> Any:
@@ -170,6 +172,9 @@ def run_calls(calls: Sequence[tuple[Tool | None, Call]], timeout: float) -> list
     out: list[tuple[str, bool] | None] = [None] * len(calls)
     pending: dict[int, Any] = {}
     for i, (tool, call) in enumerate(calls):
+        if call.error is not None:
+            out[i] = (f"error: {call.error}", True)
+            continue
         if tool is None:
             out[i] = (f"error: no tool named {call.name!r}", True)
             continue
@@ -224,8 +229,20 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-class TagTools:
-    """The tags format as the sampler's `TurnHandler` (see `grouprl.rollout.turns`)."""
+class ToolHandler:
+    """The sampler's `TurnHandler` (see `grouprl.rollout.turns`) for one call format: finds a
+    turn's calls (`calls`), runs them with the row's tools, and answers with the observation's
+    ids (`observation`); the formats differ only in those two and in what ends a turn.
+
+    With an environment (`grouprl.tasks.environments`) each row has its own tools, the bound
+    methods of its instance (`row_tools`), and, for games played a whole turn at a time, its
+    `step` (`steps`): a turn that ends with no call in it is the action, and what `step`
+    returns is the next observation (None: the episode is over). Tool calls and steps both
+    count against `max_calls`.
+    """
+
+    closers: ClassVar[list[str]] = []
+    keeps_content = False  # transcripts show the tool's text (True) or the decoded ids fed
 
     def __init__(
         self,
@@ -236,17 +253,143 @@ class TagTools:
         max_response_tokens: int | None = None,
         timeout: float = TOOL_TIMEOUT,
     ) -> None:
-        if not tools:
-            raise ValueError("TagTools needs at least one tool")
         self.tools = {t.name: t for t in tools}
         self.tokenizer = tokenizer
         self.max_calls = max_calls
         self.max_response_tokens = max_response_tokens
         self.timeout = timeout
+        self.row_tools: list[dict[str, Tool]] | None = None
+        self.steps: list[Callable[[str], str | None]] | None = None
+        self.environments: list[Any] | None = None
+        self._marker = tokenizer(TRUNCATED, add_special_tokens=False)["input_ids"]
+
+    @property
+    def ends_turns(self) -> bool:
+        """Whether the sampler asks at every turn end (EOS, a stop string), not only at closers."""
+        return self.steps is not None
+
+    def for_rollout(
+        self,
+        row_tools: list[dict[str, Tool]] | None,
+        steps: list[Callable[[str], str | None]] | None,
+        environments: list[Any] | None = None,
+    ) -> ToolHandler:
+        """This handler for one rollout whose rows have their own tools and steps (the bound
+        methods of `environments`, one per row, which the rollout's record then carries)."""
+        bound = copy.copy(self)
+        bound.steps, bound.environments = steps, environments
+        bound.row_tools = None if row_tools is None else [{**self.tools, **r} for r in row_tools]
+        return bound
+
+    # what a format defines
+    def calls(self, text: str) -> list[Call]:
+        raise NotImplementedError
+
+    def observation(self, results: Sequence[tuple[str, str]]) -> list[int]:
+        """The ids that follow a turn's calls: (tool name, result text) for each."""
+        raise NotImplementedError
+
+    def user_turn(self, text: str) -> list[int]:
+        """The ids that follow a turn an environment's `step` answered with `text`."""
+        raise NotImplementedError
+
+    def respond(self, requests: Sequence[ToolRequest]) -> list[Observation]:
+        plans: list[tuple[list[Call], bool]] = []  # the calls each row runs; ended by the limit
+        for request in requests:
+            calls = self.calls(request.text)
+            room = self.max_calls - request.calls_made
+            plans.append((calls[: max(room, 0)], len(calls) > room))
+        flat = []
+        for request, (calls, _) in zip(requests, plans):
+            tools = self.tools if self.row_tools is None else self.row_tools[request.row]
+            flat += [(tools.get(c.name), c) for c in calls]
+        results = iter(run_calls(flat, self.timeout))
+        out = []
+        for request, (calls, over) in zip(requests, plans, strict=True):
+            if calls:
+                done = [next(results) for _ in calls]
+                named = [(c.name, self._cut(t)) for c, (t, _) in zip(calls, done)]
+                messages = [{"role": "tool", "name": name, "content": text, "error": failed}
+                            for (name, text), (_, failed) in zip(named, done)]  # fmt: skip
+                failures = sum(failed for _, failed in done)
+                out.append(
+                    Observation(
+                        self.observation(named), messages, calls=len(calls), failures=failures
+                    )
+                )
+            elif over:  # a call past the limit of calls ends the trajectory
+                out.append(Observation(end=True, over_limit=True))
+            elif request.at_end and self.steps is not None:
+                out.append(self._step(request))
+            else:  # nothing to run (inside <think>), or a final answer: as the turn ends
+                out.append(Observation())
+        return out
+
+    def _step(self, request: ToolRequest) -> Observation:
+        """An environment's `step` on a turn that ended without a call."""
+        assert self.steps is not None
+        if request.calls_made >= self.max_calls:
+            return Observation(end=True, over_limit=True)
+        step = self.steps[request.row]
+        try:
+            with time_limit(self.timeout):
+                reply = step(request.text)
+        except TimeLimitExceeded:
+            raise UserError(
+                f"environment step did not return within {self.timeout:g} s; make it faster "
+                "or raise --tool-timeout"
+            ) from None
+        except Exception as err:
+            raise UserError(
+                f"environment step raised {type(err).__name__}: {err}; fix the environment "
+                "(step(text) returns the next observation, or None to end the episode)"
+            ) from None
+        if reply is None:
+            return Observation(end=True, steps=1)
+        text = self._cut(_text(reply))
+        return Observation(self.user_turn(text), [{"role": "user", "content": text}], steps=1)
+
+    def _cut(self, text: str) -> str:
+        """A result as the observation shows it (the chat format cuts long ones here)."""
+        return text
+
+    def _encode(self, text: str) -> list[int]:
+        """Text's ids, encoded once; cut at `max_response_tokens` with `TRUNCATED`."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        limit = self.max_response_tokens
+        if limit is not None and len(ids) > limit:
+            keep = max(0, limit - len(self._marker))
+            ids = ids[:keep] + self._marker[: limit - keep]
+        return ids
+
+
+class PlainTurns(ToolHandler):
+    """Plain text turns and no tools: an environment played through `step` alone, its
+    observations encoded as they are."""
+
+    def __init__(self, tokenizer: Any, **limits: Any) -> None:
+        super().__init__([], tokenizer, **limits)
+
+    def calls(self, text: str) -> list[Call]:
+        return []
+
+    def observation(self, results: Sequence[tuple[str, str]]) -> list[int]:
+        return self._encode("".join(text for _, text in results))
+
+    def user_turn(self, text: str) -> list[int]:
+        return self._encode(text)
+
+
+class TagTools(PlainTurns):
+    """The tags format (see the module docstring)."""
+
+    def __init__(self, tools: Sequence[Tool], tokenizer: Any, **limits: Any) -> None:
+        if not tools:
+            raise ValueError("TagTools needs at least one tool")
+        ToolHandler.__init__(self, tools, tokenizer, **limits)
         self.closers = [f"</{name}>" for name in self.tools]
         names = "|".join(re.escape(n) for n in self.tools)
         self._call = re.compile(rf"<({names})>(.*?)</\1>", re.DOTALL)
-        self._marker = tokenizer(TRUNCATED, add_special_tokens=False)["input_ids"]
 
     def calls(self, text: str) -> list[Call]:
         """The complete calls of a turn, in order, leaving out those inside an unclosed
@@ -258,39 +401,3 @@ class TagTools:
                 continue
             found.append(Call(match.group(1), match.group(2)))
         return found
-
-    def respond(self, requests: Sequence[ToolRequest]) -> list[Observation]:
-        plans: list[tuple[list[Call], bool]] = []  # the calls each row runs; ended by the limit
-        for request in requests:
-            calls = self.calls(request.text)
-            room = self.max_calls - request.calls_made
-            plans.append((calls[: max(room, 0)], len(calls) > room))
-        flat = [(self.tools.get(c.name), c) for calls, _ in plans for c in calls]
-        results = iter(run_calls(flat, self.timeout))
-        out = []
-        for calls, over in plans:
-            if not calls:  # nothing to run: inside <think>, or past the limit of calls
-                out.append(Observation(end=over))
-                continue
-            done = [next(results) for _ in calls]
-            text = "".join(t for t, _ in done)
-            messages = [{"role": "tool", "name": c.name, "content": t, "error": failed}
-                        for c, (t, failed) in zip(calls, done)]  # fmt: skip
-            out.append(
-                Observation(
-                    ids=self._encode(text),
-                    messages=messages,
-                    calls=len(calls),
-                    failures=sum(failed for _, failed in done),
-                )
-            )
-        return out
-
-    def _encode(self, text: str) -> list[int]:
-        """The observation's ids, encoded once; cut at `max_response_tokens` with `TRUNCATED`."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        limit = self.max_response_tokens
-        if limit is not None and len(ids) > limit:
-            keep = max(0, limit - len(self._marker))
-            ids = ids[:keep] + self._marker[: limit - keep]
-        return ids

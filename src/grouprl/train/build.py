@@ -4,7 +4,8 @@ reward set and the prompt budget. One place, so both commands read data and mode
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,12 @@ from grouprl.models.loading import DTYPES, context_length
 from grouprl.models.lora import apply_lora
 from grouprl.rollout import encode_prompts
 from grouprl.tasks import Task, get_task
+from grouprl.tasks.chat_tools import ChatTools
 from grouprl.tasks.data import DEFAULT_MAX_NEW_TOKENS, RowFormat, dataset_task
+from grouprl.tasks.environments import load_environment
 from grouprl.tasks.scoring import RewardSet, build_reward_set
-from grouprl.tasks.tools import TagTools, load_tools
+from grouprl.tasks.tool_use import ToolUse
+from grouprl.tasks.tools import PlainTurns, TagTools, ToolHandler, load_tools
 from grouprl.train.config import DataOptions, RunConfig
 
 
@@ -36,19 +40,48 @@ def task_defaults(opts: DataOptions) -> dict[str, Any]:
             "task_steps": task.default_steps}  # fmt: skip
 
 
-def build_tools(opts: DataOptions, task: Task, tokenizer: Any) -> TagTools | None:
-    """The tools a run's sampler answers calls with (`--tools`, default: the task's), in
-    `--tool-format`; None without any."""
-    specs = opts.tools if opts.tools is not None else sorted(task.tools or {})
-    if not specs:
+def build_tools(
+    opts: DataOptions, task: Task, tokenizer: Any, end_ids: Sequence[int] = ()
+) -> ToolUse | None:
+    """The tools a run's sampler answers calls with (`--tools`, default: the task's, and the
+    `--environment`'s methods), in `--tool-format`; None without any. `end_ids`: the ids that
+    end a turn (the sampler's EOS ids), for the chat format."""
+    environment = load_environment(opts.environment) if opts.environment else None
+    # an environment brings its own tools: the task's are used only without one
+    default = [] if environment is not None else sorted(task.tools or {})
+    specs = opts.tools if opts.tools is not None else default
+    if not specs and environment is None:
         return None
-    return TagTools(
-        load_tools(specs, task.tools),
-        tokenizer,
+    tools = load_tools(specs, task.tools)
+    if environment is not None:
+        # the methods of one instance stand for every rollout's (names, schemas); each rollout
+        # binds its own instances' (`ToolHandler.for_rollout`)
+        probe = environment.tools_of(environment.new())
+        clash = sorted(set(probe) & {t.name for t in tools})
+        if clash:
+            raise UserError(
+                f"tool {clash[0]!r} is both in --tools and a method of environment "
+                f"{environment.name}; a call names its tool, so rename one"
+            )
+        tools = [*tools, *probe.values()]
+    limits = dict(
         max_calls=opts.max_turns,
         max_response_tokens=opts.max_tool_response_tokens,
         timeout=opts.tool_timeout,
     )
+    if opts.tool_format == "chat":
+        handler: ToolHandler = ChatTools(
+            tools,
+            tokenizer,
+            end_ids=end_ids,
+            model=getattr(opts, "model", None) or "the model",
+            **limits,
+        )
+    elif tools:
+        handler = TagTools(tools, tokenizer, **limits)
+    else:  # an environment played by step() alone
+        handler = PlainTurns(tokenizer, **limits)
+    return ToolUse(handler, environment)
 
 
 def build_task(opts: DataOptions) -> Task:
@@ -87,14 +120,22 @@ def _same_source(a: str, b: str) -> bool:
     return a == b
 
 
-def build_rewards(opts: DataOptions, task: Task, device: torch.device) -> RewardSet:
-    """The reward functions `--rewards` names (default: the task's) and the pass reward."""
-    rewards = build_reward_set(
-        dict(opts.rewards or task.reward_weights),
-        task,
-        pass_reward=opts.pass_reward,
-        device=device,
-    )
+def build_rewards(
+    opts: DataOptions, task: Task, device: torch.device, tools: ToolUse | None = None
+) -> RewardSet:
+    """The reward functions `--rewards` names (default: the task's) and the pass reward. An
+    environment with `get_reward` adds its reward, named after its class, with weight 1 unless
+    `--rewards` weights it; without `--rewards` it is the only reward (the environment owns
+    the reward, as in TRL)."""
+    weights = dict(opts.rewards or task.reward_weights)
+    environment = None if tools is None else tools.environment
+    if environment is not None and environment.has_reward:
+        if not opts.rewards:
+            weights = {}
+        weights.setdefault(environment.name, 1.0)
+        funcs = {**task.reward_funcs, environment.name: environment.reward()}
+        task = dataclasses.replace(task, reward_funcs=funcs)
+    rewards = build_reward_set(weights, task, pass_reward=opts.pass_reward, device=device)
     rewards.check_columns(task.train[0], task.name)
     return rewards
 
@@ -176,9 +217,12 @@ def prompt_budget(opts: DataOptions, model: nn.Module, max_new_tokens: int) -> i
     return None if context is None else context - max_new_tokens
 
 
-def prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
-    """The token ids the sampler feeds for one prompt (chat template applied to messages)."""
-    return encode_prompts(tokenizer, [prompt])[0][0]
+def prompt_ids(tokenizer: Any, prompt: Any, tools: ToolUse | None = None) -> list[int]:
+    """The token ids the sampler feeds for one prompt (chat template applied to messages; in
+    the chat tool format, to string prompts too, with the tools rendered)."""
+    schemas = None if tools is None else tools.schemas
+    chat = schemas is not None
+    return encode_prompts(tokenizer, [prompt], chat_template=chat, tools=schemas)[0][0]
 
 
 def rows_that_fit(

@@ -390,7 +390,7 @@ def _first_prompts(run: Run, batch: Any, G: int, k: int = 3) -> list[dict[str, A
     tokens visible), with the first completion sampled for each."""
     out = []
     for g, row in enumerate(batch.rows[:k]):
-        ids = prompt_ids(run.tokenizer, row["prompt"])
+        ids = prompt_ids(run.tokenizer, row["prompt"], run.sampler.tools)
         out.append({
             "rendered": run.tokenizer.decode(ids, skip_special_tokens=False),
             "tokens": len(ids),

@@ -28,6 +28,7 @@ from grouprl.faults import fault
 from grouprl.rollout import RolloutEngine
 from grouprl.tasks.base import TrainerState
 from grouprl.tasks.data import PromptStream
+from grouprl.tasks.environments import group_seed
 from grouprl.tasks.scoring import RewardSet
 from grouprl.train.batch import Batch
 from grouprl.train.build import autocast, prompt_ids
@@ -49,7 +50,7 @@ class Sampler:
     device: torch.device
     dist: Dist = SINGLE  # this rank's place in a torchrun job
     warn: Callable[[str], None] = print
-    tools: Any = None  # the engine's tool handler (`grouprl.tasks.tools`), for evaluation
+    tools: Any = None  # the run's ToolUse (`grouprl.tasks.tool_use`): format, tools, environment
     warned: set[str] = field(default_factory=set)  # one-time warnings already given
 
     def warn_once(self, key: str, message: str) -> None:
@@ -133,7 +134,7 @@ def draw_prompts(
     while len(rows) < k:
         for row in sampler.stream.take(position, k - len(rows)):
             position += 1
-            row_ids = prompt_ids(sampler.tokenizer, row["prompt"])
+            row_ids = prompt_ids(sampler.tokenizer, row["prompt"], sampler.tools)
             if sampler.budget is None or len(row_ids) <= sampler.budget:
                 rows.append(row)
                 ids.append(row_ids)
@@ -172,6 +173,14 @@ def sample_round(
 
     A user error in a reward function on any rank is raised on every rank (`Dist.agreed`)."""
     dist, G = sampler.dist, cfg.group_size
+    handler = None
+    if sampler.tools is not None:  # environments: reset here, each group from one seed
+        start = sampler.tools.rollout(
+            rows, G, [group_seed(cfg.seed, step, round_, row) for row in rows]
+        )
+        handler = start.handler
+        if start.environments is not None:  # the prompts now hold reset's text
+            ids = [prompt_ids(sampler.tokenizer, p, sampler.tools) for p in start.prompts]
     with autocast(sampler.device, sampler.dtype):
         rollout = sampler.engine.sample(
             ids,
@@ -183,6 +192,7 @@ def sample_round(
             stop=sampler.stop,
             # each rank its own stream (an odd 32-bit offset: CPU generators keep 32 bits)
             seed=cfg.seed * 1_000_003 + step * 97 + round_ + dist.rank * 0x9E3779B1,
+            tools=handler,
         )
     fault("sample")
     scores = dist.agreed(
@@ -194,6 +204,7 @@ def sample_round(
         state=TrainerState(global_step=step, max_steps=cfg.steps),
         timeout=cfg.reward_timeout,
         transcripts=None if rollout.turns is None else rollout.turns.transcripts,
+        environments=None if rollout.turns is None else rollout.turns.environments,
     )
     rewards = scores.total  # (N,) on the CPU
     if cfg.overlong_penalty:

@@ -49,7 +49,7 @@ AdvEstimator = Literal["grpo", "rloo", "gdpo"]
 AdvScale = Literal["group", "batch", "none"]  # grouprl.core.ADVANTAGE_SCALES
 KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
 EvalSplit = Literal["heldout", "train", "all"]
-ToolFormat = Literal["tags"]
+ToolFormat = Literal["tags", "chat"]
 
 
 @dataclass(frozen=True)
@@ -142,9 +142,17 @@ class DataOptions:
     None: the task's own tools (lookup's), else none."""
     tool_format: ToolFormat = "tags"
     """How calls are written: tags, <NAME>ARGS</NAME> with the observation following as plain
-    text (for base and character-level models)."""
+    text (for base and character-level models); chat, as the model's chat template writes tool
+    calls and results (Hermes/Qwen2.5 <tool_call> JSON, Llama-3.1 JSON), the tools rendered
+    into the prompt from their signatures and docstrings."""
+    environment: str | None = None
+    """A stateful environment, TRL's environment_factory shape: path/env.py:Class or
+    package.module:Class, one instance per rollout; reset(**row) starts it, its public methods
+    are tools, get_reward() (if any) is a reward named after the class, step(text) (if any)
+    answers whole turns."""
     max_turns: int = 4
-    """Tool calls a trajectory may make; one more ends it (0: tools available, never run)."""
+    """Tool calls (and environment steps) a trajectory may make; one more ends it (0: tools
+    available, never run)."""
     max_tool_response_tokens: int | None = None
     """Observations longer than this many tokens are cut (with "..."). None: no limit but the
     budget."""
@@ -658,6 +666,8 @@ def local_paths_absolute(cfg: Any) -> Any:
         cfg = dataclasses.replace(cfg, pass_reward=absolute_spec(cfg.pass_reward))
     if getattr(cfg, "tools", None):
         cfg = dataclasses.replace(cfg, tools=[absolute_spec(spec) for spec in cfg.tools])
+    if getattr(cfg, "environment", None):
+        cfg = dataclasses.replace(cfg, environment=absolute_spec(cfg.environment))
     return cfg
 
 

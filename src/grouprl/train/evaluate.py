@@ -34,9 +34,10 @@ from grouprl.errors import UserError
 from grouprl.messages import is_conversational
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.loading import resolve_device
-from grouprl.rollout import Rollout, sample_groups
+from grouprl.rollout import Rollout, sample_groups, stop_token_ids
 from grouprl.tasks import RewardFn
 from grouprl.tasks.base import REWARD_TIMEOUT, TrainerState, call_reward, completion_objects
+from grouprl.tasks.environments import group_seed
 from grouprl.tasks.scoring import RewardSet
 from grouprl.train.build import (
     autocast,
@@ -44,6 +45,7 @@ from grouprl.train.build import (
     build_task,
     build_tools,
     prompt_budget,
+    prompt_ids,
     rows_that_fit,
     stop_strings,
 )
@@ -106,6 +108,7 @@ def reward_judge(reward_fn: RewardFn, timeout: float | None = REWARD_TIMEOUT) ->
             trainer_state=TrainerState(),
             log_metric=lambda *args: None,
             log_extra=lambda *args: None,
+            **_environments(rollout),
         )
         return [v >= 1.0 for v in values]  # NaN: False
 
@@ -126,10 +129,17 @@ def pass_judge(rewards: RewardSet, *, state: TrainerState, timeout: float | None
             timeout=timeout,
             only_pass=True,
             transcripts=None if rollout.turns is None else rollout.turns.transcripts,
+            **_environments(rollout),
         )
         return scores.passed.tolist()
 
     return judge
+
+
+def _environments(rollout: Rollout) -> dict[str, Any]:
+    """`environments=` for a reward call, when the rollout played environments."""
+    envs = None if rollout.turns is None else rollout.turns.environments
+    return {} if envs is None else {"environments": envs}
 
 
 def evaluate(
@@ -180,21 +190,20 @@ def evaluate(
     error: UserError | None = None
     batches = [rows[i : i + batch_prompts] for i in range(0, len(rows), batch_prompts)]
     bar = _progress(console, progress)
-    common = {"max_new_tokens": max_new_tokens, "stop": stop, "lockstep": lockstep, "tools": tools}
+    common = {"max_new_tokens": max_new_tokens, "stop": stop, "lockstep": lockstep}
     calls: list[int] = []  # (n,) samples per problem that called a tool
     try:
         with bar:
             task_id = bar.add_task("eval", total=len(rows))
             for i, batch in enumerate(batches):
-                prompts = [r["prompt"] for r in batch]
                 rollouts = [
-                    sample_groups(model, tokenizer, prompts, group_size=samples,
-                                  temperature=temperature, seed=seed + i, **common)
+                    _sample(model, tokenizer, batch, tools, seed, group_size=samples,
+                            temperature=temperature, seed=seed + i, **common)
                 ]  # fmt: skip
                 if greedy:
                     rollouts.append(
-                        sample_groups(model, tokenizer, prompts, group_size=1, temperature=0.0,
-                                      **common)
+                        _sample(model, tokenizer, batch, tools, seed, group_size=1,
+                                temperature=0.0, **common)
                     )  # fmt: skip
                 if error is None:
                     try:
@@ -223,6 +232,19 @@ def evaluate(
     keep = len(rows) if real_rows is None else real_rows
     counts = (solved[:keep], greedy_solved[:keep], lengths[:keep], calls[:keep])
     return _result(gather(counts) if gather is not None else [counts], samples, greedy, tools)
+
+
+def _sample(
+    model: Any, tokenizer: Any, rows: Sequence[dict], tools: Any, run_seed: int, **settings: Any
+) -> Rollout:
+    """One evaluation rollout of `rows`; with environments, each group reset from a seed of
+    the run's seed and its row (the same in every evaluation, on every rank)."""
+    if tools is None:
+        return sample_groups(model, tokenizer, [r["prompt"] for r in rows], **settings)
+    start = tools.rollout(rows, settings["group_size"],
+                          [group_seed(run_seed, "eval", row) for row in rows])  # fmt: skip
+    ids = [prompt_ids(tokenizer, p, tools) for p in start.prompts]
+    return sample_groups(model, tokenizer, ids, tools=start.handler, **settings)
 
 
 def _result(shares: list[tuple], samples: int, greedy: bool, tools: Any) -> EvalResult:
@@ -317,8 +339,8 @@ def _run(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
     name = cfg.model or task.default_model
     model = load_model(name, device=device, trust_remote_code=cfg.trust_remote_code)
     tokenizer = load_tokenizer(name, trust_remote_code=cfg.trust_remote_code)
-    tools = build_tools(cfg, task, tokenizer)
-    rewards = build_rewards(cfg, task, device)
+    tools = build_tools(cfg, task, tokenizer, stop_token_ids(model, tokenizer))
+    rewards = build_rewards(cfg, task, device, tools)
     max_new_tokens = cfg.max_new_tokens or task.max_new_tokens
     budget = prompt_budget(cfg, model, max_new_tokens)
     rows, too_long = rows_that_fit(task.split(cfg.split), cfg.limit, tokenizer, budget)

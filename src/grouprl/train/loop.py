@@ -427,6 +427,7 @@ def batch_metrics(
             turns_mean=total["turns"] / rows,
             observation_token_frac=total["observed"] / max(total["tokens"], 1),
             ended_by_turns_frac=total["ended_by_turns"] / rows,
+            env_steps_mean=total["steps"] / rows,  # an environment's step() answers
         )
     return metrics
 
@@ -451,7 +452,8 @@ def _reward_shares(
 
 def _tool_counts(rollout: Rollout) -> dict[str, int] | None:
     """A tool rollout's counts, to sum over ranks: rows, calls, rows that called, failed calls,
-    model turns, observation tokens, attended tokens, rows ended by --max-turns."""
+    model turns, observation tokens, attended tokens, rows ended by --max-turns, environment
+    steps answered."""
     turns = rollout.turns
     if turns is None:
         return None
@@ -464,6 +466,7 @@ def _tool_counts(rollout: Rollout) -> dict[str, int] | None:
         "observed": int((rollout.mask & ~rollout.loss_mask).sum()),
         "tokens": int(rollout.mask.sum()),
         "ended_by_turns": int(turns.ended_by_turns.sum()),
+        "steps": sum(m["role"] == "user" for t in turns.transcripts for m in t),
     }
 
 

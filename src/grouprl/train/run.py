@@ -40,6 +40,7 @@ from grouprl.report import MetricSinks, plot_run
 from grouprl.report.runs import FINAL_MARKER, finished_at
 from grouprl.report.sinks import NullSinks, truncate_jsonl
 from grouprl.report.trackers import Trackers, report_targets
+from grouprl.rollout import stop_token_ids
 from grouprl.tasks import Task
 from grouprl.tasks.data import PromptStream
 from grouprl.train import checkpoint as ckpt
@@ -149,13 +150,13 @@ def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
                 shard(model, device=device)
     else:
         dist.broadcast_parameters(policy)
-    tools = build_tools(cfg, task, tokenizer)
+    tools = build_tools(cfg, task, tokenizer, stop_token_ids(policy, tokenizer))
     sampler = Sampler(
         # samples with the policy itself (no sync), answering tool calls as it goes
-        engine=lockstep.engine(policy, tokenizer, tools=tools),
+        engine=lockstep.engine(policy, tokenizer, tools=tools and tools.handler),
         tokenizer=tokenizer,
         stream=PromptStream(task.train, cfg.seed),
-        rewards=build_rewards(cfg, task, device),
+        rewards=build_rewards(cfg, task, device, tools),
         stop=stop_strings(cfg, task),
         budget=prompt_budget(cfg, policy, cfg.max_new_tokens),
         dtype=forward_dtype(cfg),
