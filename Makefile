@@ -23,11 +23,13 @@ demo: $(STAMP)
 	$(BIN)/grouprl train
 
 # Two pytest workers, a test file each at a time (module fixtures run once): each test runs
-# torch on one thread, so on 2 cores two files at once take about two thirds of the time.
+# torch on one thread, so on 2 cores two files at once take about two thirds of the time. A
+# worker that dies ends the run at once, naming its test (pytest-xdist replacing it under
+# --dist loadfile can wait forever).
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --max-worker-restart 0
 
 # Runs stopped by SIGKILL and SIGTERM at 20 random points each must resume to the same end.
 test-faults: $(STAMP)

@@ -132,6 +132,76 @@ def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
         }
 
 
+VAULT = str(Path(__file__).resolve().parents[2] / "examples" / "vault" / "env.py") + ":Vault"
+
+
+def tool_batch(environment: bool) -> tuple[torch.nn.Module, loop.Batch]:
+    """builtin:lookup (float64) and a global batch of B lookup prompts sampled with its tool,
+    or with the vault environment (each group reset from its seed); fixed rewards as above."""
+    from grouprl.train.build import build_tools, prompt_ids
+
+    policy = to_float64(load_model("builtin:lookup")).eval()
+    tokenizer = load_tokenizer("builtin:lookup")
+    task = get_task("lookup")
+    rows = task.train[:B]
+    opts = TrainConfig(task="lookup", environment=VAULT if environment else None)
+    uses = build_tools(opts, task, tokenizer)
+    start = uses.rollout(rows, G, [collect.group_seed(0, 0, 0, row) for row in rows])
+    ids = [prompt_ids(tokenizer, p, uses) for p in start.prompts]
+    rollout = sample_groups(policy, tokenizer, ids, group_size=G, max_new_tokens=40, seed=3,
+                            tools=start.handler)  # fmt: skip
+    assert not bool(rollout.loss_mask.equal(rollout.mask))  # observations are in the batch
+    rewards = torch.tensor(REWARDS, dtype=torch.float32).reshape(-1)
+    return policy, loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
+
+
+def tool_parity(dist: Dist, out: dict) -> None:
+    """The update on a batch with tool observations (loss_mask) and with environments equals
+    the single process's, under DDP and FSDP; with an environment, every rank's groups start
+    from the single-process state of their prompt (the seed is the row's, not the rank's)."""
+    for environment in (False, True):
+        policy, whole = tool_batch(environment)
+        for strategy in ("ddp", "fsdp"):
+            cfg = config("grpo")
+            ref_grads, ref_weights, _ = train_three_steps(cfg, SINGLE, policy, whole)
+            here = Dist(dist.rank, dist.world_size, dist.local_rank, strategy, dist.device)
+            mine = whole.select_groups(dist.my_groups(B, cfg.minibatches))
+            grads, weights, _ = train_three_steps(cfg, here, policy, mine)
+            out[f"{'env' if environment else 'tools'}-{strategy}"] = {
+                "grad_rel": worst(grads, ref_grads) / scale(ref_grads),
+                "weights_rel": worst(weights, ref_weights) / scale(ref_weights),
+                "moved": worst(ref_weights, {n: p for n, p in policy.named_parameters()}),
+            }
+    # collect_batch with the environment: each rank's groups and their secrets
+    from grouprl.train.build import build_tools
+
+    task = get_task("lookup")
+    cfg = resolve(TrainConfig(task="lookup", environment=VAULT, prompts_per_step=B,
+                              group_size=G), task_max_new_tokens=40)  # fmt: skip
+    tokenizer = load_tokenizer("builtin:lookup")
+    uses = build_tools(cfg, task, tokenizer)
+
+    def sampler(d: Dist) -> collect.Sampler:
+        return collect.Sampler(
+            engine=HFRolloutEngine(policy, tokenizer, tools=uses.handler),
+            tokenizer=tokenizer,
+            stream=PromptStream(task.train, cfg.seed),
+            rewards=build_rewards(cfg, task, torch.device("cpu"), uses),
+            stop=None, budget=None, dtype=None, device=torch.device("cpu"), dist=d, tools=uses,
+        )  # fmt: skip
+
+    def secrets(d: Dist) -> dict[str, list[int]]:
+        batch = collect.collect_batch(cfg, sampler(d), 1, 0).kept
+        envs = batch.rollout.turns.environments
+        return {row["prompt"]: [e.value for e in envs[g * G : (g + 1) * G]]
+                for g, row in enumerate(batch.rows)}  # fmt: skip
+
+    mine, single = secrets(dist), secrets(SINGLE)
+    everyone = {k: v for part in dist.gather(mine) for k, v in part.items()}
+    out["env_states_equal_single_process"] = everyone == single and len(everyone) == B
+    out["env_groups_share_state"] = all(len(set(v)) == 1 for v in single.values())
+
+
 def prompts_and_completions(dist: Dist, policy, tokenizer, out: dict) -> None:
     """Each step's prompts across ranks are the single-process prompts; ranks sampling the same
     prompt draw different completions."""
@@ -248,6 +318,7 @@ def main() -> None:
     tokenizer = load_tokenizer("builtin:arith")
     out: dict = {"world_size": dist.world_size}
     parity(dist, policy, tokenizer, out)
+    tool_parity(dist, out)
     prompts_and_completions(dist, policy, tokenizer, out)
     fsdp_checkpoint(dist, policy, run_dir, out)
     if dist.is_main:

@@ -55,6 +55,22 @@ def test_two_processes_update_like_one(parity, case):
         assert two == pytest.approx(one, rel=F64_SAME, abs=F64_SAME), key
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("case", ["tools-ddp", "tools-fsdp", "env-ddp", "env-fsdp"])
+def test_two_processes_update_like_one_with_tools_and_environments(parity, case):
+    """A batch whose completions hold tool observations (not trained), from the lookup tool
+    or the vault environment: the same update on 2 processes as on 1."""
+    result = parity[case]
+    assert result["moved"] > 1e-4
+    assert result["grad_rel"] < F64_SAME and result["weights_rel"] < F64_SAME
+
+
+def test_environment_groups_start_as_in_one_process(parity):
+    """Each rank resets its groups' environments from the row's seed: every prompt's secret
+    is the single-process one, and the G rollouts of a prompt share it."""
+    assert parity["env_states_equal_single_process"] and parity["env_groups_share_state"]
+
+
 def test_ranks_share_the_single_process_prompts_with_their_own_seeds(parity):
     assert parity["prompts_equal_single_process"] == [True, True]
     assert parity["same_prompt_on_both_ranks"] and parity["completions_differ"]

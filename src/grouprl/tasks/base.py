@@ -104,12 +104,21 @@ class TrainerState:
 #
 # One SIGALRM timer serves every limit: the run's per-call reward deadline and, inside it, a
 # reward's own per-completion limit (see `grouprl.tasks.math_rewards`). The limits form a stack
-# (outermost first); the timer is always armed for the earliest end. When it fires, the
-# outermost limit that has run out ends, and with it every limit nested inside it: the handler
-# pops them off the stack and re-arms the timer before raising. An alarm that lands while a
-# limit is being entered or left is held back until that bookkeeping is done, so the stack and
-# the exceptions stay right whenever it fires. Libraries that call `signal.alarm` themselves
-# would cancel this timer: math-verify's own timeouts are off for that reason.
+# (outermost first); the timer is always armed for the earliest end, and after that end it goes
+# on firing every `_REFIRE` seconds until a limit is entered or left. When it fires in a limit's
+# body, the outermost limit that has run out ends, and with it every limit nested inside it: the
+# handler pops them off the stack and re-arms the timer before raising.
+#
+# While a limit is being entered or left (`_BUSY`, or a frame of that code) the handler does
+# nothing at all: the stack, the timer and SIGALRM's disposition are changed only by the code
+# that holds them, and the refiring timer brings the alarm back once it is done. (A handler that
+# acted there could give SIGALRM back to its default action between the bookkeeping's reading of
+# the stack and its arming of the timer; the next alarm would then kill the process.) Libraries
+# that call `signal.alarm` themselves would cancel this timer: math-verify's own timeouts are off
+# for that reason.
+
+#: Seconds between alarms once the earliest end has passed (until the handler acts on one).
+_REFIRE = 1e-3
 
 
 class TimeLimitExceeded(BaseException):
@@ -128,32 +137,39 @@ class _TimeUp(BaseException):
 
 
 _LIMITS: list[tuple[float, object]] = []  # (monotonic end, token), outermost first
-_HELD: list[object] = []  # tokens of limits that ran out during a limit's own bookkeeping
+_BUSY = 0  # > 0 while a limit is entered or left, or the handler itself keeps the books
 _PREVIOUS_HANDLER: Any = signal.SIG_DFL
 
 
 def _settle() -> None:
     """Arm the timer for the earliest end, or, with no limit left, stop it and give SIGALRM
-    back to its previous handler."""
+    back to its previous handler. Called only while `_BUSY`."""
     if _LIMITS:
         delay = min(end for end, _ in _LIMITS) - time.monotonic()
-        signal.setitimer(signal.ITIMER_REAL, max(delay, 1e-4))
+        signal.setitimer(signal.ITIMER_REAL, max(delay, 1e-4), _REFIRE)
     else:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, _PREVIOUS_HANDLER)
 
 
 def _on_alarm(signum, frame) -> None:
-    now = time.monotonic()
-    for index, (end, token) in enumerate(_LIMITS):  # the outermost limit that ran out wins
-        if end <= now + 1e-4:
-            del _LIMITS[index:]  # it ends, and every limit inside it
-            _settle()
-            if frame is not None and frame.f_code in _BOOKKEEPING:
-                _HELD.append(token)  # raised when the bookkeeping is done
-                return
-            raise _TimeUp(token)
-    _settle()  # woke early: wait for the earliest end
+    global _BUSY
+    if _BUSY or (frame is not None and frame.f_code in _BOOKKEEPING):
+        return  # the bookkeeping in progress re-arms the timer; it fires again after it
+    _BUSY += 1
+    try:
+        now = time.monotonic()
+        token = None
+        for index, (end, limit) in enumerate(_LIMITS):  # the outermost limit that ran out wins
+            if end <= now + 1e-4:
+                token = limit
+                del _LIMITS[index:]  # it ends, and every limit inside it
+                break
+        _settle()  # the next end, or (woke early) this one again
+    finally:
+        _BUSY -= 1
+    if token is not None:
+        raise _TimeUp(token)
 
 
 class time_limit:  # lower case: it reads like a function, `with time_limit(3): ...`
@@ -163,7 +179,8 @@ class time_limit:  # lower case: it reads like a function, `with time_limit(3): 
     inside an inner one ends both (and cannot be caught as the inner one's TimeLimitExceeded).
     Only the main thread on Unix can be interrupted; elsewhere (and with `seconds` None or 0)
     the body runs unlimited. Code running in C (one huge integer power, say) is interrupted
-    only when it returns to Python.
+    only when it returns to Python. A body that ends while its limit is being left counts as
+    finished, even if its time ran out during the leaving.
     """
 
     def __init__(self, seconds: float | None) -> None:
@@ -173,42 +190,39 @@ class time_limit:  # lower case: it reads like a function, `with time_limit(3): 
         self.active = bool(seconds) and hasattr(signal, "setitimer") and main
 
     def __enter__(self) -> time_limit:
-        global _PREVIOUS_HANDLER
+        global _BUSY, _PREVIOUS_HANDLER
         if self.active:
-            if not _LIMITS:
-                previous = signal.signal(signal.SIGALRM, _on_alarm)
-                _PREVIOUS_HANDLER = signal.SIG_DFL if previous is None else previous  # None: C
-            _LIMITS.append((time.monotonic() + self.seconds, self.token))
-            _settle()
-            self._release()
+            _BUSY += 1
+            try:
+                if not _LIMITS:
+                    previous = signal.signal(signal.SIGALRM, _on_alarm)
+                    _PREVIOUS_HANDLER = signal.SIG_DFL if previous is None else previous  # C
+                _LIMITS.append((time.monotonic() + self.seconds, self.token))
+                _settle()
+            finally:
+                _BUSY -= 1
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        global _BUSY
         if not self.active:
             return False
-        for index, (_, token) in enumerate(_LIMITS):
-            if token is self.token:  # still on the stack: it did not run out
-                del _LIMITS[index:]  # it ends, and whatever it holds
-                _settle()
-                break
+        _BUSY += 1
+        try:
+            for index, (_, token) in enumerate(_LIMITS):
+                if token is self.token:  # still on the stack: the alarm did not end it
+                    del _LIMITS[index:]  # it ends, and whatever it holds
+                    break
+            _settle()
+        finally:
+            _BUSY -= 1
         if isinstance(exc, _TimeUp) and exc.token is self.token:
             raise TimeLimitExceeded(self.seconds) from None
-        self._release()
         return False
-
-    def _release(self) -> None:
-        """Raise what an alarm held back during the bookkeeping: this limit's own expiry as
-        TimeLimitExceeded, an outer limit's as its `_TimeUp`."""
-        if _HELD:
-            token = _HELD.pop(0)
-            _HELD.clear()
-            if token is self.token:
-                raise TimeLimitExceeded(self.seconds)
-            raise _TimeUp(token)
 
 
 _BOOKKEEPING = frozenset(
-    f.__code__ for f in (time_limit.__enter__, time_limit.__exit__, time_limit._release, _settle)
+    f.__code__ for f in (time_limit.__enter__, time_limit.__exit__, _settle, _on_alarm)
 )
 
 
