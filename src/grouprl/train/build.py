@@ -57,6 +57,7 @@ def build_tools(
         # the methods of one instance stand for every rollout's (names, schemas); each rollout
         # binds its own instances' (`ToolHandler.for_rollout`)
         probe = environment.tools_of(environment.new())
+        environment.start(task.train[:1], 1, [0])  # a reset that cannot take a row: now
         clash = sorted(set(probe) & {t.name for t in tools})
         if clash:
             raise UserError(
@@ -129,6 +130,11 @@ def build_rewards(
     the reward, as in TRL)."""
     weights = dict(opts.rewards or task.reward_weights)
     environment = None if tools is None else tools.environment
+    if environment is not None and not environment.has_reward and not weights:
+        raise UserError(
+            f"environment {environment.name} has no get_reward and no --rewards are given: "
+            "define get_reward(self) -> float, or name reward functions with --rewards"
+        )
     if environment is not None and environment.has_reward:
         if not opts.rewards:
             weights = {}

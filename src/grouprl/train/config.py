@@ -794,7 +794,8 @@ def _data_checks(opts: DataOptions) -> list[tuple[bool, str]]:
             "drop --task",
         ),
         (
-            opts.dataset is None or bool(opts.rewards),
+            # an environment may own the reward (get_reward); build_rewards checks it has one
+            opts.dataset is None or bool(opts.rewards) or opts.environment is not None,
             "--dataset needs --rewards: name the functions that score your data, e.g. "
             "--rewards accuracy 1.0, or --rewards path/to/rewards.py:my_reward 1.0",
         ),
