@@ -187,7 +187,7 @@ def test_a_reset_that_ignores_the_row_is_one_line(tmp_path):
     assert "prompt, answer" in str(err.value)
 
 
-TINY = ["--task", "lookup", "--environment", VAULT, "--prompts-per-step", "8", "--group-size",
+TINY = ["--config", "examples/vault/config.yaml", "--prompts-per-step", "8", "--group-size",
         "4", "--eval-size", "8", "--eval-samples", "2", "--threads", "1", "--no-progress",
         "--log-ratios", "0"]  # fmt: skip
 
@@ -196,9 +196,13 @@ def _jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_vault_run_trains_resumes_bit_for_bit_and_evaluates(tmp_path, stop_at, capsys):
-    """The example environment: the reward is Vault's, tools are its methods; a run stopped
-    after step 2 and resumed ends with the same weights and logs as one that was not."""
+def test_a_vault_run_trains_resumes_bit_for_bit_and_evaluates(
+    tmp_path, stop_at, capsys, monkeypatch
+):
+    """The shipped example (its config from the project root, shortened): the reward is
+    Vault's, tools are its methods; a run stopped after step 2 and resumed ends with the same
+    weights and logs as one that was not."""
+    monkeypatch.chdir(ROOT)
     whole, parted = tmp_path / "whole", tmp_path / "parted"
     assert main(["train", "--steps", "3", "--output-dir", str(whole), *TINY]) == 0
     stop_at(2)  # Ctrl-C as step 3 starts: saves after step 2
