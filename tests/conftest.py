@@ -50,6 +50,15 @@ def chat_model_dir(tmp_path_factory):
 
 
 @pytest.fixture
+def scripted_cache(monkeypatch):
+    """Sampling with `scripted.Scripted` models: their cache is a `scripted.ScriptCache`."""
+    from grouprl.rollout import _hf
+    from scripted import ScriptCache
+
+    monkeypatch.setattr(_hf, "new_cache", lambda model: ScriptCache())
+
+
+@pytest.fixture
 def stop_at(monkeypatch):
     """`stop_at(step, signum=SIGINT, error=None)`: as the training loop starts step `step`
     (0-based), send this process `signum`, or raise `error`; `stop_at(None)` undoes it."""

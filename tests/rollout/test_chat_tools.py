@@ -15,11 +15,11 @@ import torch
 
 from grouprl.errors import UserError
 from grouprl.models.tiny import CHATML, QWEN25_TOOLS, save_tiny_chat_model
-from grouprl.rollout import _hf, sample_groups
+from grouprl.rollout import sample_groups
 from grouprl.rollout.sampling import encode_prompts
 from grouprl.tasks.chat_tools import ChatTools, parse_calls
 from grouprl.tasks.tools import Tool
-from scripted import ScriptCache, Scripted
+from scripted import Scripted
 
 
 def add(a: int, b: int) -> int:
@@ -42,9 +42,7 @@ def tokenizer(tmp_path_factory):
     return tok
 
 
-@pytest.fixture(autouse=True)
-def _scripted_cache(monkeypatch):
-    monkeypatch.setattr(_hf, "new_cache", lambda model: ScriptCache())
+pytestmark = pytest.mark.usefixtures("scripted_cache")
 
 
 def _handler(tokenizer, template=None, tools=(add,), **limits):

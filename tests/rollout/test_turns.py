@@ -18,9 +18,9 @@ import torch
 
 from grouprl.messages import ToolRequest
 from grouprl.models import load_tokenizer
-from grouprl.rollout import _hf, sample_groups
+from grouprl.rollout import sample_groups
 from grouprl.tasks.tools import TagTools, Tool, load_tool
-from scripted import ScriptCache, Scripted
+from scripted import Scripted
 
 
 def add(a: int, b: int) -> int:
@@ -54,9 +54,7 @@ def tokenizer():
     return load_tokenizer("builtin:arith")
 
 
-@pytest.fixture(autouse=True)
-def _scripted_cache(monkeypatch):
-    monkeypatch.setattr(_hf, "new_cache", lambda model: ScriptCache())
+pytestmark = pytest.mark.usefixtures("scripted_cache")
 
 
 def _run(tokenizer, pieces, tail="", *, tools=(add,), max_calls=4, budget=40, limit=None):

@@ -146,7 +146,7 @@ def tool_batch(environment: bool) -> tuple[torch.nn.Module, loop.Batch]:
     rows = task.train[:B]
     opts = TrainConfig(task="lookup", environment=VAULT if environment else None)
     uses = build_tools(opts, task, tokenizer)
-    start = uses.rollout(rows, G, [collect.group_seed(0, 0, 0, row) for row in rows])
+    start = uses.rollout(rows, G, 0, 0, 0)
     ids = [prompt_ids(tokenizer, p, uses) for p in start.prompts]
     rollout = sample_groups(policy, tokenizer, ids, group_size=G, max_new_tokens=40, seed=3,
                             tools=start.handler)  # fmt: skip

@@ -17,14 +17,14 @@ import torch
 from grouprl.cli import main
 from grouprl.errors import UserError
 from grouprl.models import load_tokenizer
-from grouprl.rollout import _hf, sample_groups
+from grouprl.rollout import sample_groups
 from grouprl.tasks import get_task
 from grouprl.tasks.environments import group_seed, load_environment
 from grouprl.tasks.tool_use import ToolUse
 from grouprl.tasks.tools import PlainTurns
 from grouprl.train.build import build_rewards, build_tools, prompt_ids
 from grouprl.train.config import TrainConfig
-from scripted import ScriptCache, Scripted
+from scripted import Scripted
 
 ROOT = Path(__file__).resolve().parents[2]
 VAULT = f"{ROOT / 'examples' / 'vault' / 'env.py'}:Vault"
@@ -75,11 +75,6 @@ def tokenizer():
     return load_tokenizer("builtin:arith")
 
 
-@pytest.fixture(autouse=False)
-def scripted_cache(monkeypatch):
-    monkeypatch.setattr(_hf, "new_cache", lambda model: ScriptCache())
-
-
 def _ids(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -91,7 +86,7 @@ def test_a_step_game_is_the_models_turns_and_the_environments_answers(
     EOS): exact ids; the answers are fed and not trained; get_reward sees three guesses."""
     uses = ToolUse(PlainTurns(tokenizer, max_calls=4), load_environment(f"{game}:Guess"))
     rows = [{"prompt": "#1=", "secret": 5}]
-    start = uses.rollout(rows, 1, [0])
+    start = uses.rollout(rows, 1, 0)
     assert start.prompts == ["#1= go:"]  # reset's text, appended to a string prompt
     eos = tokenizer.eos_token_id
     pieces = [([*_ids(tokenizer, "3"), eos], True), (_ids(tokenizer, "<"), False),
@@ -107,14 +102,14 @@ def test_a_step_game_is_the_models_turns_and_the_environments_answers(
     assert r.loss_mask[0, :n].tolist() == [own for ids, own in pieces for _ in ids]
     assert not bool(r.truncated[0])
     (env,) = r.turns.environments
-    assert env.guesses == [3, 7, 5] and env.get_reward() == pytest.approx(1 / 3)
+    assert env.guesses == [3, 7, 5] and env.get_reward() == 1 / 3
     assert [m["role"] for m in r.turns.transcripts[0]] == ["assistant", "user", "assistant",
                                                            "user", "assistant"]  # fmt: skip
 
 
 def test_steps_count_against_max_turns(tokenizer, game, scripted_cache):
     uses = ToolUse(PlainTurns(tokenizer, max_calls=1), load_environment(f"{game}:Guess"))
-    start = uses.rollout([{"prompt": "#1=", "secret": 5}], 1, [0])
+    start = uses.rollout([{"prompt": "#1=", "secret": 5}], 1, 0)
     eos = tokenizer.eos_token_id
     script = [*_ids(tokenizer, "3"), eos, *_ids(tokenizer, "<"), *_ids(tokenizer, "4"), eos]
     prompt = prompt_ids(tokenizer, start.prompts[0])
@@ -212,7 +207,7 @@ def test_a_vault_run_trains_resumes_bit_for_bit_and_evaluates(
     a, b = _jsonl(whole / "metrics.jsonl"), _jsonl(parted / "metrics.jsonl")
     assert [m["step"] for m in a] == [1, 2, 3]
     # get_reward is the reward the advantages come from: the total is Vault's alone
-    assert all(m["reward_mean"] == pytest.approx(m["reward_Vault"], abs=1e-6) for m in a)
+    assert all(m["reward_mean"] == m["reward_Vault"] for m in a)  # the same values, averaged
     assert any(m["reward_Vault"] > 0 for m in a) and any(m["loss"] != 0 for m in a)
     keys = ("loss", "reward_Vault", "tool_calls", "grad_norm")
     assert [[m.get(k) for k in keys] for m in a] == [[m.get(k) for k in keys] for m in b]

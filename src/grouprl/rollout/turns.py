@@ -149,8 +149,7 @@ class Turns:
             if ids:
                 self.queue[r] = deque(ids)
                 self.since[r] = t + 1 + len(ids)
-                hit[b] = False  # an answered turn end: the trajectory goes on
-            elif answer.messages:  # answered, but no room left: cut by the budget
+            if answer.messages:  # answered: the trajectory goes on (a turn end included)
                 hit[b] = False
         return hit
 

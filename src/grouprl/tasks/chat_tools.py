@@ -163,9 +163,6 @@ class ChatTools(ToolHandler):
         rendered = self.render(messages, generation=True)
         return self._encode(rendered[len(prefix) :])
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
     def _cut(self, text: str) -> str:
         limit = self.max_response_tokens
         if limit is None:

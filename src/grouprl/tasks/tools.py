@@ -354,13 +354,7 @@ class ToolHandler:
         return text
 
     def _encode(self, text: str) -> list[int]:
-        """Text's ids, encoded once; cut at `max_response_tokens` with `TRUNCATED`."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        limit = self.max_response_tokens
-        if limit is not None and len(ids) > limit:
-            keep = max(0, limit - len(self._marker))
-            ids = ids[:keep] + self._marker[: limit - keep]
-        return ids
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 class PlainTurns(ToolHandler):
@@ -374,10 +368,19 @@ class PlainTurns(ToolHandler):
         return []
 
     def observation(self, results: Sequence[tuple[str, str]]) -> list[int]:
-        return self._encode("".join(text for _, text in results))
+        return self._observed("".join(text for _, text in results))
 
     def user_turn(self, text: str) -> list[int]:
-        return self._encode(text)
+        return self._observed(text)
+
+    def _observed(self, text: str) -> list[int]:
+        """Text's ids, encoded once; cut at `max_response_tokens` with `TRUNCATED`."""
+        ids = self._encode(text)
+        limit = self.max_response_tokens
+        if limit is not None and len(ids) > limit:
+            keep = max(0, limit - len(self._marker))
+            ids = ids[:keep] + self._marker[: limit - keep]
+        return ids
 
 
 class TagTools(PlainTurns):

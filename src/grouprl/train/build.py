@@ -56,8 +56,8 @@ def build_tools(
     if environment is not None:
         # the methods of one instance stand for every rollout's (names, schemas); each rollout
         # binds its own instances' (`ToolHandler.for_rollout`)
-        probe = environment.tools_of(environment.new())
-        environment.start(task.train[:1], 1, [0])  # a reset that cannot take a row: now
+        # (reset on the first row: a reset that cannot take a row is found now)
+        probe = environment.tools_of(environment.start(task.train[:1], 1, [0]).instances[0])
         clash = sorted(set(probe) & {t.name for t in tools})
         if clash:
             raise UserError(
@@ -130,17 +130,15 @@ def build_rewards(
     the reward, as in TRL)."""
     weights = dict(opts.rewards or task.reward_weights)
     environment = None if tools is None else tools.environment
-    if environment is not None and not environment.has_reward and not weights:
+    if environment is not None and environment.has_reward:
+        weights = {environment.name: 1.0, **(opts.rewards or {})}
+        funcs = {**task.reward_funcs, environment.name: environment.reward()}
+        task = dataclasses.replace(task, reward_funcs=funcs)
+    elif environment is not None and not weights:
         raise UserError(
             f"environment {environment.name} has no get_reward and no --rewards are given: "
             "define get_reward(self) -> float, or name reward functions with --rewards"
         )
-    if environment is not None and environment.has_reward:
-        if not opts.rewards:
-            weights = {}
-        weights.setdefault(environment.name, 1.0)
-        funcs = {**task.reward_funcs, environment.name: environment.reward()}
-        task = dataclasses.replace(task, reward_funcs=funcs)
     rewards = build_reward_set(weights, task, pass_reward=opts.pass_reward, device=device)
     rewards.check_columns(task.train[0], task.name)
     return rewards

@@ -28,7 +28,6 @@ from grouprl.faults import fault
 from grouprl.rollout import RolloutEngine
 from grouprl.tasks.base import TrainerState
 from grouprl.tasks.data import PromptStream
-from grouprl.tasks.environments import group_seed
 from grouprl.tasks.scoring import RewardSet
 from grouprl.train.batch import Batch
 from grouprl.train.build import autocast, prompt_ids
@@ -175,9 +174,7 @@ def sample_round(
     dist, G = sampler.dist, cfg.group_size
     handler = None
     if sampler.tools is not None:  # environments: reset here, each group from one seed
-        start = sampler.tools.rollout(
-            rows, G, [group_seed(cfg.seed, step, round_, row) for row in rows]
-        )
+        start = sampler.tools.rollout(rows, G, cfg.seed, step, round_)
         handler = start.handler
         if start.environments is not None:  # the prompts now hold reset's text
             ids = [prompt_ids(sampler.tokenizer, p, sampler.tools) for p in start.prompts]

@@ -37,7 +37,6 @@ from grouprl.models.loading import resolve_device
 from grouprl.rollout import Rollout, sample_groups, stop_token_ids
 from grouprl.tasks import RewardFn
 from grouprl.tasks.base import REWARD_TIMEOUT, TrainerState, call_reward, completion_objects
-from grouprl.tasks.environments import group_seed
 from grouprl.tasks.scoring import RewardSet
 from grouprl.train.build import (
     autocast,
@@ -241,8 +240,7 @@ def _sample(
     the run's seed and its row (the same in every evaluation, on every rank)."""
     if tools is None:
         return sample_groups(model, tokenizer, [r["prompt"] for r in rows], **settings)
-    start = tools.rollout(rows, settings["group_size"],
-                          [group_seed(run_seed, "eval", row) for row in rows])  # fmt: skip
+    start = tools.rollout(rows, settings["group_size"], run_seed, "eval")
     ids = [prompt_ids(tokenizer, p, tools) for p in start.prompts]
     return sample_groups(model, tokenizer, ids, tools=start.handler, **settings)
 
