@@ -66,6 +66,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/rollout.py
 	$(BIN)/python benchmarks/vs_trl.py
 	$(BIN)/python benchmarks/shapes.py
+	$(BIN)/python benchmarks/tools_vs_trl.py
 
 clean:
 	rm -rf $(VENV) $(COMPAT) build dist src/*.egg-info .pytest_cache .ruff_cache
