@@ -81,6 +81,15 @@ def run_child(
     )  # ru_maxrss is in KiB on Linux
 
 
+def trl_child_cmd(script: str, spec: dict, run_dir: Path) -> list[str]:
+    """Write `spec` into `run_dir` and return the command that runs `script`'s TRL child on it
+    (each benchmark script answers `_trl-child SPEC`)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "trl_spec.json"
+    path.write_text(json.dumps(spec, indent=1))
+    return [sys.executable, str(Path(script).resolve()), "_trl-child", str(path)]
+
+
 def tail(path: Path, lines: int = 15) -> str:
     text = path.read_text(errors="replace").splitlines() if path.exists() else []
     return "\n".join(text[-lines:])

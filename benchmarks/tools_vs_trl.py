@@ -44,7 +44,16 @@ EXAMPLE = ROOT / "examples" / "chat_tools"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(EXAMPLE))
 
-from harness import GROUPRL, fmt, md_table, read_jsonl, run_child, trl_kwargs, versions  # noqa: E402
+from harness import (  # noqa: E402
+    GROUPRL,
+    fmt,
+    md_table,
+    read_jsonl,
+    run_child,
+    trl_child_cmd,
+    trl_kwargs,
+    versions,
+)
 
 TOOL = f"{EXAMPLE / 'tools.py'}:add"
 REWARD = f"{EXAMPLE / 'rewards.py'}:right_sum"
@@ -344,10 +353,7 @@ def trl_child(spec_path: str) -> int:
 
 
 def trl_cmd(spec: dict, run_dir: Path) -> list[str]:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "trl_spec.json"
-    path.write_text(json.dumps(spec, indent=1))
-    return [sys.executable, str(Path(__file__).resolve()), "_trl-child", str(path)]
+    return trl_child_cmd(__file__, spec, run_dir)
 
 
 def trl_spec(
@@ -575,6 +581,14 @@ def training_table(training: dict) -> str:
     return md_table(header, rows)
 
 
+def write_tables(out: Path, results: dict) -> None:
+    text = speed_table(results["speed"])
+    if "training" in results:
+        text += "\n\n" + training_table(results["training"])
+    (out / "tables.md").write_text(text + "\n")
+    print(text)
+
+
 def tables_from(out: Path) -> int:
     """Rebuild results.json's summaries from the run directories under `out` (peak RSS is kept
     from results.json: it was measured by the parent) and print the tables."""
@@ -591,11 +605,7 @@ def tables_from(out: Path) -> int:
             by[system] = summarize(runs)
         by.setdefault("tokens", shape_tokens(out / "model", int(n)))
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    text = speed_table(results["speed"])
-    if "training" in results:
-        text += "\n\n" + training_table(results["training"])
-    (out / "tables.md").write_text(text + "\n")
-    print(text)
+    write_tables(out, results)
     return 0
 
 
@@ -618,11 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tta_rollouts:
         results["training"] = training(args, model, out)
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    text = speed_table(results["speed"])
-    if "training" in results:
-        text += "\n\n" + training_table(results["training"])
-    (out / "tables.md").write_text(text + "\n")
-    print(text)
+    write_tables(out, results)
     print(f"wrote {out / 'results.json'} and {out / 'tables.md'}")
     return 0
 

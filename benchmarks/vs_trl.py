@@ -77,6 +77,7 @@ from harness import (
     summarize,
     tail,
     time_trl_generation,
+    trl_child_cmd,
     trl_kwargs,
     trl_speed_run,
     versions,
@@ -414,10 +415,7 @@ def trl_child(spec_path: str) -> int:
 
 
 def trl_cmd(spec: dict, run_dir: Path) -> list[str]:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "trl_spec.json"
-    path.write_text(json.dumps(spec, indent=1))
-    return [sys.executable, str(Path(__file__).resolve()), "_trl-child", str(path)]
+    return trl_child_cmd(__file__, spec, run_dir)
 
 
 # ---------------------------------------------------------------------------------------------
