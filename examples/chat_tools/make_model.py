@@ -44,11 +44,13 @@ SYSTEM = "Sum the numbers with the add tool, one call at a time. Reply with the 
 TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
-LOW, HIGH = 1, 20  # the numbers a problem sums
+NUMBERS = (1, 20)  # the range of the numbers a problem sums
 
 
-def problem(rng: random.Random, sizes: tuple[int, ...]) -> list[int]:
-    return [rng.randint(LOW, HIGH) for _ in range(rng.choice(sizes))]
+def problem(
+    rng: random.Random, sizes: tuple[int, ...], numbers: tuple[int, int] = NUMBERS
+) -> list[int]:
+    return [rng.randint(*numbers) for _ in range(rng.choice(sizes))]
 
 
 def row(numbers: list[int]) -> dict:
@@ -182,7 +184,6 @@ def fit(
 
 
 def main(argv: list[str] | None = None) -> int:
-    global LOW, HIGH
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", type=Path, default=Path("runs/chat_tools"))
     parser.add_argument("--steps", type=int, default=600)
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sizes", default="2,3,4", help="how many numbers a problem sums")
     parser.add_argument(
-        "--numbers", default=f"{LOW},{HIGH}", help="the range of the numbers summed"
+        "--numbers", default="{},{}".format(*NUMBERS), help="the range of the numbers summed"
     )
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
@@ -206,18 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    LOW, HIGH = (int(s) for s in args.numbers.split(","))
+    low, high = (int(s) for s in args.numbers.split(","))
     sizes = tuple(int(s) for s in args.sizes.split(","))
     rng = random.Random(args.seed)
     # Held-out problems first, so the fitted ones never include them.
-    held = {tuple(problem(rng, sizes)) for _ in range(200)}
+    held = {tuple(problem(rng, sizes, (low, high))) for _ in range(200)}
     fitted = []
     while len(fitted) < max(args.steps * args.batch_size // 4, args.batch_size):  # each ~4 times
-        numbers = problem(rng, sizes)
+        numbers = problem(rng, sizes, (low, high))
         if tuple(numbers) not in held:
             fitted.append(numbers)
     rows_out = {
-        "train.jsonl": [row(problem(rng, sizes)) for _ in range(4000)],
+        "train.jsonl": [row(problem(rng, sizes, (low, high))) for _ in range(4000)],
         "eval.jsonl": [row(list(n)) for n in sorted(held)],
     }
 
