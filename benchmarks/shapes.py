@@ -209,7 +209,7 @@ def bpe_prompts(model_dir: str, tokens: int, rows: int, rng: random.Random) -> l
 
 
 def grouprl_cfg(cell: Cell, args: ShapesArgs, data: Path, reward: Path) -> Any:
-    from grouprl.train.config import TrainConfig, resolve
+    from grouprl.config import TrainConfig, resolve
 
     cfg = TrainConfig(
         algo=args.algo, dataset=str(data), rewards={f"{reward}:even_a": 1.0},

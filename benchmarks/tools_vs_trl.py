@@ -212,7 +212,7 @@ def grouprl_order(path: Path, seed: int, count: int) -> list[dict]:
 
 def grouprl_config(args: argparse.Namespace, n: int, data: Path, steps: int, speed: bool) -> Any:
     """The resolved config of what `grouprl_cmd` runs (TRL's settings are derived from it)."""
-    from grouprl.train.config import TrainConfig, resolve
+    from grouprl.config import TrainConfig, resolve
 
     cfg = TrainConfig(
         algo="grpo",

@@ -249,8 +249,8 @@ def max_new_tokens(args: BenchArgs) -> int:
 
 def grouprl_config(algo: str, **overrides) -> Any:
     """grouprl's resolved TrainConfig for `algo` (preset and task defaults filled in)."""
+    from grouprl.config import TrainConfig, resolve
     from grouprl.tasks import get_task
-    from grouprl.train.config import TrainConfig, resolve
 
     cfg = TrainConfig(algo=algo, **overrides)
     return resolve(cfg, task_max_new_tokens=get_task(cfg.task or "arithmetic").max_new_tokens)

@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from grouprl.explain import run, worked_examples
+from grouprl.cli.explain import show as run
+from grouprl.explain import worked_examples
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The package's layers (DESIGN.md): core ← rollout, models, tasks, report ← train ← cli.
+"""The package's layers: core ← rollout, models, tasks, report ← config ← train, sft ← cli.
 
 No module imports from a layer above its own, modules of one middle layer do not import each
 other's packages, and there is no import cycle inside a package either (a cycle is where a
@@ -18,8 +18,9 @@ LAYERS = {
     "errors": 0, "faults": 0, "messages": 0,
     "core": 1,
     "rollout": 2, "models": 2, "tasks": 2, "report": 2, "explain": 2,
-    "train": 3,
-    "cli": 4, "__main__": 5,
+    "config": 3,
+    "train": 4, "sft": 4,
+    "cli": 5, "__main__": 6,
 }  # fmt: skip
 
 
@@ -92,3 +93,38 @@ def test_no_import_cycle():
         for m, targets in graph.items()
     }
     assert _cycle(edges) is None, " -> ".join(_cycle(edges))
+
+
+def _modules_under(prefix: str) -> dict[str, set[str]]:
+    return {m: t for m, t in _imports().items() if m == prefix or m.startswith(prefix + ".")}
+
+
+def test_configuration_imports_no_report_and_parallelism_no_training():
+    """The config reads no tracker module (their names are its own), and the parallel room
+    (Dist, FSDP) knows nothing of the training batch or loop: only itself below train."""
+    for module, imported in _modules_under("grouprl.config").items():
+        assert not any(t.startswith("grouprl.report") for t in imported), module
+    for module, imported in _modules_under("grouprl.train.parallel").items():
+        training = [t for t in imported if t.startswith("grouprl.train.")
+                    and not t.startswith("grouprl.train.parallel")]  # fmt: skip
+        assert not training, (module, training)
+
+
+def test_commands_live_in_cli_and_no_module_is_over_600_lines():
+    """A command (flag parsing, printing, exit statuses) is a module of grouprl.cli; the library
+    below it parses no argv; no module grows past 600 lines."""
+    parsers = ("tyro", "argparse")
+    for path in ROOT.rglob("*.py"):
+        relative = path.relative_to(ROOT)
+        text = path.read_text(encoding="utf-8")
+        assert len(text.splitlines()) <= 600, relative
+        if relative.parts[0] in ("cli", "config"):
+            continue
+        tree = ast.parse(text)
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                    for a in n.names} | {n.module.split(".")[0] for n in ast.walk(tree)
+                    if isinstance(n, ast.ImportFrom) and n.module}  # fmt: skip
+        assert not imported & set(parsers), (relative, imported & set(parsers))
+        assert not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), (
+            relative
+        )

@@ -104,8 +104,8 @@ def test_nothing_read_from_a_run_directory_is_unpickled(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors"])
 def test_a_pickle_planted_in_a_checkpoint_is_refused(tmp_path, name):
     """A checkpoint file replaced by a pickle fails its manifest check and is never loaded."""
+    from grouprl.config import TrainConfig
     from grouprl.train import checkpoint as ckpt
-    from grouprl.train.config import TrainConfig
     from grouprl.train.loop import train
 
     cfg = TrainConfig(steps=1, prompts_per_step=4, group_size=2, eval_size=2, eval_samples=1,

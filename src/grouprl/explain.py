@@ -1,4 +1,4 @@
-"""`grouprl explain`: the seeds' three worked examples, every number computed live by grouprl.core.
+"""The seeds' three worked examples (`grouprl explain`), every number computed live by grouprl.core.
 
 1. Group-relative advantages (GRPO): rewards [1, 0, 1, 0] give [1, −1, 1, −1]; equal rewards give 0.
 2. Why GSPO normalises by length: a mean token log-ratio of 0.1 is a sequence ratio e^0.1 for any
@@ -7,7 +7,6 @@
    their geometric mean, GSPO's sequence ratio 1.0, is not.
 """
 
-import json
 import math
 
 import torch
@@ -140,7 +139,8 @@ def _table(title: str, columns: list[str]) -> Table:
     return table
 
 
-def _render(data: dict, console: Console) -> None:
+def render(data: dict, console: Console) -> None:
+    """The three examples as tables, each with its notes."""
     adv = data["advantages"]
     t1 = _table(
         "1. Group-relative advantages (GRPO): Â_i = (R_i − mean R) / std R",
@@ -211,13 +211,3 @@ def _render(data: dict, console: Console) -> None:
         console.print(table)
         for note in notes:
             console.print(Padding(note, (0, 0, 0, 2), expand=False))
-
-
-def run(as_json: bool = False) -> int:
-    """Print the three worked examples as tables, or as one JSON object; returns the exit code."""
-    data = worked_examples()
-    if as_json:
-        print(json.dumps(data, indent=2, ensure_ascii=False))
-    else:
-        _render(data, Console(highlight=False))
-    return 0

@@ -7,8 +7,8 @@ import pytest
 from synthetic_runs import make_run, ramp
 
 from grouprl.cli import main
-from grouprl.report import doctor
 from grouprl.report.doctor import diagnose
+from grouprl.report.doctor import learning as doctor
 
 
 def codes(path):

@@ -17,12 +17,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from grouprl.cli import main
+from grouprl.config import EvalConfig, TrainConfig, resolve
 from grouprl.models import load_model
 from grouprl.train import loop
 from grouprl.train import run as run_module
 from grouprl.train.build import build_task
-from grouprl.train.config import TrainConfig, resolve
-from grouprl.train.evaluate import EvalConfig
 from grouprl.train.update import no_grad_logprobs
 from numerics import UNMOVED, assert_merged_weights, assert_same_function
 
@@ -369,7 +368,7 @@ def test_the_run_records_what_ran(files, tmp_path):
             threads=1, output_dir=tmp_path / "rec", micro_batch_size=2,
         )
     )  # fmt: skip
-    from grouprl.train.config import from_mapping, load_yaml
+    from grouprl.config import from_mapping, load_yaml
 
     saved = from_mapping(load_yaml(summary.run_dir / "config.yaml"), source="x")
     assert saved.lora_alpha == 4.0 and saved.max_new_tokens == 30 and saved.task is None

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from grouprl.cli import main
+from grouprl.config import TrainConfig
 from grouprl.errors import UserError
 from grouprl.models import load_tokenizer
 from grouprl.rollout import sample_groups
@@ -23,7 +24,6 @@ from grouprl.tasks.environments import group_seed, load_environment
 from grouprl.tasks.tool_use import ToolUse
 from grouprl.tasks.tools import PlainTurns
 from grouprl.train.build import build_rewards, build_tools, prompt_ids
-from grouprl.train.config import TrainConfig
 from scripted import Scripted
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,11 +12,13 @@ import math
 import pytest
 import torch
 
+from grouprl.cli.eval import main
+from grouprl.config import EvalConfig
 from grouprl.errors import UserError
 from grouprl.models import build_char_tokenizer
 from grouprl.models.tiny import TinySize, build_tiny_llama
 from grouprl.tasks import get_task
-from grouprl.train.evaluate import EvalConfig, evaluate, main, pass_at_k
+from grouprl.train.evaluate import evaluate, pass_at_k
 
 
 @pytest.mark.numerics

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from grouprl.cli import main
+from grouprl.config import TrainConfig, resolve
 from grouprl.core import gdpo_advantages, overlong_penalty
 from grouprl.errors import UserError
 from grouprl.train import loop
-from grouprl.train.config import TrainConfig, resolve
 
 TINY = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "2", "--eval-samples",
         "1", "--threads", "1", "--no-progress", "--log-ratios", "0"]  # fmt: skip

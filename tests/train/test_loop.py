@@ -9,15 +9,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from grouprl.config import TrainConfig, resolve
 from grouprl.core import zero_variance_groups
 from grouprl.errors import UserError
 from grouprl.report.doctor import diagnose
 from grouprl.rollout import Rollout
 from grouprl.tasks import get_task
-from grouprl.train import collect, fsdp, loop, plan
+from grouprl.train import collect, loop, plan
 from grouprl.train import run as run_module
 from grouprl.train import update as train_update
-from grouprl.train.config import TrainConfig, resolve
+from grouprl.train.parallel import fsdp
 from numerics import F64_SAME, UNMOVED, assert_same_f64, forward_bound, to_float64
 
 SMALL = dict(

@@ -12,13 +12,13 @@ import dataclasses
 import pytest
 import torch
 
+from grouprl.config import TrainConfig, resolve
 from grouprl.models import load_model, load_tokenizer
 from grouprl.rollout import Rollout, sample_groups
 from grouprl.tasks import get_task
 from grouprl.train import collect, loop
 from grouprl.train import update as train_update
 from grouprl.train.batch import Batch
-from grouprl.train.config import TrainConfig, resolve
 
 
 def _observed(rollout: Rollout) -> Rollout:

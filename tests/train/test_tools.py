@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from grouprl.cli import main
+from grouprl.config import TrainConfig
 from grouprl.core import policy_loss
 from grouprl.models import load_model, load_tokenizer
 from grouprl.rollout import completion_logprobs, sample_groups
+from grouprl.sft import encode_batch
 from grouprl.tasks import get_task
 from grouprl.tasks.tools import TagTools, Tool
 from grouprl.train.build import build_tools
-from grouprl.train.config import TrainConfig
-from grouprl.train.sft import encode_batch
 from numerics import assert_same_f64, to_float64
 
 

@@ -15,7 +15,6 @@ logs when it starts. A tracker that raises warns once and is sent nothing more; 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -30,37 +29,6 @@ from grouprl.report.runs import read_jsonl
 
 RECORD = "trackers.json"
 STREAMS = ("train", "eval", "samples", "plots")
-TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
-# the module each tracker needs and what installs it
-_PACKAGES = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "grouprl[wandb]"),
-    "trackio": ("trackio", "grouprl[trackio]"),
-    "mlflow": ("mlflow", "grouprl[mlflow]"),
-}
-
-
-def report_targets(report_to: Iterable[str] | None, *, installed: bool = True) -> tuple[str, ...]:
-    """`--report-to` as tracker names: space- or comma-separated, None → TensorBoard alone,
-    `none` → nothing. Raises UserError for an unknown name, or (`installed`) an uninstalled
-    tracker."""
-    if report_to is None:
-        return ("tensorboard",)
-    names = [n.strip().lower() for item in report_to for n in str(item).split(",") if n.strip()]
-    if names == ["none"]:
-        return ()
-    for name in names:
-        if name not in TRACKERS:
-            raise UserError(
-                f"--report-to {name!r} is not a tracker grouprl knows; choose from "
-                f"{', '.join(TRACKERS)}, or none"
-            )
-        module, install = _PACKAGES[name]
-        if installed and importlib.util.find_spec(module) is None:
-            raise UserError(
-                f"--report-to {name}: {module} is not installed; pip install '{install}'"
-            )
-    return tuple(dict.fromkeys(names))
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
@@ -272,6 +240,12 @@ class _Mlflow(_Backend):
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
 
 
+#: Each tracker `--report-to` may name (`grouprl.config.options.TRACKERS`) and its backend.
+BACKENDS: dict[str, type[_Backend]] = {
+    "tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio, "mlflow": _Mlflow,
+}  # fmt: skip
+
+
 class Trackers:
     """The trackers `--report-to` names, for one run directory (rank 0 only)."""
 
@@ -286,15 +260,13 @@ class Trackers:
         warn: Callable[[str], None] = print,
     ):
         self.run_dir, self.warn = Path(run_dir), warn
-        backends = {"tensorboard": lambda: _TensorBoard(purge_step), "wandb": _Wandb,
-                    "trackio": _Trackio, "mlflow": _Mlflow}  # fmt: skip
         path = self.run_dir / RECORD
         self.record: dict[str, dict] = json.loads(path.read_text()) if path.exists() else {}
         self.live: list[_Backend] = []
         config = {**config, "run_dir": str(self.run_dir)}
         # TensorBoard last: a tracker that cannot start then leaves no event files behind
         for name in sorted(names, key=lambda n: n == "tensorboard"):
-            backend = backends[name]()
+            backend = _TensorBoard(purge_step) if name == "tensorboard" else BACKENDS[name]()
             saved = self.record.get(name, {})
             try:
                 resume = backend.start(

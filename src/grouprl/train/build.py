@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from grouprl.config.options import DataOptions, RunConfig
 from grouprl.errors import UserError
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models import load_model, load_tokenizer
@@ -25,7 +26,6 @@ from grouprl.tasks.environments import load_environment
 from grouprl.tasks.scoring import RewardSet, build_reward_set
 from grouprl.tasks.tool_use import ToolUse
 from grouprl.tasks.tools import PlainTurns, TagTools, ToolHandler, load_tools
-from grouprl.train.config import DataOptions, RunConfig
 
 
 def task_defaults(opts: DataOptions) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from grouprl.errors import UserError
 from grouprl.faults import fault
-from grouprl.train.fsdp import load_full_state
+from grouprl.train.parallel.fsdp import load_full_state
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"

@@ -9,7 +9,7 @@ counted in `GroupCounts`, summed over rounds and, once, over ranks.
 
 Data parallel: every rank draws the same prompts (the single-process prompts) and samples whole
 groups for its share of each minibatch (`Dist.my_groups`), with its own seed; with dynamic
-sampling the kept groups are handed round (`Dist.hand_round`) so every rank trains as many.
+sampling the kept groups are handed round (`hand_round`) so every rank trains as many.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from grouprl.config.options import RunConfig
 from grouprl.core import mixed_groups, overlong_penalty, zero_variance_groups
 from grouprl.errors import UserError
 from grouprl.faults import fault
@@ -31,8 +32,7 @@ from grouprl.tasks.data import PromptStream
 from grouprl.tasks.scoring import RewardSet
 from grouprl.train.batch import Batch
 from grouprl.train.build import autocast, prompt_ids
-from grouprl.train.config import RunConfig
-from grouprl.train.distributed import SINGLE, Dist
+from grouprl.train.parallel.distributed import SINGLE, Dist
 
 
 @dataclass
@@ -282,12 +282,28 @@ def collect_batch(cfg: RunConfig, sampler: Sampler, step: int, position: int) ->
             )
         return Collected(kept=None, **collected)
     if dist.enabled and cfg.dynamic_sampling:
-        kept = dist.hand_round(parts, usable, M, sampler.device)
+        kept = hand_round(dist, parts, usable, M, sampler.device)
     else:  # each rank kept its own share, in order
         kept = Batch.concat([b for _, b in parts])
         if len(kept.rows) != usable // W:
             kept = kept.select_groups(list(range(usable // W)))
     return Collected(kept=kept, **collected)
+
+
+def hand_round(
+    dist: Dist, parts: list[tuple[int, Batch]], usable: int, minibatches: int, device: torch.device
+) -> Batch:
+    """This rank's groups (`Dist.my_groups`) of the first `usable` groups that all ranks kept,
+    taken in their global order (round by round, rank by rank), on `device`. `parts`: the
+    (round, kept groups) this rank sampled. How dynamic sampling gives every rank as many
+    groups to train, whoever sampled them."""
+    everyone = dist.gather([(r, b.to("cpu")) for r, b in parts])
+    ordered = sorted(
+        ((round_, rank, b) for rank, pieces in enumerate(everyone) for round_, b in pieces),
+        key=lambda x: (x[0], x[1]),
+    )
+    batch = Batch.concat([b for _, _, b in ordered])
+    return batch.select_groups(dist.my_groups(usable, minibatches)).to(device)
 
 
 def _mean_over_ranks(dist: Dist, values: dict[str, float]) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""`grouprl eval`: pass@1 (sampled and greedy) and pass@k of a model on a task or dataset split.
+"""Evaluation: pass@1 (sampled and greedy) and pass@k of a model on a task or dataset split, for
+`grouprl eval` (`evaluate_model`) and the trainer's held-out evaluations (`run_eval`).
 
 For each problem, k completions are sampled at `temperature` with `grouprl.rollout.sample_groups`
 (the trainer's own sampler) and judged by the pass reward (`--pass-reward`, the same one
@@ -17,9 +18,7 @@ Deterministic for a given seed: batch i of prompts samples with seed `seed + i`.
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -28,8 +27,9 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+from grouprl.config.options import EvalConfig, RunConfig
+from grouprl.config.validation import validate_eval
 from grouprl.errors import UserError
 from grouprl.messages import is_conversational
 from grouprl.models import load_model, load_tokenizer
@@ -49,8 +49,7 @@ from grouprl.train.build import (
     stop_strings,
 )
 from grouprl.train.collect import Sampler
-from grouprl.train.config import EvalConfig, RunConfig, validate_eval
-from grouprl.train.fsdp import Lockstep
+from grouprl.train.parallel.fsdp import Lockstep
 
 
 @dataclass(frozen=True)
@@ -319,19 +318,20 @@ def run_eval(
     return out
 
 
-def run(cfg: EvalConfig, *, progress: bool = True) -> dict[str, Any]:
-    """Load, evaluate, and return the result as a flat dict (what --json prints)."""
+def evaluate_model(cfg: EvalConfig, *, progress: bool = True) -> dict[str, Any]:
+    """`grouprl eval`'s measurement: load, evaluate, and return the result as a flat dict (what
+    --json prints)."""
     validate_eval(cfg)
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        return _run(cfg, progress=progress)
+        return _load_and_evaluate(cfg, progress=progress)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
+def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
     task = build_task(cfg)
     device = resolve_device(cfg.device)
     name = cfg.model or task.default_model
@@ -373,32 +373,3 @@ def _run(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
         **asdict(result),
         "seconds": round(time.perf_counter() - start, 2),
     }
-
-
-def _table(out: dict[str, Any]) -> Table:
-    k = out["k"]
-    table = Table()
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_row(f"pass@1 (T={out['temperature']:g}, {k} samples)", f"{out['pass_at_1']:.1%}")
-    table.add_row(f"pass@{k}", f"{out['pass_at_k']:.1%}")
-    if out["greedy_pass_at_1"] is not None:
-        table.add_row("pass@1 (greedy)", f"{out['greedy_pass_at_1']:.1%}")
-    table.add_row("judged by (pass reward)", out["pass_reward"])
-    table.add_row("mean completion tokens", f"{out['mean_length']:.1f}")
-    if out.get("tool_call_rate") is not None:
-        table.add_row("completions calling a tool", f"{out['tool_call_rate']:.1%}")
-    table.add_row("seconds", f"{out['seconds']:.1f}")
-    return table
-
-
-def main(cfg: EvalConfig) -> int:
-    """CLI entry point of `grouprl eval`."""
-    out = run(cfg, progress=True)
-    if cfg.json:
-        sys.stdout.write(json.dumps(out) + "\n")
-    else:
-        console = Console()
-        console.print(f"{out['model']} on {out['task']} ({out['split']}, {out['n']} problems)")
-        console.print(_table(out))
-    return 0

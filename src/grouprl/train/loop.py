@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 import math
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,18 +50,18 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from grouprl.config.options import RunConfig, TrainConfig
 from grouprl.core import gdpo_advantages, group_advantages, overlong_penalty
 from grouprl.errors import UserError
 from grouprl.faults import fault
 from grouprl.models.lora import base_model_context
 from grouprl.report.doctor import diagnose
 from grouprl.rollout import Rollout
-from grouprl.train import distributed
 from grouprl.train.batch import Batch
 from grouprl.train.collect import Collected, collect_batch
-from grouprl.train.config import RunConfig, TrainConfig
-from grouprl.train.distributed import SINGLE, Dist
 from grouprl.train.evaluate import run_eval
+from grouprl.train.parallel import distributed
+from grouprl.train.parallel.distributed import SINGLE, Dist
 from grouprl.train.run import (
     Run,
     RunState,
@@ -535,19 +534,13 @@ class _StopFlag:
             signal.signal(signum, previous)
 
 
-#: Exit statuses of a run a signal stopped (128 + the signal number, as shells report them).
-EXIT_STATUS = {"SIGINT": 130, "SIGTERM": 143}
-
-
-def main(cfg: TrainConfig) -> int:
+def train_and_leave(cfg: TrainConfig) -> TrainSummary:
+    """`train`, then leave the torchrun job (if any): every rank together when the run ended
+    (stopped by a signal included), at once when an error ends it."""
     ended = False
     try:
         summary = train(cfg)
         ended = True
     finally:
         distributed.shutdown(together=ended)
-    return EXIT_STATUS.get(summary.stopped_by, 130) if summary.interrupted else 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("use: grouprl train")
+    return summary

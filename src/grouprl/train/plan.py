@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from grouprl.config.options import RunConfig
 from grouprl.rollout import Rollout
-from grouprl.train.config import RunConfig
-from grouprl.train.distributed import Dist
+from grouprl.train.parallel.distributed import Dist
+from grouprl.train.parallel.fsdp import Lockstep
 
 
 @dataclass(frozen=True)
@@ -165,3 +166,20 @@ def with_global_counts(plans: list[Minibatch], dist: Dist) -> list[Minibatch]:
         )
         for plan, (tokens, seqs) in zip(plans, counts, strict=True)
     ]
+
+
+def pad_passes(plans: list[Minibatch], rollout: Rollout, lockstep: Lockstep) -> list[Minibatch]:
+    """Under lockstep (FSDP), each minibatch with zero-weight filler passes (a forward/backward
+    of its first group whose loss is multiplied by 0) up to the most passes any rank runs
+    (`Lockstep.most_passes`); the plans themselves otherwise."""
+    if not lockstep.active:
+        return plans
+    out = []
+    for plan, most in zip(plans, lockstep.most_passes([len(p.chunks) for p in plans]), strict=True):
+        missing = most - len(plan.chunks)
+        if missing > 0:
+            group = [plan.first_group]
+            filler = Chunk(rollout.select_groups(group), rollout.group_rows(group), weight=0.0)
+            plan = dataclasses.replace(plan, chunks=plan.chunks + (filler,) * missing)
+        out.append(plan)
+    return out

@@ -33,18 +33,21 @@ import torch
 from rich.console import Console
 from torch import nn
 
+from grouprl.config.options import RunConfig, TrainConfig
+from grouprl.config.parsing import config_record, to_yaml
+from grouprl.config.presets import resolve
+from grouprl.config.validation import report_targets
 from grouprl.errors import UserError
 from grouprl.models.loading import resolve_device
 from grouprl.models.lora import save_final
 from grouprl.report import MetricSinks, plot_run
 from grouprl.report.runs import FINAL_MARKER, finished_at
 from grouprl.report.sinks import NullSinks, truncate_jsonl
-from grouprl.report.trackers import Trackers, report_targets
+from grouprl.report.trackers import Trackers
 from grouprl.rollout import stop_token_ids
 from grouprl.tasks import Task
 from grouprl.tasks.data import PromptStream
 from grouprl.train import checkpoint as ckpt
-from grouprl.train import distributed
 from grouprl.train.build import (
     build_rewards,
     build_task,
@@ -58,9 +61,9 @@ from grouprl.train.build import (
     task_defaults,
 )
 from grouprl.train.collect import Sampler
-from grouprl.train.config import RunConfig, TrainConfig, config_record, resolve, to_yaml
-from grouprl.train.distributed import Dist
-from grouprl.train.fsdp import Lockstep, full_state, shard
+from grouprl.train.parallel import distributed
+from grouprl.train.parallel.distributed import Dist
+from grouprl.train.parallel.fsdp import Lockstep, full_state, shard
 from grouprl.train.update import grad_scaler, make_optimizer
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from grouprl.config.options import RunConfig
 from grouprl.core import LossOptions, LossStats, policy_loss
 from grouprl.faults import fault
 from grouprl.models import activation_checkpointing as checkpointing
@@ -24,10 +25,15 @@ from grouprl.models.lora import adapter_dropout
 from grouprl.rollout import Rollout, model_device
 from grouprl.train.batch import Batch
 from grouprl.train.build import autocast, forward_dtype
-from grouprl.train.config import RunConfig
-from grouprl.train.distributed import SINGLE, Dist
-from grouprl.train.fsdp import Lockstep, logprobs
-from grouprl.train.plan import Minibatch, pass_overhead, plan_minibatches, with_global_counts
+from grouprl.train.parallel.distributed import SINGLE, Dist
+from grouprl.train.parallel.fsdp import Lockstep, logprobs
+from grouprl.train.plan import (
+    Minibatch,
+    pad_passes,
+    pass_overhead,
+    plan_minibatches,
+    with_global_counts,
+)
 
 
 def loss_options(cfg: RunConfig) -> LossOptions:
@@ -168,7 +174,7 @@ def update(
         cfg, rollout, advantages, mask, pass_overhead(policy) if by_width else None
     )
     plans = with_global_counts(plans, dist)
-    plans = (lockstep or Lockstep(dist)).pad_passes(plans, rollout)
+    plans = pad_passes(plans, rollout, lockstep or Lockstep(dist))
     if dtype is not None:
         plans = trainer_old_logp(cfg, policy, plans)
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf

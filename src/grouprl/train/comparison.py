@@ -1,4 +1,5 @@
-"""`grouprl compare`: the algorithms on the same model, data, prompts and seeds, then a report.
+"""Comparisons (`grouprl compare`): the algorithms on the same model, data, prompts and seeds,
+then a report.
 
 Each algorithm and seed is an ordinary run directory, OUTPUT_DIR/<algo>-s<seed>/, trained by
 `grouprl train` with the same flags; OUTPUT_DIR/compare.yaml records what was asked, so the same
@@ -11,75 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shlex
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
-import tyro
 import yaml
 
+from grouprl.config.parsing import parse_train_args
+from grouprl.config.presets import PRESETS, Preset, resolve
 from grouprl.errors import UserError
 from grouprl.report.runs import finished_at, load_run
-from grouprl.train.config import PRESETS, Preset, parse_train_args, resolve
 
 #: Flags that compare itself sets for every run.
 OWN_FLAGS = ("--algo", "--output-dir", "--resume")
-
-
-@dataclass
-class CompareArgs:
-    """Train several algorithms on the same model, data, prompts and seeds and write a report
-    (report.md, figures/). Every other flag is a `grouprl train` flag, given to every run."""
-
-    algos: str = "grpo,gspo"
-    """Comma-separated presets to compare: grpo, gspo, dr_grpo, dapo, gdpo."""
-    seeds: int = 1
-    """Seeds per algorithm: --seed, --seed + 1, ... (the spread over seeds decides the verdict)."""
-    output_dir: Path | None = None
-    """Where the runs and the report go. None: runs/compare-<date>-<time>. The same command with
-    the same directory continues an interrupted comparison."""
-    from_: Annotated[list[Path] | None, tyro.conf.arg(name="from")] = None
-    """Build the report from these existing run directories instead of training."""
-
-
-def parse_compare_args(argv: list[str]) -> tuple[CompareArgs, list[str]]:
-    """Compare's own flags, and the rest (train flags for every run)."""
-    args, rest = tyro.cli(CompareArgs, args=argv, prog="grouprl compare", return_unknown_args=True)
-    return args, list(rest)
-
-
-def main(argv: list[str], before_training: Callable[[], None] = lambda: None) -> int:
-    """`grouprl compare`; `before_training` runs once the flags are parsed (`--help` exits
-    before it, without importing torch or transformers)."""
-    args, rest = parse_compare_args(argv)
-    before_training()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        raise UserError(
-            "compare runs its runs one after another in one process; under torchrun, train each "
-            "run with `torchrun ... -m grouprl train --algo A --seed S --output-dir D/A-sS` and "
-            "build the report with `grouprl compare --from D/*`"
-        )
-    if args.from_ is not None:
-        defaults = CompareArgs()
-        given = [flag for flag, same in (("--algos", args.algos == defaults.algos),
-                                         ("--seeds", args.seeds == defaults.seeds)) if not same]  # fmt: skip
-        if rest or given:
-            raise UserError(
-                f"--from builds the report from existing runs as they are; {(rest or given)[0]} "
-                "does not apply (drop it)"
-            )
-        runs = [load_run(p) for p in args.from_]
-        if len(runs) < 2:
-            raise UserError("--from needs two or more run directories to compare")
-        out = args.output_dir or _default_dir()
-        _report(runs, out, command=None)
-        return 0
-    return run_comparison(args, rest)
 
 
 def _default_dir() -> Path:
@@ -96,11 +43,24 @@ def _algos(spec: str) -> list[str]:
     return algos
 
 
-def run_comparison(args: CompareArgs, rest: list[str]) -> int:
+@dataclass(frozen=True)
+class Comparison:
+    """How a comparison ended: its report, or the signal that stopped it (None: finished)."""
+
+    report: Path | None
+    stopped_by: str | None = None
+
+
+def run_comparison(
+    algos: str, seeds: int, rest: list[str], output_dir: Path | None = None
+) -> Comparison:
+    """Train each of `algos` (comma-separated presets) with `seeds` seeds and the train flags
+    `rest`, one run after another in OUTPUT_DIR/<algo>-s<seed>, continuing an interrupted
+    comparison in the same directory; then write the report."""
     from grouprl.train import loop
 
-    algos = _algos(args.algos)
-    if args.seeds < 1:
+    algos = _algos(algos)
+    if seeds < 1:
         raise UserError("--seeds must be at least 1")
     for flag in OWN_FLAGS:
         if any(token == flag or token.startswith(flag + "=") for token in rest):
@@ -127,14 +87,15 @@ def run_comparison(args: CompareArgs, rest: list[str]) -> int:
     for algo in algos:  # and each preset with them (e.g. GSPO's minibatches must divide B)
         resolve(dataclasses.replace(base, algo=algo),
                 task_max_new_tokens=base.max_new_tokens or 1024)  # fmt: skip
-    out = args.output_dir or _default_dir()
-    record = {"algos": algos, "seeds": args.seeds, "train_flags": rest}
+    out = output_dir or _default_dir()
+    record = {"algos": algos, "seeds": seeds, "train_flags": rest}
     _claim(out, record)
     # what continues this comparison (the default directory's name has the time in it)
     command = shlex.join(["grouprl", "compare", "--algos", ",".join(algos), "--seeds",
-                          str(args.seeds), "--output-dir", str(out), *rest])  # fmt: skip
-    seeds = [base.seed + i for i in range(args.seeds)]
-    plan = [(algo, seed) for seed in seeds for algo in algos]  # every algorithm early on
+                          str(seeds), "--output-dir", str(out), *rest])  # fmt: skip
+    plan = [
+        (algo, seed) for seed in range(base.seed, base.seed + seeds) for algo in algos
+    ]  # every algorithm early on
     for i, (algo, seed) in enumerate(plan, 1):
         run_dir = out / f"{algo}-s{seed}"
         head = f"compare: run {i}/{len(plan)}: {algo}, seed {seed} -> {run_dir}"
@@ -152,9 +113,9 @@ def run_comparison(args: CompareArgs, rest: list[str]) -> int:
         summary = loop.train(cfg)
         if summary.interrupted:
             print(f"compare: stopped; to continue: {command}")
-            return 130 if summary.stopped_by != "SIGTERM" else 143
-    _report([load_run(out / f"{a}-s{s}") for a, s in plan], out, command=command)
-    return 0
+            return Comparison(None, summary.stopped_by or "SIGINT")
+    runs = [load_run(out / f"{a}-s{s}") for a, s in plan]
+    return Comparison(report_from(runs, out, command=command))
 
 
 def _claim(out: Path, record: dict) -> None:
@@ -187,8 +148,10 @@ def _claim(out: Path, record: dict) -> None:
     path.write_text(yaml.safe_dump(record, sort_keys=False))
 
 
-def _report(runs: list, out: Path, command: str | None) -> Path:
-    """Write the report and print where it is and its verdict."""
+def report_from(runs: list, out: Path | None = None, command: str | None = None) -> Path:
+    """Write the report of `runs` (loaded run directories) into `out` and print where it is and
+    its verdict."""
+    out = out or _default_dir()
     from grouprl.report.compare import write_report
 
     report = write_report(runs, out, command=command)

@@ -1,5 +1,5 @@
-"""`grouprl generate`: talk to a model, a trained run included, with the prompt rendering
-`train` uses (the same data options, chat template and system prompt), so what you see is what
+"""Generation for `grouprl generate`: a model's completions, a trained run's included, with the
+prompt rendering `train` uses (the same data options, chat template and system prompt), so what you see is what
 training saw.
 
 `--model` takes anything `train` does (a directory, a `.gguf` file, `builtin:NAME`, a hub id)
@@ -16,16 +16,14 @@ prompt nor a dataset on a terminal, an interactive loop.
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from rich.console import Console
 
+from grouprl.config.options import DataOptions, GenerateConfig
 from grouprl.errors import UserError
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.loading import resolve_device
@@ -33,32 +31,6 @@ from grouprl.rollout import sample_groups
 from grouprl.tasks.base import TrainerState
 from grouprl.tasks.data import RowFormat, format_prompt
 from grouprl.train.build import build_rewards, build_task, prompt_ids, stop_strings
-from grouprl.train.config import DataOptions, EvalSplit, ModelOptions
-
-
-@dataclass(frozen=True)
-class GenerateConfig(DataOptions, ModelOptions):
-    """Print a model's completions for a prompt, or for rows of a task or dataset."""
-
-    prompt: str | None = None
-    """The prompt (a string; a user message with --chat-template). None: rows of --split, or
-    an interactive prompt on a terminal when no --dataset or --task is given either."""
-    answer: str | None = None
-    """The reference answer of --prompt, given to --rewards as `answer`."""
-    split: EvalSplit = "heldout"
-    """Which rows to take without --prompt: held-out (as train holds them out), train, or all."""
-    limit: int = 3
-    """Rows to take without --prompt."""
-    samples: int = 1
-    """Completions per prompt."""
-    temperature: float = 1.0
-    """Sampling temperature (0: greedy)."""
-    seed: int = 0
-    """Sampling seed."""
-    threads: int | None = None
-    """torch CPU threads. None: torch's default."""
-    json: bool = False
-    """Print one JSON object per prompt instead of text."""
 
 
 def resolve_run(cfg: GenerateConfig) -> tuple[GenerateConfig, str]:
@@ -88,7 +60,8 @@ def resolve_run(cfg: GenerateConfig) -> tuple[GenerateConfig, str]:
     return dataclasses.replace(cfg, **updates), str(model)
 
 
-def _prompt_rows(cfg: GenerateConfig, task: Any) -> list[dict]:
+def prompt_rows(cfg: GenerateConfig, task: Any) -> list[dict]:
+    """`--prompt` as a row (with `--answer`), else `--limit` rows of `--split`."""
     if cfg.prompt is not None:
         fmt = RowFormat(chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
         row = {"prompt": format_prompt({"prompt": cfg.prompt}, fmt, "--prompt")}
@@ -140,21 +113,26 @@ def _number(value: torch.Tensor) -> float | None:
     return None if v != v else v  # NaN: not scored
 
 
-def _show(console: Console, result: dict, as_json: bool) -> None:
-    if as_json:
-        sys.stdout.write(json.dumps(result) + "\n")
-        return
-    console.print("[bold]prompt[/] (as the model sees it):")
-    console.print(result["prompt"], markup=False, highlight=False)
-    for i, item in enumerate(result["completions"]):
-        scored = ""
-        if "rewards" in item:
-            scored = "  " + ", ".join(f"{n} {v}" for n, v in item["rewards"].items())
-        console.print(f"[bold]completion {i}[/]{scored}")
-        console.print(item["completion"], markup=False, highlight=False)
+@dataclass
+class Generator:
+    """What `generate` needs, loaded once for any number of prompts."""
+
+    cfg: GenerateConfig  # with a run directory's data options as defaults (`resolve_run`)
+    name: str  # the model loaded
+    task: Any
+    model: Any
+    tokenizer: Any
+    rewards: Any  # a RewardSet when --rewards is given, else None
+
+    def complete(self, cfg: GenerateConfig | None = None) -> list[dict]:
+        """`generate` for the rows `cfg` (default: the generator's own) asks for."""
+        cfg = cfg or self.cfg
+        rows = prompt_rows(cfg, self.task)
+        return generate(cfg, rows, self.model, self.tokenizer, self.task, self.rewards)
 
 
-def main(cfg: GenerateConfig) -> int:
+def load_generator(cfg: GenerateConfig) -> Generator:
+    """Check `cfg`, then load its model (a run directory: its policy), task and rewards."""
     if cfg.samples < 1 or cfg.limit < 1:
         raise UserError("--samples and --limit must be at least 1")
     if cfg.temperature < 0:
@@ -167,21 +145,4 @@ def main(cfg: GenerateConfig) -> int:
     model = load_model(name, device=device, trust_remote_code=cfg.trust_remote_code)
     tokenizer = load_tokenizer(name, trust_remote_code=cfg.trust_remote_code)
     rewards = build_rewards(cfg, task, device) if cfg.rewards else None
-    console = Console(soft_wrap=True)
-    interactive = cfg.prompt is None and cfg.dataset is None and cfg.task is None
-    if interactive and sys.stdin.isatty():
-        console.print(f"{name}: type a prompt, an empty line to stop")
-        while True:
-            try:
-                text = input("prompt> ")
-            except EOFError:
-                break
-            if not text.strip():
-                break
-            one = dataclasses.replace(cfg, prompt=text)
-            for result in generate(one, _prompt_rows(one, task), model, tokenizer, task, rewards):
-                _show(console, result, cfg.json)
-        return 0
-    for result in generate(cfg, _prompt_rows(cfg, task), model, tokenizer, task, rewards):
-        _show(console, result, cfg.json)
-    return 0
+    return Generator(cfg, name, task, model, tokenizer, rewards)

@@ -10,9 +10,9 @@ import shutil
 import pytest
 
 from grouprl.cli import main
+from grouprl.config import TrainConfig
 from grouprl.models import load_tokenizer
 from grouprl.train.build import build_task, prompt_ids
-from grouprl.train.config import TrainConfig
 
 TINY = ["--prompts-per-step", "4", "--group-size", "2", "--eval-size", "2", "--eval-samples",
         "1", "--threads", "1", "--no-progress", "--log-ratios", "0"]  # fmt: skip

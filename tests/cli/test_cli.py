@@ -63,7 +63,7 @@ def test_peft_datasets_and_math_verify_load_only_when_used():
 
     code = (
         "import sys\n"
-        "from grouprl.train.config import TrainConfig\n"
+        "from grouprl.config import TrainConfig\n"
         "from grouprl.train import build, loop, evaluate\n"
         "cfg = TrainConfig(beta=0.0, model='builtin:arith')\n"
         "task = build.build_task(cfg)\n"

@@ -1,4 +1,4 @@
-"""Run by `tests/train/test_distributed.py` under `torchrun --nproc-per-node 2` (gloo, CPU).
+"""Run by `tests/train/parallel/test_distributed.py` under `torchrun --nproc-per-node 2` (gloo, CPU).
 
 Every check compares what 2 processes compute with what 1 process computes on the same global
 batch; the 1-process reference runs on every rank with the single-process `Dist` (no
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the numerics helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the numerics helpers
+from grouprl.config import TrainConfig, resolve
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.lora import apply_lora
 from grouprl.rollout import HFRolloutEngine, sample_groups
@@ -23,10 +24,10 @@ from grouprl.rollout.logprobs import plain_head
 from grouprl.tasks import get_task
 from grouprl.tasks.data import PromptStream
 from grouprl.train import checkpoint as ckpt
-from grouprl.train import collect, distributed, fsdp, loop
+from grouprl.train import collect, loop
 from grouprl.train.build import build_rewards
-from grouprl.train.config import TrainConfig, resolve
-from grouprl.train.distributed import SINGLE, Dist
+from grouprl.train.parallel import distributed, fsdp
+from grouprl.train.parallel.distributed import SINGLE, Dist
 from grouprl.train.update import update
 from numerics import to_float64
 
@@ -132,7 +133,7 @@ def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
         }
 
 
-VAULT = str(Path(__file__).resolve().parents[2] / "examples" / "vault" / "env.py") + ":Vault"
+VAULT = str(Path(__file__).resolve().parents[3] / "examples" / "vault" / "env.py") + ":Vault"
 
 
 def tool_batch(environment: bool) -> tuple[torch.nn.Module, loop.Batch]:

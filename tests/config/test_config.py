@@ -8,8 +8,8 @@ import warnings
 import pytest
 
 from grouprl.cli import main
+from grouprl.config import PRESETS, TrainConfig, field_names, from_mapping, resolve
 from grouprl.errors import UserError
-from grouprl.train.config import PRESETS, TrainConfig, field_names, from_mapping, resolve
 
 
 def _resolve(**kw) -> TrainConfig:
@@ -174,7 +174,7 @@ def test_yaml_values_are_parsed_like_flags_with_one_line_errors(tmp_path, capsys
 
 
 def test_a_yaml_value_means_what_the_same_flag_means(tmp_path):
-    from grouprl.train.config import parse_train_args
+    from grouprl.config import parse_train_args
 
     config = tmp_path / "run.yaml"
     config.write_text("lr: 1e-4\nsteps: 7\nadam_betas: [0.8, 0.9]\nprogress: false\n")
@@ -230,7 +230,7 @@ def test_resume_changes_only_what_may_change(tmp_path, capsys):
 
     recorded = yaml.safe_load((run / "config.yaml").read_text())
     assert (recorded["steps"], recorded["lr"], recorded["eval_size"]) == (2, 1e-4, 3)
-    from grouprl.train.config import TrainConfig as Config
+    from grouprl.config import TrainConfig as Config
     from grouprl.train.run import lr_factor
 
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
@@ -261,7 +261,7 @@ def test_help_and_version_need_no_torch():
 
 def test_text_values_stay_text(tmp_path):
     """Strings that look like flags or like None stay strings, through a saved config too."""
-    from grouprl.train.config import to_yaml
+    from grouprl.config import to_yaml
 
     cfg = from_mapping(
         {"stop": ["-x", "None", "--help"], "system_prompt": "None", "model": "-m"}, source="f"
@@ -302,7 +302,7 @@ def test_choice_names_are_the_core_registries_and_the_presets():
     from typing import get_args
 
     from grouprl import core
-    from grouprl.train import config
+    from grouprl.config import options as config
 
     for choices, registry in (
         (config.RatioLevel, core.RATIO_LEVELS),
@@ -310,13 +310,13 @@ def test_choice_names_are_the_core_registries_and_the_presets():
         (config.AdvEstimator, {*core.ADVANTAGE_ESTIMATORS, "gdpo"}),  # gdpo: gdpo_advantages
         (config.AdvScale, core.ADVANTAGE_SCALES),
         (config.KLEstimator, core.KL_ESTIMATORS),
-        (config.Algo, config.PRESETS),
+        (config.Algo, PRESETS),
     ):
         assert set(get_args(choices)) == set(registry), choices
 
 
 def test_resolve_returns_a_frozen_run_config_without_placeholders():
-    from grouprl.train.config import RunConfig
+    from grouprl.config import RunConfig
 
     cfg = _resolve(algo="dapo")
     assert type(cfg) is RunConfig

@@ -13,7 +13,7 @@ Strategies (`--strategy`):
   hooks are armed by `DDP.forward`, and the trainer's log-prob forward calls the decoder and head
   directly (no N×T×V logits), so DDP would never reduce. The explicit reduction also runs once
   per minibatch instead of once per micro-batch chunk.
-- `fsdp`: FSDP2 (`fully_shard`), for models that do not fit one device; see `train/fsdp.py`,
+- `fsdp`: FSDP2 (`fully_shard`), for models that do not fit one device; see `train/parallel/fsdp.py`,
   which also owns the rule that comes with it (every forward is a collective, so every rank
   runs the same forwards).
 
@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 
 from grouprl.errors import UserError
-from grouprl.train.batch import Batch
 
 #: How long a rank waits in a collective for the others; a rank that died is noticed by torchrun
 #: long before this (it ends the whole job when one worker exits).
@@ -190,21 +189,6 @@ class Dist:
         groups (groups m·n/M … (m+1)·n/M − 1) and the off-policy updates match too."""
         per = n // minibatches  # groups per global minibatch
         return [m * per + i for m in range(minibatches) for i in self.mine(per)]
-
-    def hand_round(
-        self, parts: list[tuple[int, Batch]], usable: int, minibatches: int, device: torch.device
-    ) -> Batch:
-        """This rank's groups (`my_groups`) of the first `usable` groups that all ranks kept,
-        taken in their global order (round by round, rank by rank), on `device`. `parts`: the
-        (round, kept groups) this rank sampled. How dynamic sampling gives every rank as many
-        groups to train, whoever sampled them."""
-        everyone = self.gather([(r, b.to("cpu")) for r, b in parts])
-        ordered = sorted(
-            ((round_, rank, b) for rank, pieces in enumerate(everyone) for round_, b in pieces),
-            key=lambda x: (x[0], x[1]),
-        )
-        batch = Batch.concat([b for _, _, b in ordered])
-        return batch.select_groups(self.my_groups(usable, minibatches)).to(device)
 
     # -- gradients -----------------------------------------------------------------------------
 

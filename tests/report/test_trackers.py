@@ -190,3 +190,13 @@ def test_an_uninstalled_or_unknown_tracker_is_one_line(
     err = " ".join(capsys.readouterr().err.split())
     assert message in err
     assert not run.exists()
+
+
+def test_every_tracker_the_config_accepts_has_a_backend():
+    """The config owns the names `--report-to` takes (it imports no report module); each must
+    have a backend here, and each backend a name there."""
+    from grouprl.config.options import TRACKERS
+    from grouprl.report.trackers import BACKENDS
+
+    assert set(BACKENDS) == set(TRACKERS)
+    assert all(backend.name == name for name, backend in BACKENDS.items())

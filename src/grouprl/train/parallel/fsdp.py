@@ -10,7 +10,7 @@ Hugging Face one need not know about it:
   through the root's hooks (`logprobs`).
 - `Lockstep`: sampling keeps stepping until every rank is done (`Lockstep.engine`), evaluation
   pads every rank's rows to the longest share (`pad_rows`), and the update pads every rank's
-  minibatch to as many passes with zero-weight copies (`pad_passes`). Off (`dist.fsdp` False)
+  minibatch to as many passes with zero-weight copies (`most_passes`). Off (`dist.fsdp` False)
   each of them is the identity.
 - `full_state` / `load_full_state`: checkpoints of a sharded model as full model directories, so
   they load at any world size and with either strategy.
@@ -18,7 +18,6 @@ Hugging Face one need not know about it:
 
 from __future__ import annotations
 
-import dataclasses
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,8 +30,7 @@ from torch import nn
 from grouprl.errors import UserError
 from grouprl.rollout import HFRolloutEngine, Rollout, completion_logprobs
 from grouprl.rollout.logprobs import plain_head
-from grouprl.train.distributed import SINGLE, Dist
-from grouprl.train.plan import Chunk, Minibatch
+from grouprl.train.parallel.distributed import SINGLE, Dist
 
 #: The name under which FSDP2 runs `completion_logprobs` with the root module's hooks.
 LOGPROBS_METHOD = "grouprl_completion_logprobs"
@@ -69,24 +67,16 @@ class Lockstep:
         longest = max(len(r) for r in self.dist.shares(len(rows)))
         return share + [rows[0]] * (longest - len(share))
 
-    def pad_passes(self, plans: list[Minibatch], rollout: Rollout) -> list[Minibatch]:
-        """Under lockstep, each minibatch with zero-weight filler passes (a forward/backward of
-        its first group whose loss is multiplied by 0) up to the most passes any rank runs: a
-        rank with fewer passes, or none (all its groups skipped), would leave the others
-        waiting in a forward. One all-reduce."""
+    def most_passes(self, counts: Sequence[int]) -> list[int]:
+        """Each minibatch's most forward/backward passes on any rank, under lockstep: a rank
+        with fewer, or none (all its groups skipped), runs zero-weight fillers up to it, or it
+        would leave the others waiting in a forward (`grouprl.train.plan.pad_passes`). One
+        all-reduce; `counts` itself otherwise."""
         if not self.active:
-            return plans
-        counts = torch.tensor([float(len(p.chunks)) for p in plans])  # (M,)
-        self.dist.all_reduce(counts, "max")
-        out = []
-        for plan, most in zip(plans, counts.tolist(), strict=True):
-            missing = int(most) - len(plan.chunks)
-            if missing > 0:
-                group = [plan.first_group]
-                filler = Chunk(rollout.select_groups(group), rollout.group_rows(group), weight=0.0)
-                plan = dataclasses.replace(plan, chunks=plan.chunks + (filler,) * missing)
-            out.append(plan)
-        return out
+            return list(counts)
+        most = torch.tensor([float(c) for c in counts])  # (M,)
+        self.dist.all_reduce(most, "max")
+        return [int(c) for c in most.tolist()]
 
 
 def logprobs(model: nn.Module, rollout: Rollout, **kwargs: Any) -> torch.Tensor:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grouprl.cli import main
-from grouprl.train.check import CheckOptions, measure, no_gradient_share
-from grouprl.train.config import parse_train_args
+from grouprl.config import parse_train_args
+from grouprl.train.preflight import CheckOptions, measure, no_gradient_share
 from grouprl.train.run import setup_run
 
 TINY = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "2", "--threads", "1",

@@ -1,4 +1,4 @@
-"""`grouprl sft`: supervised warm start on a task's worked solutions; it makes the base policy.
+"""Supervised warm start (`grouprl sft`) on a task's worked solutions; it makes the base policy.
 
 A plain supervised loop: each step draws `batch_size` training rows in order, writes each one's
 worked solution (with column errors injected at rate `noise`, see
@@ -265,9 +265,3 @@ def _train(cfg: SFTConfig, task: Task, console: Console) -> SFTResult:
         f"{result.final_loss:.3f}; wrote {cfg.output_dir}"
     )
     return result
-
-
-def main(cfg: SFTConfig) -> int:
-    """CLI entry point of `grouprl sft`."""
-    train_sft(cfg)
-    return 0

@@ -1,4 +1,4 @@
-"""`grouprl check`: will this run learn, and how long will it take? Asked before it starts.
+"""Before training (`grouprl check`): will this run learn, and how long will it take?
 
 Builds model, data, rewards and templates exactly as `train` does (the same flags, the same
 errors; `setup_run`), samples `--check-steps` steps' worth of groups through the trainer's own
@@ -9,7 +9,7 @@ per prompt and the share of groups that would carry no gradient at this and othe
 completion lengths against the budget, throughput, the time per step and for the run, and the
 update's peak memory. Findings as `doctor` writes them; exit 1 when the run would not learn.
 
-Nothing is written unless `--output FILE` is given.
+Nothing is written.
 
 The zero-gradient share. A group of G completions of a prompt whose pass rate is p carries no
 gradient when all pass or all fail: P = pᴳ + (1−p)ᴳ. With n samples of a prompt, k passing, the
@@ -24,7 +24,6 @@ averaged over the prompts sampled.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import resource
@@ -37,13 +36,12 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
+from grouprl.config.options import TrainConfig
 from grouprl.errors import UserError
 from grouprl.report.doctor import Finding
 from grouprl.train.build import prompt_ids
 from grouprl.train.collect import collect_batch
-from grouprl.train.config import parse_train_args
 from grouprl.train.run import Run, setup_run
 
 GROUP_SIZES = (2, 4, 8, 16, 32, 64)
@@ -61,40 +59,6 @@ class CheckOptions:
     json: bool = False  # --json: print the report as JSON instead of tables
     memory_limit_gb: float | None = None  # --memory-limit GB: predict what fits
     second_temperature: float | None = None  # --second-temperature T: sample step 0 at T too
-
-
-def split_args(argv: list[str]) -> tuple[CheckOptions, list[str]]:
-    """check's own flags out of argv; the rest are train's."""
-    own = {"--check-steps": "steps", "--output": "output", "--memory-limit": "memory_limit_gb",
-           "--second-temperature": "second_temperature"}  # fmt: skip
-    values: dict[str, Any] = {}
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name, _, inline = arg.partition("=")
-        if name == "--json":
-            values["json"] = True
-        elif name in own:
-            if not inline and i + 1 >= len(argv):
-                raise UserError(f"{name} needs a value")
-            value = inline or argv[i + 1]
-            i += 0 if inline else 1
-            try:
-                kinds = {"steps": int, "output": Path}
-                kind = kinds.get(own[name], float)
-                values[own[name]] = kind(value)
-            except ValueError:
-                raise UserError(f"{name} {value!r} is not a number") from None
-        else:
-            rest.append(arg)
-        i += 1
-    options = CheckOptions(**values)
-    if options.steps < 1:
-        raise UserError("--check-steps must be at least 1")
-    if options.second_temperature is not None and not options.second_temperature > 0:
-        raise UserError("--second-temperature must be > 0")
-    return options, rest
 
 
 def no_gradient_share(k: int, n: int, group_size: int) -> float:
@@ -181,10 +145,9 @@ class Report:
 STOPPERS = {"no_gradient", "all_truncated", "never_passes"}
 
 
-def check(argv: list[str], *, console: Console | None = None) -> Report:
-    """The report for `grouprl train`'s flags `argv` (check's own flags already taken out)."""
-    options, train_argv = split_args(argv)
-    cfg = parse_train_args(train_argv)
+def check(cfg: TrainConfig, options: CheckOptions, *, console: Console | None = None) -> Report:
+    """The report on the run `cfg` describes: built as `train` builds it, measured as `measure`
+    says."""
     run = setup_run(cfg, console=console)
     if run.dist.enabled:
         raise UserError("grouprl check runs in one process; run it without torchrun")
@@ -480,104 +443,3 @@ def _group_advice(report: Report) -> str:
             f"{NO_GRADIENT_TARGET:.0%}; or {side}, or --algo dapo (dynamic sampling)"
         )
     return f"use {side} (pass rate {passes:.0%}): no group size up to 64 helps enough"
-
-
-def print_report(report: Report, console: Console) -> None:
-    cfg = report.config
-    console.print(
-        f"[bold]grouprl check[/]: {cfg['model']}, {cfg['algo']}, {cfg['prompts_per_step']} "
-        f"prompts x G={cfg['group_size']}, {cfg['steps']} steps"
-    )
-    for i, p in enumerate(report.prompts):
-        console.print(f"[bold]prompt {i}[/] ({p['tokens']} tokens, as the model sees it):")
-        console.print(p["rendered"], markup=False, highlight=False)
-        mark = "pass" if p["passed"] else "fail"
-        console.print(f"  -> {p['completion']!r} ({mark})", markup=False, highlight=False)
-    table = Table(title="rewards")
-    for col in ("reward", "weight", "mean", "std", "unscored", "same score", "ranks groups"):
-        table.add_column(col, justify="right" if col != "reward" else "left")
-    for name, s in report.rewards.items():
-        cells = [f"{s['weight']:g}", f"{s['mean']:.3f}", f"{s['std']:.3f}"]
-        cells += [f"{s[k]:.0%}" for k in ("unscored", "same_score", "ranks_groups")]
-        table.add_row(name, *cells)
-    console.print(table)
-    for pair, r in report.correlations.items():
-        console.print(f"correlation {pair}: {r:+.2f}")
-    table = Table(title="groups with no gradient (all pass or all fail)")
-    table.add_column("G", justify="right")
-    table.add_column("predicted", justify="right")
-    for g, share in sorted(report.predicted_no_gradient.items()):
-        here = "  <- this run" if g == cfg["group_size"] else ""
-        table.add_row(str(g), f"{share:.0%}{here}")
-    console.print(table)
-    passes = sum(k for k, _ in report.pass_counts)
-    samples = sum(n for _, n in report.pass_counts)
-    console.print(
-        f"measured at G={cfg['group_size']}: {report.measured_no_gradient:.0%} of "
-        f"{len(report.pass_counts)} groups; pass rate {passes}/{samples}"
-    )
-    if report.second_temperature is not None:
-        t2 = report.second_temperature
-        console.print(
-            f"at temperature {t2['temperature']:g} (step 0's prompts again): pass rate "
-            f"{t2['pass_rate']:.0%}, groups without gradient {t2['measured_no_gradient']:.0%} "
-            f"measured, {t2['predicted_no_gradient']:.0%} predicted"
-        )
-    ln = report.lengths
-    console.print(
-        f"lengths: p10 {ln['p10']:.0f}, median {ln['p50']:.0f}, p90 {ln['p90']:.0f}, max "
-        f"{ln['max']:.0f} of {ln['max_new_tokens']}; {ln['truncated']:.0%} truncated"
-    )
-    t, m = report.timing, report.memory
-    console.print(
-        f"speed: {t['tokens_per_s']:.0f} sampled tokens/s; a step ~{t['seconds_per_step']:.1f} s"
-        f" (sampling {t['sampling_seconds_per_step']:.1f} + update {t['update_seconds']:.1f});"
-        f" the run ~{_duration(t['run_seconds'])} with its evaluations"
-    )
-    console.print(
-        f"memory: update peak {m['peak_gb']:.2f} GB ({m['method']}; "
-        f"{m['completions_per_forward']} completions per forward)"
-    )
-    if "limit_gb" in m:
-        console.print(
-            f"  for --memory-limit {m['limit_gb']:g} GB: predicted {m['predicted_gb']:.2f} GB at "
-            f"this micro-batch; {_fits(m['micro_batch_size_that_fits'])} "
-            f"({m['prediction']})"
-        )
-    if not report.findings:
-        console.print("no findings: nothing here says this run would not learn")
-    for f in report.findings:
-        console.print(f"{f.severity:<8}{f.title}", markup=False)
-        console.print(f"        evidence: {f.evidence}", markup=False)
-        console.print(f"        suggest:  {f.suggestion}", markup=False)
-        for ex in f.examples:
-            console.print(
-                f"        e.g. {ex.get('prompt')!r} -> {ex.get('completion')!r}", markup=False
-            )
-
-
-def _fits(micro_batch_size: int) -> str:
-    if micro_batch_size == 0:
-        return "no micro-batch size fits"
-    return f"--micro-batch-size {micro_batch_size} fits"
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-def main(argv: list[str]) -> int:
-    console = Console(stderr=True)
-    options, _ = split_args(argv)
-    report = check(argv, console=console)
-    if options.json:
-        print(json.dumps(report.to_json(), default=str))
-    else:
-        print_report(report, Console(soft_wrap=True))
-    if options.output is not None:
-        options.output.write_text(json.dumps(report.to_json(), indent=1, default=str) + "\n")
-    return 1 if report.would_not_learn else 0

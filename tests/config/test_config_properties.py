@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from grouprl.config import TrainConfig, field_names, from_mapping, parse_train_args, resolve
 from grouprl.errors import UserError
-from grouprl.train.config import TrainConfig, field_names, from_mapping, parse_train_args, resolve
 
 FIELDS = [n for n in field_names() if n not in ("config", "resume", "output_dir")]
 scalars = st.one_of(

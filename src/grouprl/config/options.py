@@ -1,0 +1,381 @@
+"""The options of `grouprl train`, `eval` and `generate`, each a typed, frozen dataclass whose
+fields become flags (`group_size` -> `--group-size`) with the docstring under each as its help;
+and `RunConfig`, a `TrainConfig` with every field the preset or the task fills filled (what
+`grouprl.config.presets.resolve` returns and the only config `grouprl.train` reads).
+
+Imports neither torch nor transformers, so `--help` answers at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+# ---------------------------------------------------------------------------------------------
+# Choices: every named option's values, once (tests/config/test_config.py checks that the core
+# registries and the presets have exactly these names)
+
+Algo = Literal["grpo", "gspo", "dr_grpo", "dapo", "gdpo"]
+Dtype = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16"]
+Strategy = Literal["ddp", "fsdp"]
+LRSchedule = Literal["constant", "cosine"]
+RatioLevel = Literal["token", "sequence", "sequence_token"]  # grouprl.core.RATIO_LEVELS
+LossAgg = Literal[  # grouprl.core.AGGREGATIONS
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
+# grouprl.core.ADVANTAGE_ESTIMATORS, and gdpo (grouprl.core.gdpo_advantages: one per reward)
+AdvEstimator = Literal["grpo", "rloo", "gdpo"]
+AdvScale = Literal["group", "batch", "none"]  # grouprl.core.ADVANTAGE_SCALES
+KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
+EvalSplit = Literal["heldout", "train", "all"]
+ToolFormat = Literal["tags", "chat"]
+
+
+#: The trackers `--report-to` may name, with the module each needs and what installs it
+#: (`grouprl.report.trackers` has a backend for each; a test checks they agree).
+TRACKERS = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "grouprl[wandb]"),
+    "trackio": ("trackio", "grouprl[trackio]"),
+    "mlflow": ("mlflow", "grouprl[mlflow]"),
+}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Where a run's settings come from and where it writes (train only)."""
+
+    config: Path | None = None
+    """YAML file holding any of these fields; flags given on the command line override it."""
+    algo: Algo = "gspo"
+    """Algorithm preset. It fills every field below that is left at None (see the README)."""
+    output_dir: Path | None = None
+    """Run directory. None: runs/<algo>-<date>-<time>. It must not already hold a run."""
+    resume: Path | None = None
+    """Run directory to continue from its latest checkpoint (its saved config is the base)."""
+    allow_change: list[str] | None = None
+    """Fields --resume may change besides steps, eval/save/log settings, threads, progress,
+    reward_timeout and device, e.g. --allow-change lr."""
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The policy and where it runs (shared by train and eval)."""
+
+    model: str | None = None
+    """Policy to start from: a local Hugging Face model directory, builtin:NAME, or a hub id
+    (Qwen/Qwen2.5-0.5B-Instruct), given to from_pretrained as it is. None: the task's own
+    (builtin:arith; builtin:lookup for --task lookup)."""
+    trust_remote_code: bool = False
+    """Let from_pretrained run code shipped with the model (only for models you trust)."""
+    device: str = "auto"
+    """auto (CUDA when available, else CPU), cpu, cuda or cuda:N."""
+    base_dtype: Dtype = "fp32"
+    """dtype of frozen weights: the base model under LoRA and the reference model. Trainable
+    weights and the optimizer stay fp32; bf16/fp16 forwards make the trainer recompute old_logp."""
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """What the model is asked and how its answers are scored (shared by train and eval)."""
+
+    task: str | None = None
+    """A built-in task (arithmetic). None: arithmetic, unless --dataset is given."""
+    dataset: str | None = None
+    """Prompts from a dataset: a JSONL/JSON/CSV/Parquet file, a save_to_disk directory, or a
+    hub id given to datasets.load_dataset. Needs --rewards."""
+    dataset_split: str = "train"
+    """Split of --dataset to read (data files have only "train")."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt: a string, or a list of {role, content} messages; a.b for a
+    nested field."""
+    answer_column: str | None = None
+    """Column holding the reference answer, passed to rewards as `answer` (a.b for a nested
+    field, e.g. reward_model.ground_truth). None: the dataset's own `answer` column, if any."""
+    prompt_template: str | None = None
+    """Build string prompts from columns, e.g. "Question: {question} Answer:" (use a YAML
+    config for a template with newlines)."""
+    chat_template: bool = False
+    """Send string prompts as a user message through the tokenizer's chat template."""
+    system_prompt: str | None = None
+    """System message put before every chat prompt that has none."""
+    eval_dataset: str | None = None
+    """Held-out prompts from another dataset (same loader and columns). None: a part of
+    --dataset chosen by a hash of the prompt (see --eval-fraction)."""
+    eval_split: str = "train"
+    """Split of --eval-dataset to read."""
+    eval_fraction: float = 0.05
+    """Share of --dataset held out for evaluation when there is no --eval-dataset (at least 32
+    and at most 500 rows)."""
+    max_prompt_length: int | None = None
+    """Prompts longer than this many tokens are skipped when drawn (counted and warned about).
+    None: what leaves room for max_new_tokens in the model's context."""
+    stop: list[str] | None = None
+    """Stop strings that end a completion, besides the EOS tokens (for base models that never
+    emit EOS), e.g. --stop "Question:"."""
+    rewards: dict[str, float] | None = None
+    """Reward functions and weights: a built-in name (correct, format, accuracy, think_format),
+    path/to/rewards.py:function, package.module:function, or a reward model directory, e.g.
+    --rewards accuracy 1.0 my_rewards.py:fmt 0.2. None: the task's."""
+    pass_reward: str | None = None
+    """The reward that decides correctness (a completion passes when its score is >= 1), for the
+    accuracy metric and pass@k. None: accuracy if listed, else correct, else the first reward."""
+    reward_timeout: float = 60.0
+    """Seconds a reward function may take for one step's completions before the run stops."""
+    max_new_tokens: int | None = None
+    """Generation budget per completion (with tools: the whole trajectory, the tools'
+    observations included). None: the task's own budget (256 for --dataset)."""
+    tools: list[str] | None = None
+    """Tools the policy may call while it writes: path/to/tools.py:fn, package.module:fn, or a
+    tool the task ships (typed functions with docstrings, sync or async, as TRL takes them).
+    None: the task's own tools (lookup's), else none."""
+    tool_format: ToolFormat = "tags"
+    """How calls are written: tags, <NAME>ARGS</NAME> with the observation following as plain
+    text (for base and character-level models); chat, as the model's chat template writes tool
+    calls and results (Hermes/Qwen2.5 <tool_call> JSON, Llama-3.1 JSON), the tools rendered
+    into the prompt from their signatures and docstrings."""
+    environment: str | None = None
+    """A stateful environment, TRL's environment_factory shape: path/env.py:Class or
+    package.module:Class, one instance per rollout; reset(**row) starts it, its public methods
+    are tools, get_reward() (if any) is a reward named after the class, step(text) (if any)
+    answers whole turns."""
+    max_turns: int = 4
+    """Tool calls (and environment steps) a trajectory may make; one more ends it (0: tools
+    available, never run)."""
+    max_tool_response_tokens: int | None = None
+    """Observations longer than this many tokens are cut (with "..."). None: no limit but the
+    budget."""
+    tool_timeout: float = 10.0
+    """Seconds a tool call may take; a call past it returns an error observation."""
+
+
+@dataclass(frozen=True)
+class TrainConfig(DataOptions, ModelOptions, RunOptions):
+    """Train a causal LM with GRPO, GSPO, Dr. GRPO or DAPO on a task with verifiable rewards."""
+
+    seed: int = 0
+    """Seed for data order, sampling and initial evaluation; same seed, same run."""
+    threads: int | None = None
+    """torch CPU threads. None: torch's default (all cores)."""
+    precision: Precision = "fp32"
+    """Forward passes in fp32, or under bf16 autocast (weights, gradients and optimizer stay
+    fp32). bf16 pays off where matmuls dominate (CPUs with AMX, larger models, GPUs); old_logp is
+    then recomputed by the trainer, one no-grad forward per step."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them: less
+    memory for long completions, about one more forward of compute."""
+    micro_batch_size: int | None = None
+    """Completions per forward/backward; gradients accumulate over a minibatch's chunks (the same
+    update). None: a whole minibatch at once."""
+    strategy: Strategy = "ddp"
+    """Under torchrun: ddp keeps a full model on every rank and sums gradients; fsdp shards the
+    model across ranks (FSDP2), for models that do not fit one device. No effect in one process."""
+
+    # ----- LoRA -----
+    lora_r: int | None = None
+    """LoRA rank: train low-rank adapters instead of the full model. None: full fine-tuning."""
+    lora_alpha: float | None = None
+    """LoRA scale numerator (the update is alpha/r * BA). None: 2 * lora_r."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input during updates (non-zero makes the first ratio differ
+    from 1)."""
+    lora_target_modules: list[str] | None = None
+    """Module names that get adapters, e.g. q_proj v_proj. None: every linear layer but the head."""
+
+    # ----- sampling -----
+    steps: int | None = None
+    """Number of training steps (one rollout batch each). None: the task's own (200; 120 for
+    lookup)."""
+    prompts_per_step: int = 16
+    """Prompts per step (B). Each gets group_size completions: N = B*G completions a step."""
+    group_size: int = 8
+    """Completions sampled per prompt (G); the group mean is the baseline. At least 2."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs for the ratio are taken at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0: off)."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+
+    # ----- optimisation -----
+    lr: float = 5e-5
+    """Peak learning rate (AdamW)."""
+    lr_schedule: LRSchedule = "constant"
+    """Learning-rate shape after warm-up."""
+    warmup_steps: int = 5
+    """Linear warm-up steps from 0 to lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0: off)."""
+    epochs: int = 1
+    """Policy updates over each rollout batch (mu in the GRPO paper)."""
+    minibatches: int | None = None
+    """Minibatches per epoch, each one optimizer step; must divide prompts_per_step. None: preset."""
+    max_nonfinite_steps: int = 3
+    """Steps in a row whose loss or gradient is NaN/inf (their updates are skipped) after which
+    the run stops with one line; the last good checkpoint is kept."""
+    skip_zero_advantage: bool = True
+    """Leave groups whose advantages are all 0 out of the forward/backward: the same update to
+    float rounding. Ignored when beta > 0 (the KL term has a gradient): every group is trained."""
+
+    # ----- objective -----
+    ratio_level: RatioLevel | None = None
+    """Importance ratio: per token (GRPO), per sequence (GSPO), or GSPO-token. None: preset."""
+    clip_low: float | None = None
+    """Clip range below 1: ratios under 1-clip_low are clipped. None: preset."""
+    clip_high: float | None = None
+    """Clip range above 1: ratios over 1+clip_high are clipped. None: preset."""
+    dual_clip: float | None = None
+    """Dual clip c > 1: bounds the loss of negative-advantage tokens at c*|A| (None: off)."""
+    beta: float | None = None
+    """Weight of the KL penalty to the reference (initial) policy. None: preset."""
+    kl_estimator: KLEstimator = "k3"
+    """KL estimator for the penalty (k3 is the GRPO paper's)."""
+    loss_agg: LossAgg | None = None
+    """How per-token losses are averaged; sets the implicit length weighting. None: preset."""
+    norm_len: int | None = None
+    """Constant divisor for seq_mean_token_sum_norm. None: max_new_tokens."""
+    adv_estimator: AdvEstimator | None = None
+    """Baseline: the group mean (grpo), the mean of the other G-1 rewards (rloo), or gdpo: each
+    reward normalised in its group, their weighted sum then over the batch (arXiv 2601.05242;
+    sets its own scaling, so no --adv-scale). None: preset (gdpo for --algo gdpo, else grpo)."""
+    adv_scale: AdvScale | None = None
+    """Advantage scaling: by the group std, the batch std, or none (Dr. GRPO). None: preset."""
+    unbiased_std: bool = False
+    """Use the sample (Bessel) std, as TRL and verl do, instead of the population std."""
+    adv_eps: float = 1e-4
+    """Added to the std before dividing."""
+
+    # ----- rewards and shaping -----
+    dynamic_sampling: bool | None = None
+    """Drop zero-variance groups and sample more prompts until the batch is full. None: preset."""
+    max_resample_rounds: int = 4
+    """Extra sampling rounds dynamic sampling may spend per step before training on fewer groups."""
+    mask_truncated: bool | None = None
+    """Leave completions that hit max_new_tokens out of the loss. None: preset."""
+    overlong_penalty: bool | None = None
+    """DAPO soft overlong penalty on completions close to max_new_tokens. None: preset."""
+    overlong_cache: int | None = None
+    """Length of the soft-penalty zone before max_new_tokens. None: max_new_tokens // 4."""
+
+    # ----- evaluation, logging, checkpoints -----
+    eval_every: int = 25
+    """Evaluate held-out pass@1 every this many steps (and at the start and the end; 0: only those)."""
+    eval_size: int = 200
+    """Held-out problems per evaluation."""
+    eval_samples: int = 4
+    """Samples per held-out problem (pass@1 is their mean; pass@k uses all of them)."""
+    save_every: int = 50
+    """Checkpoint every this many steps (and at the end and on Ctrl-C)."""
+    keep_last: int = 2
+    """Checkpoints to keep; older ones are deleted."""
+    log_samples: int = 2
+    """Completions per step written to samples.jsonl."""
+    log_ratios: int = 32
+    """Completions whose sequence log-ratio against the sampling policy, after the step's last
+    update, is written to ratios.jsonl (one no-grad forward on them); 0: none."""
+    log_ratios_every: int = 5
+    """Write ratios.jsonl every this many steps."""
+    doctor: bool = True
+    """Run `grouprl doctor`'s checks at each evaluation and print a line per new warning."""
+    progress: bool = True
+    """Show a live progress bar (off: one plain line per eval)."""
+    report_to: list[str] | None = None
+    """Trackers that also get the run: any of tensorboard, wandb, trackio, mlflow (space- or
+    comma-separated), or none. None: tensorboard. The run directory's JSONL logs and plots are
+    written whatever this says."""
+    run_name: str | None = None
+    """The run's name in the trackers. None: the run directory's name."""
+
+
+@dataclass(frozen=True)
+class EvalConfig(DataOptions, ModelOptions):
+    """Measure pass@1 (sampled and greedy) and pass@k of a model on a task or dataset split."""
+
+    split: EvalSplit = "heldout"
+    """Which rows to evaluate: the held-out rows `grouprl train` holds out (the same ones for
+    the same data options), the training rows, or all."""
+    samples: int = 8
+    """Completions sampled per problem (k of pass@k)."""
+    limit: int = 200
+    """Number of problems (the first LIMIT rows of the split)."""
+    temperature: float = 1.0
+    """Sampling temperature of the k samples (greedy pass@1 always uses temperature 0)."""
+    greedy: bool = True
+    """Also decode one greedy completion per problem for greedy pass@1."""
+    batch_prompts: int = 64
+    """Problems sampled together (each with SAMPLES completions)."""
+    seed: int = 0
+    """Sampling seed; the same seed gives the same numbers on the same machine."""
+    threads: int | None = None
+    """torch CPU threads. None: torch's default."""
+    json: bool = False
+    """Print one JSON object on stdout instead of a table."""
+
+
+@dataclass(frozen=True)
+class GenerateConfig(DataOptions, ModelOptions):
+    """Print a model's completions for a prompt, or for rows of a task or dataset."""
+
+    prompt: str | None = None
+    """The prompt (a string; a user message with --chat-template). None: rows of --split, or
+    an interactive prompt on a terminal when no --dataset or --task is given either."""
+    answer: str | None = None
+    """The reference answer of --prompt, given to --rewards as `answer`."""
+    split: EvalSplit = "heldout"
+    """Which rows to take without --prompt: held-out (as train holds them out), train, or all."""
+    limit: int = 3
+    """Rows to take without --prompt."""
+    samples: int = 1
+    """Completions per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    seed: int = 0
+    """Sampling seed."""
+    threads: int | None = None
+    """torch CPU threads. None: torch's default."""
+    json: bool = False
+    """Print one JSON object per prompt instead of text."""
+
+
+@dataclass(frozen=True)
+class RunConfig(TrainConfig):
+    """A `TrainConfig` after `resolve`: every field the preset or the task fills is filled, and
+    the whole config is validated. The only config type `grouprl.train` reads.
+
+    The fields below are the ones `TrainConfig` leaves at None for the preset (or the task) to
+    fill; here they are required, so no placeholder reaches a training function.
+    """
+
+    ratio_level: RatioLevel = field(kw_only=True)
+    clip_low: float = field(kw_only=True)
+    clip_high: float = field(kw_only=True)
+    beta: float = field(kw_only=True)
+    loss_agg: LossAgg = field(kw_only=True)
+    norm_len: int = field(kw_only=True)
+    adv_scale: AdvScale = field(kw_only=True)
+    adv_estimator: AdvEstimator = field(kw_only=True)
+    minibatches: int = field(kw_only=True)
+    dynamic_sampling: bool = field(kw_only=True)
+    mask_truncated: bool = field(kw_only=True)
+    overlong_penalty: bool = field(kw_only=True)
+    overlong_cache: int = field(kw_only=True)
+    max_new_tokens: int = field(kw_only=True)
+    model: str = field(kw_only=True)
+    steps: int = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        fields = dataclasses.fields(self)
+        empty = [f.name for f in fields if f.kw_only and getattr(self, f.name) is None]
+        if empty:
+            raise ValueError(f"RunConfig fields left unresolved: {', '.join(empty)}; use resolve()")
+
+
+def field_names(cls: type | None = None) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls or TrainConfig)]

@@ -1,0 +1,293 @@
+"""Parsing: flags, YAML files and the saved config of a run to resume, through one parser.
+
+A YAML mapping is turned into the flags that say the same thing and parsed with the command line
+by the same parser (tyro), so `lr: 1e-4` in a file is exactly `--lr 1e-4`, and a bad value is one
+line naming the field and where it came from, wherever it came from. Flags given on the command
+line override the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import tyro
+import yaml
+
+from grouprl.config.options import TrainConfig, field_names
+from grouprl.config.presets import local_paths_absolute
+from grouprl.errors import UserError
+
+#: Launch directives: what a command does, not what a run is. Never read from or written to a
+#: run's config.yaml, so that a saved config is a record and can never resume or overwrite.
+LAUNCH_FIELDS = ("config", "resume", "allow_change")
+#: Fields a resumed run may change: how long, how often to evaluate and save, how much to log,
+#: and where it runs. Anything else would make the rest of the run a different run.
+RESUMABLE_FIELDS = (
+    "steps", "eval_every", "eval_size", "eval_samples", "save_every", "keep_last",
+    "log_samples", "log_ratios", "log_ratios_every", "doctor", "threads", "progress",
+    "reward_timeout", "tool_timeout", "device", "strategy", "report_to", "run_name",
+)  # fmt: skip
+
+Config = TypeVar("Config")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_plain_bool(annotation: Any) -> bool:
+    return annotation is bool
+
+
+def _text_kind(annotation: Any) -> type | None:
+    """str, Path or list for fields that hold text (plain, Optional, or a list of strings)."""
+    options = [a for a in typing.get_args(annotation) if a is not type(None)]
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    if union and len(options) != 1:
+        return None
+    base = options[0] if union else annotation
+    if base in (str, Path):
+        return base
+    if typing.get_origin(base) is list and typing.get_args(base) == (str,):
+        return list
+    return None
+
+
+def split_mapping(
+    values: dict[str, Any], cls: type, *, source: str
+) -> tuple[list[str], dict[str, Any]]:
+    """What a YAML mapping says: command-line tokens for the parser, and the text fields as
+    they are (see the module docstring).
+
+    Text (strings, paths, lists of strings) needs no parsing, and as a token it could be taken
+    for a flag (`stop: ["-x"]`) or for None (`"None"`); every other value becomes the flag that
+    says the same thing, so the parser types and checks it. Unknown keys are errors with a
+    suggestion; launch directives (`resume`, `config`) are ignored with a warning, so an earlier
+    run's saved config can only ever start a new run.
+    """
+    known = field_names(cls)
+    hints = typing.get_type_hints(cls)
+    args: list[str] = []
+    text: dict[str, Any] = {}
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name in LAUNCH_FIELDS:
+            warnings.warn(
+                f"{source}: '{key}' ignored: a config file only describes a run; pass --{name} "
+                "on the command line",
+                stacklevel=2,
+            )
+            continue
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(known)}"
+            raise UserError(f"unknown config key {key!r} in {source}{hint}")
+        flag = _flag(name)
+        kind = _text_kind(hints[name])
+        if kind is not None and value is not None:
+            if kind is list:
+                items = value if isinstance(value, (list, tuple)) else [value]
+                if any(isinstance(v, (dict, list)) for v in items):
+                    raise UserError(f"{key} in {source} takes a list of strings, got {value!r}")
+                text[name] = [str(v) for v in items] or None
+            elif isinstance(value, (dict, list)):
+                raise UserError(f"{key} in {source} takes a string, got {value!r}")
+            else:
+                text[name] = kind(str(value))
+        elif _is_plain_bool(hints[name]):
+            if not isinstance(value, bool):
+                raise UserError(f"{key} in {source} must be true or false, got {value!r}")
+            args.append(flag if value else "--no-" + flag[2:])
+        elif value is None:
+            args.append(f"{flag}=None")
+        elif isinstance(value, dict):
+            args += [flag, *(str(t) for kv in value.items() for t in kv)]
+        elif isinstance(value, (list, tuple)):
+            args += [flag, *(str(v) for v in value)] if value else [f"{flag}=None"]
+        else:
+            args.append(f"{flag}={value}")
+    return args, text
+
+
+def _expected(cls: type, name: str) -> str:
+    """What a field takes, in words, for error messages."""
+    annotation = typing.get_type_hints(cls).get(name)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = args[0] if len(args) == 1 else annotation
+    origin = typing.get_origin(base)
+    if base is int:
+        return "an integer"
+    if base is float:
+        return "a number"
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(base)))
+    if origin is tuple:
+        return f"{len(typing.get_args(base))} numbers"
+    if origin is dict:
+        return "NAME VALUE pairs"
+    if origin is list:
+        return "one or more values"
+    return "a value"
+
+
+def _one_line(event: Any, cls: type, source: str) -> UserError:
+    """A tyro parse error as one line naming the field, what it takes and where it came from."""
+    kind = type(event).__name__
+    argument = getattr(event, "argument", None)
+    flags = getattr(getattr(argument, "lowered", None), "name_or_flags", None) or ()
+    name = next((f[2:].replace("-", "_") for f in flags if f.startswith("--")), None)
+    where = f" in {source}" if source != "the command line" else ""
+    if kind == "UnrecognizedArgs":
+        tokens = list(getattr(event, "tokens", []))
+        first = tokens[0] if tokens else ""
+        if first.startswith("--"):
+            options = [_flag(n) for n in field_names(cls)]
+            close = difflib.get_close_matches(first.split("=")[0], options, n=1)
+            hint = f"; did you mean {close[0]}?" if close else "; see --help"
+            return UserError(f"unknown flag {first}{where}{hint}")
+        return UserError(f"unexpected value {first!r}{where}; a switch like --progress takes none")
+    if name is None:
+        return UserError(f"invalid arguments{where}; see --help")
+    label = name if source != "the command line" else _flag(name)
+    if kind == "InvalidChoice":
+        return UserError(f"{label}{where}: {event.value!r} is not {_expected(cls, name)}")
+    if kind == "BadValue":
+        return UserError(f"{label}{where} takes {_expected(cls, name)}")
+    detail = str(getattr(event, "message", "")).strip().splitlines()
+    readable = detail and len(detail[0]) < 80 and "type matching" not in detail[0]
+    got = f" ({detail[0]})" if readable else ""
+    return UserError(f"{label}{where} takes {_expected(cls, name)}{got}")
+
+
+def parse_args(
+    cls: type[Config],
+    args: Sequence[str],
+    *,
+    prog: str,
+    source: str,
+    text: dict[str, Any] | None = None,
+) -> Config:
+    """`cls` from command-line tokens with tyro, starting from the `text` fields of a file (see
+    `split_mapping`); a bad value is one UserError line. `--help` prints the help and exits
+    (SystemExit 0) as usual."""
+    default = cls(**(text or {}))
+    hook_api = getattr(getattr(tyro, "_errors", None), "on_parse_error", None)
+    if hook_api is None:  # pragma: no cover - tyro without parse-error hooks: its own message
+        return tyro.cli(cls, args=list(args), prog=prog, default=default)
+
+    def raise_one_line(event: Any) -> None:
+        raise _one_line(event, cls, source)
+
+    with hook_api(raise_one_line):
+        return tyro.cli(cls, args=list(args), prog=prog, default=default)
+
+
+def from_mapping(values: dict[str, Any], *, source: str, cls: type | None = None) -> Any:
+    """A config from a YAML-like mapping, parsed as the flags that say the same thing."""
+    cls = cls or TrainConfig
+    args, text = split_mapping(values, cls, source=source)
+    return parse_args(cls, args, prog="grouprl", source=source, text=text)
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    """Read a config file written by hand or saved by an earlier run."""
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist; check the path given to --config")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        line = getattr(getattr(err, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise UserError(f"config file {path} is not valid YAML{where}; fix its syntax") from None
+    if not isinstance(values, dict):
+        raise UserError(f"config file {path} must hold a mapping of field: value")
+    return values
+
+
+def config_record(cfg: TrainConfig) -> dict[str, Any]:
+    """The config a run records, as plain values: every field but the launch directives and the
+    output directory (copied as a template, it starts a new run in a new directory)."""
+    skip = {*LAUNCH_FIELDS, "output_dir"}  # the record lives in its directory: no need to say
+    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+    for key, value in values.items():
+        if isinstance(value, Path):
+            values[key] = str(value)
+        elif isinstance(value, tuple):
+            values[key] = list(value)
+    return values
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """`config_record` as the YAML a run directory's config.yaml holds."""
+    return yaml.safe_dump(config_record(cfg), sort_keys=False)
+
+
+def parse_train_args(argv: Sequence[str]) -> TrainConfig:
+    """`grouprl train`'s config from its flags, a `--config` file, or the run to `--resume`.
+
+    With `--resume RUN`, the run's saved config is the base and only RESUMABLE_FIELDS (and those
+    named by `--allow-change`) may differ from it; `--config` and `--output-dir` are refused
+    (the run's own directory and config are what continues).
+    """
+    argv = list(argv)
+    if "-h" in argv or "--help" in argv:
+        return parse_args(TrainConfig, argv, prog="grouprl train", source="the command line")
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    for name in ("--config", "--resume", "--output-dir"):
+        pre.add_argument(name)
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except argparse.ArgumentError as err:
+        raise UserError(f"{err}; see grouprl train --help") from None
+    cli = "the command line"
+    if known.resume is not None:
+        for flag, value in (("--config", known.config), ("--output-dir", known.output_dir)):
+            if value is not None:
+                raise UserError(
+                    f"--resume continues a run in its own directory with its own config; drop "
+                    f"{flag} (to start a new run from its config: --config "
+                    f"{Path(known.resume) / 'config.yaml'} --output-dir NEW)"
+                )
+        saved_path = Path(known.resume) / "config.yaml"
+        if not saved_path.is_file():
+            raise UserError(
+                f"{known.resume} is not a run directory (no config.yaml); check --resume"
+            )
+        base, text = split_mapping(load_yaml(saved_path), TrainConfig, source=str(saved_path))
+        saved = parse_args(
+            TrainConfig, base, prog="grouprl train", source=str(saved_path), text=text
+        )
+        cfg = parse_args(TrainConfig, [*base, *argv], prog="grouprl train", source=cli, text=text)
+        cfg = dataclasses.replace(cfg, output_dir=Path(known.resume))
+        _check_resume_changes(saved, cfg)
+        return cfg
+    base, text = [], {}
+    if known.config is not None:
+        path = Path(known.config)
+        base, text = split_mapping(load_yaml(path), TrainConfig, source=str(path))
+        parse_args(TrainConfig, base, prog="grouprl train", source=str(path), text=text)
+    return parse_args(TrainConfig, [*base, *argv], prog="grouprl train", source=cli, text=text)
+
+
+def _check_resume_changes(saved: TrainConfig, cfg: TrainConfig) -> None:
+    allowed = {*RESUMABLE_FIELDS, *LAUNCH_FIELDS, "output_dir", *(cfg.allow_change or [])}
+    unknown = sorted(set(cfg.allow_change or []) - set(field_names()))
+    if unknown:
+        raise UserError(f"--allow-change names no field {unknown[0]!r}; see --help for fields")
+    saved, cfg = local_paths_absolute(saved), local_paths_absolute(cfg)  # as resolve() records
+    for f in dataclasses.fields(TrainConfig):
+        before, after = getattr(saved, f.name), getattr(cfg, f.name)
+        if f.name not in allowed and before != after:
+            raise UserError(
+                f"--resume: {f.name} would change from {before!r} to {after!r}, which makes the "
+                f"rest of the run a different run; resume may change {', '.join(RESUMABLE_FIELDS)} "
+                f"(add --allow-change {f.name} if you mean it, or start a new run)"
+            )

@@ -1,0 +1,139 @@
+"""The `--algo` presets and resolution: a `TrainConfig` whose preset- and task-filled fields are
+still None becomes a frozen `RunConfig` with every field filled and the whole config validated.
+
+Precedence, lowest first: field defaults < `--config FILE.yaml` (or the saved config of the run
+given to `--resume`) < command-line flags < the `--algo` preset, which fills only the fields
+still left at `None`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grouprl.config.options import RunConfig, TrainConfig
+from grouprl.config.validation import report_targets, validate
+from grouprl.errors import UserError
+from grouprl.tasks.specs import absolute_spec
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The algorithm-defining fields that an `--algo` preset fills."""
+
+    ratio_level: str
+    clip_low: float
+    clip_high: float
+    loss_agg: str
+    adv_scale: str
+    beta: float
+    minibatches: int
+    dynamic_sampling: bool = False
+    mask_truncated: bool = False
+    overlong_penalty: bool = False
+    adv_estimator: str = "grpo"
+
+
+PRESETS: dict[str, Preset] = {
+    # DeepSeekMath (arXiv 2402.03300): token ratio, per-sequence token mean, group std, one
+    # on-policy update per batch. beta = 0 rather than the paper's 0.04: TRL, DAPO and Dr. GRPO
+    # found the KL term unnecessary with verifiable rewards, and it costs a reference forward.
+    "grpo": Preset("token", 0.2, 0.2, "seq_mean_token_mean", "group", 0.0, minibatches=1),
+    # GSPO (arXiv 2507.18071): sequence ratio, the paper's clip range, and the rollout split into
+    # 4 minibatches so that updates after the first are off-policy and the clip matters.
+    "gspo": Preset("sequence", 3e-4, 4e-4, "seq_mean_token_mean", "group", 0.0, minibatches=4),
+    # Dr. GRPO (arXiv 2503.20783): no std scaling, a constant length normaliser.
+    "dr_grpo": Preset("token", 0.2, 0.2, "seq_mean_token_sum_norm", "none", 0.0, minibatches=1),
+    # DAPO (arXiv 2503.14476): clip-higher, token-level loss, dynamic sampling, overlong penalty.
+    "dapo": Preset(
+        "token",
+        0.2,
+        0.28,
+        "token_mean",
+        "group",
+        0.0,
+        minibatches=1,
+        dynamic_sampling=True,
+        overlong_penalty=True,
+    ),
+    # GDPO (arXiv 2601.05242): GRPO with each reward normalised inside its group before the
+    # weighted sum, which is then normalised over the batch; for runs with several rewards.
+    "gdpo": Preset(
+        "token", 0.2, 0.2, "seq_mean_token_mean", "group", 0.0, minibatches=1, adv_estimator="gdpo"
+    ),
+}
+
+
+def local_paths_absolute(cfg: Any) -> Any:
+    """The config with its local model, dataset and reward-file paths made absolute (hub ids and
+    builtin:NAME unchanged), as a run records them."""
+    local = {
+        name: str(Path(value).expanduser().resolve())
+        for name in ("model", "dataset", "eval_dataset")
+        if (value := getattr(cfg, name, None)) is not None and Path(value).expanduser().exists()
+    }
+    cfg = dataclasses.replace(cfg, **local)
+    if cfg.rewards:
+        cfg = dataclasses.replace(
+            cfg, rewards={absolute_spec(spec): w for spec, w in cfg.rewards.items()}
+        )
+    if cfg.pass_reward is not None:
+        cfg = dataclasses.replace(cfg, pass_reward=absolute_spec(cfg.pass_reward))
+    if getattr(cfg, "tools", None):
+        cfg = dataclasses.replace(cfg, tools=[absolute_spec(spec) for spec in cfg.tools])
+    if getattr(cfg, "environment", None):
+        cfg = dataclasses.replace(cfg, environment=absolute_spec(cfg.environment))
+    return cfg
+
+
+def resolve(
+    cfg: TrainConfig,
+    *,
+    task_max_new_tokens: int,
+    world_size: int = 1,
+    task_model: str = "builtin:arith",
+    task_steps: int = 200,
+) -> RunConfig:
+    """Fill every field left at None from the preset and the task (its budget and its model),
+    then `validate` for a job of `world_size` processes.
+
+    Local paths (model, datasets, reward files) are recorded absolute, so a resumed run reads
+    the same files from any working directory; hub ids and builtin:NAME stay as they are.
+    """
+    if cfg.algo not in PRESETS:
+        raise UserError(f"invalid config: algo {cfg.algo!r} is not one of {', '.join(PRESETS)}")
+    if cfg.algo == "gdpo" and cfg.adv_estimator not in (None, "gdpo"):
+        raise UserError(
+            f"--algo gdpo is its own advantage estimator; drop --adv-estimator "
+            f"{cfg.adv_estimator}, or use --algo grpo --adv-estimator {cfg.adv_estimator}"
+        )
+    # (a saved config, resumed, holds the preset's scale: that one is no choice of the user's)
+    if "gdpo" in (cfg.algo, cfg.adv_estimator) and cfg.adv_scale not in (
+        None, PRESETS[cfg.algo].adv_scale
+    ):  # fmt: skip
+        raise UserError(
+            "gdpo scales each reward by its group's std and the sum by the batch's; drop "
+            "--adv-scale, or use another --adv-estimator"
+        )
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
+    for name, value in dataclasses.asdict(PRESETS[cfg.algo]).items():
+        if values[name] is None:
+            values[name] = value
+    if values["max_new_tokens"] is None:
+        values["max_new_tokens"] = task_max_new_tokens
+    if values["model"] is None:
+        values["model"] = task_model
+    if values["steps"] is None:
+        values["steps"] = task_steps
+    if values["norm_len"] is None:
+        values["norm_len"] = values["max_new_tokens"]
+    if values["overlong_cache"] is None:
+        values["overlong_cache"] = max(1, values["max_new_tokens"] // 4)
+    if values["lora_r"] is not None and values["lora_alpha"] is None:
+        values["lora_alpha"] = 2.0 * values["lora_r"]
+    values["report_to"] = list(report_targets(values["report_to"], installed=False))
+    resolved = local_paths_absolute(RunConfig(**values))
+    validate(resolved, world_size)
+    return resolved

@@ -1,0 +1,238 @@
+"""Validation: every rule between a run's settings, checked before a model is loaded, each broken
+one a single line (`UserError`) and each dubious one a warning."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import typing
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+from grouprl.config.options import TRACKERS, DataOptions, EvalConfig, RunConfig
+from grouprl.errors import UserError
+
+#: The one rule for a sampling temperature wherever a command takes one (the sampler itself
+#: also decodes greedily at 0, which no command exposes).
+TEMPERATURE_RULE = "temperature must be > 0: log-probs are taken at it"
+
+
+def _choice_problems(cfg: Any) -> list[str]:
+    """Values outside their Literal choices: the parser checks flags and files, but a config
+    built in Python bypasses it."""
+    problems = []
+    for name, annotation in typing.get_type_hints(type(cfg)).items():
+        options = [annotation, *typing.get_args(annotation)]  # Literal, or Optional[Literal]
+        literal = next((a for a in options if typing.get_origin(a) is Literal), None)
+        value = getattr(cfg, name, None)
+        if literal is not None and value is not None and value not in typing.get_args(literal):
+            valid = ", ".join(map(str, typing.get_args(literal)))
+            problems.append(f"{name} {value!r} is not one of {valid}")
+    return problems
+
+
+def _data_checks(opts: DataOptions) -> list[tuple[bool, str]]:
+    """The rules between the data fields, shared by train and eval."""
+    given = [
+        flag
+        for flag, value in (
+            ("--eval-dataset", opts.eval_dataset),
+            ("--prompt-template", opts.prompt_template),
+            ("--answer-column", opts.answer_column),
+        )
+        if value is not None
+    ]
+    return [
+        (
+            opts.dataset is None or opts.task is None,
+            f"--task {opts.task} and --dataset are exclusive: a dataset brings its own prompts; "
+            "drop --task",
+        ),
+        (
+            # an environment may own the reward (get_reward); build_rewards checks it has one
+            opts.dataset is None or bool(opts.rewards) or opts.environment is not None,
+            "--dataset needs --rewards: name the functions that score your data, e.g. "
+            "--rewards accuracy 1.0, or --rewards path/to/rewards.py:my_reward 1.0",
+        ),
+        (
+            opts.dataset is not None or not given,
+            f"{given[0] if given else ''} applies to --dataset, which is not given",
+        ),
+        (0 < opts.eval_fraction < 1, "eval_fraction must lie in (0, 1)"),
+        (
+            opts.max_prompt_length is None or opts.max_prompt_length >= 1,
+            "max_prompt_length must be at least 1",
+        ),
+        (
+            opts.stop is None or all(isinstance(s, str) and s for s in opts.stop),
+            "stop strings must be non-empty",
+        ),
+        (opts.rewards is None or len(opts.rewards) > 0, "rewards must name at least one function"),
+        (opts.reward_timeout > 0, "reward_timeout must be > 0 seconds"),
+        (opts.max_turns >= 0, "max_turns must be >= 0 (0: tools available, never run)"),
+        (
+            opts.max_tool_response_tokens is None or opts.max_tool_response_tokens >= 1,
+            "max_tool_response_tokens must be at least 1",
+        ),
+        (opts.tool_timeout > 0, "tool_timeout must be > 0 seconds"),
+        (opts.tools is None or len(opts.tools) > 0, "tools must name at least one tool"),
+        (
+            opts.max_new_tokens is None or opts.max_new_tokens >= 1,
+            "max_new_tokens must be at least 1",
+        ),
+    ]
+
+
+def _raise_first(checks: list[tuple[bool, str]], problems: Sequence[str] = ()) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message if message.startswith("--") else f"invalid config: {message}")
+    for problem in problems:
+        raise UserError(f"invalid config: {problem}")
+
+
+def validate_eval(cfg: EvalConfig) -> None:
+    """`grouprl eval`'s settings: one line for the first that is impossible."""
+    _raise_first(
+        [
+            *_data_checks(cfg),
+            (cfg.limit >= 1, "--limit must be at least 1"),
+            (cfg.samples >= 1, "samples must be at least 1"),
+            (cfg.batch_prompts >= 1, "batch_prompts must be at least 1"),
+            (cfg.temperature > 0, TEMPERATURE_RULE),
+            (cfg.threads is None or cfg.threads >= 1, "threads must be at least 1"),
+        ],
+        _choice_problems(cfg),
+    )
+
+
+def validate(cfg: RunConfig, world_size: int = 1) -> None:
+    """Every check a run's settings need before a model is loaded, for a job of `world_size`
+    processes: one line for the first that is impossible; a warning for each dubious one. (What
+    needs the model or tokenizer, such as the context length, is checked where they load.)"""
+    parts = world_size * cfg.minibatches
+    checks = [
+        *_data_checks(cfg),
+        (cfg.group_size >= 2, "group_size must be at least 2: a group of one has no baseline"),
+        (cfg.prompts_per_step >= 1, "prompts_per_step must be at least 1"),
+        (cfg.steps >= 1, "steps must be at least 1"),
+        (cfg.temperature > 0, TEMPERATURE_RULE),
+        (0 < cfg.top_p <= 1, "top_p must lie in (0, 1]"),
+        (cfg.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
+        (cfg.lr > 0 and math.isfinite(cfg.lr), "lr must be a positive number"),
+        (0 <= cfg.weight_decay < math.inf, "weight_decay must be >= 0"),
+        (cfg.warmup_steps >= 0, "warmup_steps must be >= 0"),
+        (cfg.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 turns clipping off)"),
+        (cfg.epochs >= 1, "epochs must be at least 1"),
+        (cfg.minibatches >= 1, "minibatches must be at least 1"),
+        (
+            cfg.prompts_per_step % cfg.minibatches == 0,
+            f"minibatches ({cfg.minibatches}) must divide prompts_per_step "
+            f"({cfg.prompts_per_step}): each minibatch holds whole groups",
+        ),
+        (
+            cfg.prompts_per_step % parts == 0,
+            f"prompts_per_step {cfg.prompts_per_step} must be divisible by the world size "
+            f"{world_size} times minibatches {cfg.minibatches} (= {parts}): every rank trains "
+            "whole groups, as many in each minibatch; change --prompts-per-step, --minibatches "
+            "or --nproc-per-node",
+        ),
+        (
+            world_size == 1 or cfg.strategy != "fsdp" or cfg.lora_r is None,
+            "--strategy fsdp does not shard LoRA models; use --strategy ddp (each rank holds the "
+            "base model, and only the small adapters are reduced)",
+        ),
+        (0 <= cfg.clip_low < 1, "clip_low must lie in [0, 1): the ratio's lower bound 1-clip_low"),
+        (cfg.clip_high >= 0, "clip_high must be >= 0"),
+        (cfg.dual_clip is None or cfg.dual_clip > 1, "dual_clip must be > 1 (or unset)"),
+        (cfg.beta >= 0, "beta must be >= 0"),
+        (cfg.adv_eps >= 0, "adv_eps must be >= 0"),
+        (cfg.norm_len >= 1, "norm_len must be at least 1"),
+        (
+            0 < cfg.overlong_cache <= cfg.max_new_tokens,
+            "overlong_cache must lie in [1, max_new_tokens]",
+        ),
+        (cfg.max_resample_rounds >= 0, "max_resample_rounds must be >= 0"),
+        (cfg.eval_every >= 0, "eval_every must be >= 0"),
+        (cfg.eval_size >= 1, "eval_size must be at least 1"),
+        (cfg.eval_samples >= 1, "eval_samples must be at least 1"),
+        (cfg.save_every >= 1, "save_every must be at least 1"),
+        (cfg.keep_last >= 1, "keep_last must be at least 1"),
+        (cfg.log_ratios >= 0, "log_ratios must be >= 0"),
+        (cfg.log_ratios_every >= 1, "log_ratios_every must be at least 1"),
+        (cfg.threads is None or cfg.threads >= 1, "threads must be at least 1"),
+        (
+            cfg.micro_batch_size is None or cfg.micro_batch_size >= 1,
+            "micro_batch_size must be at least 1",
+        ),
+        (cfg.lora_r is None or cfg.lora_r >= 1, "lora_r must be at least 1 (or unset)"),
+        (cfg.lora_alpha is None or cfg.lora_alpha > 0, "lora_alpha must be > 0"),
+        (0 <= cfg.lora_dropout < 1, "lora_dropout must lie in [0, 1)"),
+        (cfg.max_nonfinite_steps >= 1, "max_nonfinite_steps must be at least 1"),
+    ]
+    _raise_first(checks, _choice_problems(cfg))
+    report_targets(cfg.report_to)  # a tracker that is unknown or not installed: one line
+    _warn_dubious(cfg)
+
+
+def _warn_dubious(cfg: RunConfig) -> None:
+    if cfg.lora_dropout > 0:
+        warnings.warn(
+            "lora_dropout > 0: the update's forward differs from the sampling policy even before "
+            "the first optimizer step, so the on-policy ratio is not 1",
+            stacklevel=2,
+        )
+    if cfg.base_dtype != "fp32" and cfg.lora_r is None and cfg.beta == 0:
+        warnings.warn(
+            "base_dtype sets the dtype of frozen weights (a LoRA base, a reference model); with "
+            "full fine-tuning and beta = 0 there are none, so it changes nothing",
+            stacklevel=2,
+        )
+    if cfg.ratio_level != "token" and (cfg.top_k > 0 or cfg.top_p < 1):
+        warnings.warn(
+            "top_k/top_p with a sequence-level ratio: completions come from the truncated "
+            "distribution while old_logp is the full one's, which biases every sequence ratio "
+            "(about 0.989 at top-p 0.9, far outside GSPO's clip range); leave them off for GSPO",
+            stacklevel=2,
+        )
+    if cfg.ratio_level != "token" and cfg.loss_agg == "token_mean":
+        warnings.warn(
+            "a sequence-level ratio with loss_agg=token_mean weights each completion by its "
+            "length; seq_mean_token_mean is GSPO's own aggregation",
+            stacklevel=2,
+        )
+    if (
+        cfg.epochs == 1
+        and cfg.minibatches == 1
+        and cfg.ratio_level != "token"
+        and cfg.clip_high < 0.01
+    ):
+        warnings.warn(
+            "with one on-policy update per batch every sequence ratio is 1, so GSPO's clip never "
+            "acts; use minibatches > 1 or epochs > 1 as the GSPO paper does",
+            stacklevel=2,
+        )
+
+
+def report_targets(report_to: Iterable[str] | None, *, installed: bool = True) -> tuple[str, ...]:
+    """`--report-to` as tracker names: space- or comma-separated, None → TensorBoard alone,
+    `none` → nothing. Raises UserError for an unknown name, or (`installed`) an uninstalled
+    tracker."""
+    if report_to is None:
+        return ("tensorboard",)
+    names = [n.strip().lower() for item in report_to for n in str(item).split(",") if n.strip()]
+    if names == ["none"]:
+        return ()
+    for name in names:
+        if name not in TRACKERS:
+            raise UserError(
+                f"--report-to {name!r} is not a tracker grouprl knows; choose from "
+                f"{', '.join(TRACKERS)}, or none"
+            )
+        module, install = TRACKERS[name]
+        if installed and importlib.util.find_spec(module) is None:
+            raise UserError(
+                f"--report-to {name}: {module} is not installed; pip install '{install}'"
+            )
+    return tuple(dict.fromkeys(names))
