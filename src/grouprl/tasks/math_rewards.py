@@ -34,6 +34,7 @@ answer uses ``<answer>`` tags it must be exactly one ``<answer>…</answer>`` bl
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Sequence
@@ -106,17 +107,25 @@ def _explosive(answer: str) -> bool:
     return any(pattern.search(answer) for pattern in _EXPLOSIVE)
 
 
+@functools.cache
 def _math_verify():
     """math-verify's parse/verify and extraction config, imported once, its timeout warnings
     silenced (grouprl bounds the time itself).
 
     LaTeX extraction only: math-verify's plain-expression extraction hands the matched text to
     sympy's `parse_expr`, which runs it through `eval`; LaTeX goes through a grammar instead.
+
+    The first symbolic comparison imports more of sympy (seen to take over the 3 s per-answer
+    limit on a loaded 2-core machine, scoring a right answer 0): one is made here, once, outside
+    any limit.
     """
     from math_verify import LatexExtractionConfig, parse, verify
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    return parse, verify, [LatexExtractionConfig(boxed_match_priority=0)]
+    configs = [LatexExtractionConfig(boxed_match_priority=0)]
+    options = {"extraction_config": configs, "parsing_timeout": None}
+    verify(parse("$x^2+1$", **options), parse("$1+x^2$", **options), timeout_seconds=None)
+    return parse, verify, configs
 
 
 def _parse(text: str) -> list | None:
