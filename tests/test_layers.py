@@ -128,3 +128,15 @@ def test_commands_live_in_cli_and_no_module_is_over_600_lines():
         assert not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), (
             relative
         )
+
+
+def test_no_function_is_over_80_lines():
+    """A function longer than a screen hides its steps: split it (docstring included)."""
+    long = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.name} ({lines})")
+    assert not long, long

@@ -151,7 +151,9 @@ def test_float_mask_equals_bool_mask():
 
 @pytest.mark.parametrize("agg", list(AGGREGATIONS))
 @pytest.mark.parametrize("level", list(RATIO_LEVELS))
-def test_no_valid_token_gives_zero_loss_zero_diagnostics_and_a_usable_graph(level, agg):
+def test_no_valid_token_gives_zero_loss_nan_diagnostics_and_a_usable_graph(level, agg):
+    """The loss over nothing is 0 (no gradient); a diagnostic over nothing is undefined: NaN
+    (`mean_over`, the one definition the trainer's metrics use too)."""
     logp = torch.full((2, 3), NAN, dtype=torch.float64, requires_grad=True)
     out = policy_loss(
         logp, t([[NAN] * 3] * 2), t([NAN, 1.0]), torch.zeros(2, 3), level=level, agg=agg, norm_len=3,
@@ -159,7 +161,8 @@ def test_no_valid_token_gives_zero_loss_zero_diagnostics_and_a_usable_graph(leve
     )  # fmt: skip
     out.loss.backward()
     assert out.loss.item() == 0.0 and logp.grad.eq(0).all()
-    assert all(v == 0.0 for v in out.metrics().values())
+    diagnostics = {k: v for k, v in out.metrics().items() if k != "loss"}
+    assert diagnostics and all(math.isnan(v) for v in diagnostics.values())
 
 
 @pytest.mark.numerics
@@ -315,7 +318,7 @@ def test_loss_options_are_one_object_and_checked_once():
     for bad, match in (
         ({"level": "word"}, "unknown ratio level 'word'"),
         ({"agg": "seq_mean_token_sum_norm"}, "needs norm_len > 0"),
-        ({"clip_low": 1.0}, "clip_low < 1"),
+        ({"clip_low": 1.0}, "clip_low must lie in [0, 1)"),
         ({"dual_clip": 1.0}, "dual_clip must be > 1"),
         ({"beta": -0.1}, "beta must be >= 0"),
     ):

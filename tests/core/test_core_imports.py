@@ -1,4 +1,4 @@
-"""grouprl.core imports torch and the standard library only (DESIGN.md: the math has no plumbing)."""
+"""grouprl.core imports torch and the standard library only: the math has no plumbing (the README's Layout)."""
 
 import ast
 import subprocess

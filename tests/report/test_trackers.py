@@ -200,3 +200,39 @@ def test_every_tracker_the_config_accepts_has_a_backend():
 
     assert set(BACKENDS) == set(TRACKERS)
     assert all(backend.name == name for name, backend in BACKENDS.items())
+
+
+def test_mlflow_with_no_settings_logs_to_a_local_store_and_resumes_into_it(
+    tmp_path, monkeypatch, stop_at, capsys
+):
+    """No MLFLOW_TRACKING_URI and no server: the runs go to ./mlruns (a file store, which the
+    newest mlflow-skinny takes only with MLFLOW_ALLOW_FILE_STORE, set for this process), said
+    in one line; a run that dies and resumes (from another directory) continues the same MLflow
+    run and sends no step twice, as MLflow's own client reads back."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.setenv(name, "x")  # so that the teardown restores what was there
+        monkeypatch.delenv(name)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    run = tmp_path / "run"
+    stop_at(3, error=RuntimeError("killed"))  # dies after step 2 without saving step 3
+    with pytest.raises(RuntimeError):
+        main(["train", "--steps", "4", "--save-every", "2", "--eval-every", "2", "--output-dir",
+              str(run), "--report-to", "mlflow", *TINY])  # fmt: skip
+    stop_at(None)
+    store = (work / "mlruns").resolve().as_uri()
+    assert f"runs go to the local store {store}" in " ".join(capsys.readouterr().err.split())
+    monkeypatch.chdir(tmp_path)  # resumed from elsewhere: the run's own store is used
+    assert main(["train", "--resume", str(run)]) == 0
+    assert not (tmp_path / "mlruns").exists()
+
+    from mlflow import MlflowClient
+
+    record = json.loads((run / "trackers.json").read_text())["mlflow"]
+    assert record["uri"] == store
+    client = MlflowClient(tracking_uri=store)
+    history = client.get_metric_history(record["id"], "train/loss")
+    loss = {m["step"]: m["loss"] for m in _jsonl(run / "metrics.jsonl")}
+    assert sorted((m.step, m.value) for m in history) == sorted(loss.items())  # each step once
+    assert client.get_run(record["id"]).info.status == "FINISHED"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from grouprl.rollout import (
     HFRolloutEngine,
     RolloutEngine,
     completion_logprobs,
+    encode_prompts,
     sample_groups,
     sampling,
 )
@@ -340,8 +343,11 @@ def test_bad_prompts_raise_user_error(llama, tokenizer):
 
 def test_engine_implements_protocol(llama, tokenizer):
     engine = HFRolloutEngine(llama, tokenizer)
-    assert isinstance(engine, RolloutEngine)
-    a = engine.sample(PROMPTS[:1], group_size=2, max_new_tokens=4, seed=5)
+    assert inspect.signature(engine.sample) == inspect.signature(RolloutEngine.sample).replace(
+        parameters=list(inspect.signature(RolloutEngine.sample).parameters.values())[1:]
+    )
+    ids, _ = encode_prompts(tokenizer, PROMPTS[:1])
+    a = engine.sample(ids, group_size=2, max_new_tokens=4, seed=5)
     b = sample_groups(llama, tokenizer, PROMPTS[:1], group_size=2, max_new_tokens=4, seed=5)
     assert torch.equal(a.completion_ids, b.completion_ids)
 

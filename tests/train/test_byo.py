@@ -21,6 +21,7 @@ from grouprl.config import EvalConfig, TrainConfig, resolve
 from grouprl.models import load_model
 from grouprl.train import loop
 from grouprl.train import run as run_module
+from grouprl.train import step as train_step
 from grouprl.train.build import build_task
 from grouprl.train.update import no_grad_logprobs
 from numerics import UNMOVED, assert_merged_weights, assert_same_function
@@ -203,13 +204,13 @@ def test_resuming_with_other_lora_settings_is_one_line(lora_runs, capsys):
 @pytest.mark.numerics
 def test_lora_reference_logprobs_are_the_base_models(files, tmp_path, monkeypatch):
     seen = []
-    original = loop.update
+    original = train_step.update
 
     def spy(cfg, policy, optimizer, batch, advantages, ref_logp, **kwargs):
         seen.append((batch.rollout, ref_logp))
         return original(cfg, policy, optimizer, batch, advantages, ref_logp, **kwargs)
 
-    monkeypatch.setattr(loop, "update", spy)
+    monkeypatch.setattr(train_step, "update", spy)
     loop.train(
         TrainConfig(
             model="builtin:arith", dataset=str(files / "sums.jsonl"), prompt_template="{q}=",

@@ -23,7 +23,8 @@ from grouprl.tasks import get_task
 from grouprl.tasks.environments import group_seed, load_environment
 from grouprl.tasks.tool_use import ToolUse
 from grouprl.tasks.tools import PlainTurns
-from grouprl.train.build import build_rewards, build_tools, prompt_ids
+from grouprl.train.build import build_rewards, build_tools
+from grouprl.train.prompts import prompt_ids
 from scripted import Scripted
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,9 @@ from grouprl.cli import main
 from grouprl.config import TrainConfig, resolve
 from grouprl.core import gdpo_advantages, overlong_penalty
 from grouprl.errors import UserError
-from grouprl.train import loop
+from grouprl.train.batch import Batch
+from grouprl.train.parallel.distributed import SINGLE
+from grouprl.train.step import batch_advantages
 
 TINY = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "2", "--eval-samples",
         "1", "--threads", "1", "--no-progress", "--log-ratios", "0"]  # fmt: skip
@@ -23,7 +25,7 @@ def _batch(rewards, second, lengths):
         sampled_lengths = torch.tensor(lengths)
 
     r, s = torch.tensor(rewards).reshape(-1), torch.tensor(second).reshape(-1)
-    return loop.Batch(Rollout(), [{}, {}], r + 0.5 * s, {"correct": r, "format": s})
+    return Batch(Rollout(), [{}, {}], r + 0.5 * s, {"correct": r, "format": s})
 
 
 def test_the_batch_advantages_are_gdpo_of_each_reward_and_the_penalty():
@@ -31,7 +33,7 @@ def test_the_batch_advantages_are_gdpo_of_each_reward_and_the_penalty():
                               overlong_penalty=True), task_max_new_tokens=8)  # fmt: skip
     batch = _batch([[0.0, 1.0], [1.0, 1.0]], [[1.0, 0.0], [0.0, 1.0]], [3, 8, 5, 5])
     weights = {"correct": 1.0, "format": 0.5, "unused": 0.0}
-    got = loop.batch_advantages(cfg, batch, loop.SINGLE, weights)
+    got = batch_advantages(cfg, batch, SINGLE, weights)
     penalty = overlong_penalty(torch.tensor([3, 8, 5, 5]), max_len=8, cache_len=cfg.overlong_cache)
     columns = torch.stack([batch.by_function["correct"], batch.by_function["format"], penalty], -1)
     expected = gdpo_advantages(columns.double().view(2, 2, 3), [1.0, 0.5, 1.0]).reshape(-1)

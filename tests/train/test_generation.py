@@ -12,7 +12,8 @@ import pytest
 from grouprl.cli import main
 from grouprl.config import TrainConfig
 from grouprl.models import load_tokenizer
-from grouprl.train.build import build_task, prompt_ids
+from grouprl.train.build import build_task
+from grouprl.train.prompts import prompt_ids
 
 TINY = ["--prompts-per-step", "4", "--group-size", "2", "--eval-size", "2", "--eval-samples",
         "1", "--threads", "1", "--no-progress", "--log-ratios", "0"]  # fmt: skip

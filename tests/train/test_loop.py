@@ -10,14 +10,17 @@ import torch
 from safetensors.torch import load_file
 
 from grouprl.config import TrainConfig, resolve
-from grouprl.core import zero_variance_groups
+from grouprl.core import group_advantages, zero_variance_groups
 from grouprl.errors import UserError
 from grouprl.report.doctor import diagnose
 from grouprl.rollout import Rollout
 from grouprl.tasks import get_task
 from grouprl.train import collect, loop, plan
 from grouprl.train import run as run_module
+from grouprl.train import step as train_step
 from grouprl.train import update as train_update
+from grouprl.train.batch import Batch
+from grouprl.train.metrics import batch_metrics, sampling_metrics
 from grouprl.train.parallel import fsdp
 from numerics import F64_SAME, UNMOVED, assert_same_f64, forward_bound, to_float64
 
@@ -107,13 +110,13 @@ def test_options_are_exercised(tmp_path):
 
 def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path, monkeypatch):
     seen = []
-    original = loop.update
+    original = train_step.update
 
     def spy(cfg, policy, optimizer, batch, advantages, ref_logp, **kwargs):
         seen.append(zero_variance_groups(batch.rewards.view(-1, cfg.group_size)))
         return original(cfg, policy, optimizer, batch, advantages, ref_logp, **kwargs)
 
-    monkeypatch.setattr(loop, "update", spy)
+    monkeypatch.setattr(train_step, "update", spy)
     summary = _run(tmp_path, algo="dapo", steps=2, max_resample_rounds=2)
     records = _metrics(summary.run_dir)
     assert all(0 <= r["frac_zero_std"] <= 1 and r["sample_rounds"] >= 1 for r in records)
@@ -210,11 +213,11 @@ def test_bf16_recomputes_old_logp_so_an_unmoved_policy_has_ratio_one(tmp_path, m
 
 
 def _update_from(policy, cfg, batch, advantages):
-    """Parameters after `loop.update` on a copy of `policy` with a fresh AdamW. Its eps is large
+    """Parameters after `update` on a copy of `policy` with a fresh AdamW. Its eps is large
     so that rounding noise in near-zero gradients is not blown up to a whole lr-sized step."""
     model = copy.deepcopy(policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, eps=1e-4)
-    diagnostics = loop.update(cfg, model, optimizer, batch, advantages, None)
+    diagnostics = train_step.update(cfg, model, optimizer, batch, advantages, None)
     return {name: p.detach().clone() for name, p in model.named_parameters()}, diagnostics
 
 
@@ -254,7 +257,7 @@ def test_skipping_zero_advantage_groups_changes_no_update(group_rewards, overrid
     cfg = resolve(TrainConfig(**settings, max_new_tokens=20, **overrides), task_max_new_tokens=20)
     if cfg.mask_truncated:
         assert 0 < rollout.truncated.sum() < 16  # 20 tokens cut some completions short
-    advantages = loop.group_advantages(rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
+    advantages = group_advantages(rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
     seen_rows = []
     original = fsdp.completion_logprobs
 
@@ -356,11 +359,11 @@ def test_entropy_metric_is_the_samplers_and_absent_without_it():
         temperature=1.0,
         entropy=torch.tensor([[0.5, 0.1, 9.0], [0.3, 9.0, 9.0]]),  # 9 = never read: masked
     )
-    batch = loop.Batch(rollout, [{}], torch.tensor([1.0, 0.0]), {})
+    batch = Batch(rollout, [{}], torch.tensor([1.0, 0.0]), {})
     # the mean of 0.5, 0.1 and 0.3 held in float32 (~6e-8 relative each; approx allows 1e-6)
-    assert loop.batch_metrics(batch)["entropy"] == pytest.approx(0.3)
+    assert batch_metrics(batch)["entropy"] == pytest.approx(0.3)
     batch.rollout = dataclasses.replace(rollout, entropy=None)  # an engine without entropy
-    assert "entropy" not in loop.batch_metrics(batch)
+    assert "entropy" not in batch_metrics(batch)
 
 
 def _small_batch(group_rewards, seed=3, float64=False):
@@ -378,7 +381,7 @@ def _small_batch(group_rewards, seed=3, float64=False):
         policy, tokenizer, [r["prompt"] for r in rows], group_size=4, max_new_tokens=20, seed=seed
     )
     rewards = torch.tensor(group_rewards, dtype=torch.float32).reshape(-1)  # (N,)
-    return policy, loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
+    return policy, Batch(rollout, list(rows), rewards, {"correct": rewards})
 
 
 def _chunking_case(algo, group_rewards):
@@ -391,7 +394,7 @@ def _chunking_case(algo, group_rewards):
     cfg = resolve(
         TrainConfig(algo=algo, **settings, max_new_tokens=20, **extra), task_max_new_tokens=20
     )
-    advantages = loop.group_advantages(batch.rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
+    advantages = group_advantages(batch.rewards.view(4, 4), scale=cfg.adv_scale).reshape(-1)
     return policy, batch, cfg, advantages
 
 
@@ -585,20 +588,20 @@ def test_dynamic_sampling_filters_on_the_pass_reward_and_logs_everything_sampled
     )  # fmt: skip
     monkeypatch.setattr(collect, "prompt_ids", lambda tokenizer, prompt, tools=None: [1])
     collected = collect.collect_batch(cfg, sampler, 0, 0)
-    kept, stats, sampled = collected.kept, collected.metrics(), collected.sampled
+    kept, stats, sampled = collected.kept, sampling_metrics(collected), collected.sampled
     assert collected.filtered and collected.position == 2
     assert sampled.rollout.num_prompts == 2
     assert [r["prompt"] for r in kept.rows] == ["b"]  # "a" all pass despite its penalties
     assert stats["groups"] == 1 and stats["frac_zero_std"] == 0.0  # both had reward variance
-    metrics = loop.batch_metrics(sampled)
+    metrics = batch_metrics(sampled)
     assert metrics["accuracy"] == 6 / 8  # a mean of 0/1 values: exact in float32
-    assert loop.batch_metrics(kept)["accuracy"] == 2 / 4
+    assert batch_metrics(kept)["accuracy"] == 2 / 4
     # a step where every group is decided keeps nothing, and says why, once
     warnings = []
     sampler.warn, sampler.stream = warnings.append, PromptStream(rows[:1], seed=0)
     for step in (1, 2):
         collected = collect.collect_batch(cfg, sampler, step, 0)
-        assert collected.kept is None and collected.metrics()["groups"] == 0
+        assert collected.kept is None and sampling_metrics(collected)["groups"] == 0
     assert len(warnings) == 1 and "dynamic sampling kept no group at step 2" in warnings[0]
 
 

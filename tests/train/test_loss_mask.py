@@ -16,9 +16,12 @@ from grouprl.config import TrainConfig, resolve
 from grouprl.models import load_model, load_tokenizer
 from grouprl.rollout import Rollout, sample_groups
 from grouprl.tasks import get_task
-from grouprl.train import collect, loop
+from grouprl.train import collect
+from grouprl.train import step as train_step
 from grouprl.train import update as train_update
 from grouprl.train.batch import Batch
+from grouprl.train.metrics import batch_metrics
+from grouprl.train.parallel.distributed import SINGLE
 
 
 def _observed(rollout: Rollout) -> Rollout:
@@ -64,7 +67,7 @@ def test_the_loss_counts_and_trains_only_loss_mask_tokens(policy_and_batch, algo
     monkeypatch.setattr(train_update, "policy_loss", spy)
     model = copy.deepcopy(policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    advantages = loop.batch_advantages(cfg, batch, loop.SINGLE)
+    advantages = train_step.batch_advantages(cfg, batch, SINGLE)
     train_update.update(cfg, model, optimizer, batch, advantages, None)
     ((mask, kwargs, grad),) = seen
     loss_mask = batch.rollout.loss_mask
@@ -94,7 +97,7 @@ def test_metrics_lengths_and_entropy_are_over_sampled_tokens():
         entropy=torch.tensor([[0.2, 9.0, 0.4, 9.0], [0.6, 0.8, 9.0, 9.0]]),  # 9: not sampled
         loss_mask=loss_mask,
     )
-    metrics = loop.batch_metrics(Batch(rollout, [{}], torch.tensor([1.0, 0.0]), {}))
+    metrics = batch_metrics(Batch(rollout, [{}], torch.tensor([1.0, 0.0]), {}))
     assert metrics["completion_len_mean"] == 2.0  # 2 and 2 sampled, not 3 and 2 (exact)
     assert metrics["completion_len_max"] == 2.0
     # the mean of four float32 values (~6e-8 relative each; approx allows 1e-6)
@@ -148,9 +151,9 @@ def test_the_ratio_probe_sums_over_sampled_tokens(monkeypatch):
         group_size=1, temperature=1.0, loss_mask=loss_mask,
     )  # fmt: skip
     monkeypatch.setattr(
-        loop, "no_grad_logprobs", lambda cfg, policy, rollout, dtype: torch.ones(2, 3)
+        train_step, "no_grad_logprobs", lambda cfg, policy, rollout, dtype: torch.ones(2, 3)
     )
-    lengths, sums = loop._probe_ratios(
-        None, loop._Probe(sub, torch.zeros(2, 3), None), None, loop.SINGLE
+    lengths, sums = train_step._probe_ratios(
+        None, train_step._Probe(sub, torch.zeros(2, 3), None), None, SINGLE
     )
     assert lengths == [2, 3] and sums == [2.0, 3.0]

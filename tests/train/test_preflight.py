@@ -5,6 +5,8 @@ weights as they were."""
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from grouprl.config import parse_train_args
 from grouprl.train.preflight import CheckOptions, measure, no_gradient_share
 from grouprl.train.run import setup_run
 
+VAULT = f"{Path(__file__).resolve().parents[2] / 'examples' / 'vault' / 'env.py'}:Vault"
 TINY = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "2", "--threads", "1",
         "--check-steps", "1"]  # fmt: skip
 
@@ -107,3 +110,36 @@ def test_check_never_steps_the_optimizer(tmp_path, monkeypatch):
     after = dict(run.policy.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before)
     assert run.optimizer.state == {}  # AdamW never stepped: no moments
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--beta", "0.04"],
+        ["--lora-r", "2", "--beta", "0.04"],
+        ["--algo", "dapo"],
+        ["--task", "lookup", "--environment", VAULT],
+        ["--precision", "bf16"],
+        ["--micro-batch-size", "3", "--algo", "grpo", "--minibatches", "2"],
+    ],
+    ids=["kl", "lora-kl", "dynamic-sampling", "environment", "bf16", "micro-batches"],
+)
+def test_check_measures_the_step_train_takes(tmp_path, monkeypatch, capsys, args):
+    """check runs the training step itself (grouprl.train.step.learn), so whatever train takes
+    check measures: the KL term's reference forward, LoRA's base as the reference, dynamic
+    sampling, tools from an environment, bf16 forwards, micro-batches."""
+    monkeypatch.chdir(tmp_path)
+    code, report = _check(capsys, *args)
+    assert code in (0, 1), report
+    step = report["step"]
+    assert step["groups"] >= 0 and step["nonfinite_updates"] == 0
+    if "--beta" in args:
+        assert math.isfinite(step["kl"]) and step["kl"] >= 0  # the reference log-probs ran
+    else:
+        assert "kl" not in step
+    if "--environment" in args:
+        assert "reward_Vault" in step and "tool_calls_mean" in step
+    assert report["timing"]["update_seconds"] > 0 and report["memory"]["peak_gb"] > 0
+    if "--micro-batch-size" in args:
+        assert report["memory"]["completions_per_forward"] == 3
+    assert list(tmp_path.iterdir()) == []

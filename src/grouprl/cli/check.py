@@ -119,6 +119,12 @@ def print_report(report: Any, console: Console) -> None:
         f" (sampling {t['sampling_seconds_per_step']:.1f} + update {t['update_seconds']:.1f});"
         f" the run ~{_duration(t['run_seconds'])} with its evaluations"
     )
+    step = report.step
+    kl = f", KL to the reference {step['kl']:.2e}" if "kl" in step else ""
+    console.print(
+        f"update (one step's, as train runs it): loss {step.get('loss', float('nan')):.3g}, "
+        f"gradient norm {step.get('grad_norm', float('nan')):.3g}{kl}"
+    )
     console.print(
         f"memory: update peak {m['peak_gb']:.2f} GB ({m['method']}; "
         f"{m['completions_per_forward']} completions per forward)"

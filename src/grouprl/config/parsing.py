@@ -9,8 +9,10 @@ line override the file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
+import io
 import types
 import typing
 import warnings
@@ -138,33 +140,70 @@ def _expected(cls: type, name: str) -> str:
     return "a value"
 
 
-def _one_line(event: Any, cls: type, source: str) -> UserError:
-    """A tyro parse error as one line naming the field, what it takes and where it came from."""
-    kind = type(event).__name__
-    argument = getattr(event, "argument", None)
-    flags = getattr(getattr(argument, "lowered", None), "name_or_flags", None) or ()
-    name = next((f[2:].replace("-", "_") for f in flags if f.startswith("--")), None)
+def _unknown(token: str, cls: type, where: str) -> UserError:
+    """A token no field takes: a flag that does not exist (with the nearest one), or a value
+    after a switch."""
+    if token.startswith("--"):
+        options = [_flag(n) for n in field_names(cls)]
+        close = difflib.get_close_matches(token.split("=")[0], options, n=1)
+        hint = f"; did you mean {close[0]}?" if close else "; see --help"
+        return UserError(f"unknown flag {token}{where}{hint}")
+    return UserError(f"unexpected value {token!r}{where}; a switch like --progress takes none")
+
+
+def _is_flag(token: str) -> bool:
+    return token.startswith("--") and not _is_number(token)
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _flag_groups(args: Sequence[str]) -> list[list[str]]:
+    """The tokens as [flag, values...] groups, `--flag=value` split; tokens before the first
+    flag form a group of their own."""
+    groups: list[list[str]] = []
+    for token in args:
+        if _is_flag(token):
+            groups.append(token.split("=", 1))
+        elif groups:
+            groups[-1].append(token)
+        else:
+            groups.append([token])
+    return groups
+
+
+def _culprit(cls: type, args: Sequence[str], default: Any, source: str) -> UserError:
+    """The one line for tokens tyro refused: the first flag whose values alone it refuses,
+    naming the field, what it takes and where it came from."""
     where = f" in {source}" if source != "the command line" else ""
-    if kind == "UnrecognizedArgs":
-        tokens = list(getattr(event, "tokens", []))
-        first = tokens[0] if tokens else ""
-        if first.startswith("--"):
-            options = [_flag(n) for n in field_names(cls)]
-            close = difflib.get_close_matches(first.split("=")[0], options, n=1)
-            hint = f"; did you mean {close[0]}?" if close else "; see --help"
-            return UserError(f"unknown flag {first}{where}{hint}")
-        return UserError(f"unexpected value {first!r}{where}; a switch like --progress takes none")
-    if name is None:
+    group = next((g for g in _flag_groups(args) if _refuses(cls, g, default)), None)
+    if group is None:
         return UserError(f"invalid arguments{where}; see --help")
+    name = group[0][2:].replace("-", "_")
+    name = name.removeprefix("no_") if name not in field_names(cls) else name
+    if not group[0].startswith("--") or name not in field_names(cls):
+        return _unknown(group[0], cls, where)
     label = name if source != "the command line" else _flag(name)
-    if kind == "InvalidChoice":
-        return UserError(f"{label}{where}: {event.value!r} is not {_expected(cls, name)}")
-    if kind == "BadValue":
-        return UserError(f"{label}{where} takes {_expected(cls, name)}")
-    detail = str(getattr(event, "message", "")).strip().splitlines()
-    readable = detail and len(detail[0]) < 80 and "type matching" not in detail[0]
-    got = f" ({detail[0]})" if readable else ""
-    return UserError(f"{label}{where} takes {_expected(cls, name)}{got}")
+    expected = _expected(cls, name)
+    if expected.startswith("one of") and len(group) == 2:
+        return UserError(f"{label}{where}: {group[1]!r} is not {expected}")
+    return UserError(f"{label}{where} takes {expected}")
+
+
+def _refuses(cls: type, args: list[str], default: Any) -> bool:
+    """Whether tyro refuses these tokens (its error box silenced: some of tyro's errors print
+    whatever console_outputs says)."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            tyro.cli(cls, args=args, default=default, console_outputs=False)
+    except SystemExit:
+        return True
+    return False
 
 
 def parse_args(
@@ -176,18 +215,22 @@ def parse_args(
     text: dict[str, Any] | None = None,
 ) -> Config:
     """`cls` from command-line tokens with tyro, starting from the `text` fields of a file (see
-    `split_mapping`); a bad value is one UserError line. `--help` prints the help and exits
+    `split_mapping`); a bad value is one UserError line (`_culprit` finds which flag tyro
+    refused by parsing each flag's tokens alone). `--help` prints the help and exits
     (SystemExit 0) as usual."""
     default = cls(**(text or {}))
-    hook_api = getattr(getattr(tyro, "_errors", None), "on_parse_error", None)
-    if hook_api is None:  # pragma: no cover - tyro without parse-error hooks: its own message
-        return tyro.cli(cls, args=list(args), prog=prog, default=default)
-
-    def raise_one_line(event: Any) -> None:
-        raise _one_line(event, cls, source)
-
-    with hook_api(raise_one_line):
-        return tyro.cli(cls, args=list(args), prog=prog, default=default)
+    args = list(args)
+    if "-h" in args or "--help" in args:
+        return tyro.cli(cls, args=args, prog=prog, default=default)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            parsed, unknown = tyro.cli(cls, args=args, prog=prog, default=default,
+                                       return_unknown_args=True, console_outputs=False)  # fmt: skip
+    except SystemExit:
+        raise _culprit(cls, args, default, source) from None
+    if unknown:
+        raise _unknown(unknown[0], cls, f" in {source}" if source != "the command line" else "")
+    return parsed
 
 
 def from_mapping(values: dict[str, Any], *, source: str, cls: type | None = None) -> Any:

@@ -8,10 +8,13 @@ import math
 import typing
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from grouprl.config.options import TRACKERS, DataOptions, EvalConfig, RunConfig
 from grouprl.errors import UserError
+
+if TYPE_CHECKING:  # core imports torch: only when a run is validated
+    from grouprl.core import LossOptions
 
 #: The one rule for a sampling temperature wherever a command takes one (the sampler itself
 #: also decodes greedily at 0, which no command exposes).
@@ -143,12 +146,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             "--strategy fsdp does not shard LoRA models; use --strategy ddp (each rank holds the "
             "base model, and only the small adapters are reduced)",
         ),
-        (0 <= cfg.clip_low < 1, "clip_low must lie in [0, 1): the ratio's lower bound 1-clip_low"),
-        (cfg.clip_high >= 0, "clip_high must be >= 0"),
-        (cfg.dual_clip is None or cfg.dual_clip > 1, "dual_clip must be > 1 (or unset)"),
-        (cfg.beta >= 0, "beta must be >= 0"),
         (cfg.adv_eps >= 0, "adv_eps must be >= 0"),
-        (cfg.norm_len >= 1, "norm_len must be at least 1"),
         (
             0 < cfg.overlong_cache <= cfg.max_new_tokens,
             "overlong_cache must lie in [1, max_new_tokens]",
@@ -172,8 +170,29 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         (cfg.max_nonfinite_steps >= 1, "max_nonfinite_steps must be at least 1"),
     ]
     _raise_first(checks, _choice_problems(cfg))
+    try:
+        loss_options(cfg)
+    except ValueError as err:  # LossOptions owns the loss's rules; here they are one line
+        raise UserError(f"invalid config: {err}") from None
     report_targets(cfg.report_to)  # a tracker that is unknown or not installed: one line
     _warn_dubious(cfg)
+
+
+def loss_options(cfg: RunConfig) -> LossOptions:
+    """The objective `grouprl.core.policy_loss` computes, from a run's config (raises
+    ValueError, as `LossOptions` does, for settings the loss cannot take)."""
+    from grouprl.core import LossOptions
+
+    return LossOptions(
+        level=cfg.ratio_level,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        beta=cfg.beta,
+        kl_estimator=cfg.kl_estimator,
+        agg=cfg.loss_agg,
+        norm_len=cfg.norm_len,
+    )
 
 
 def _warn_dubious(cfg: RunConfig) -> None:

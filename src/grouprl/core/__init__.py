@@ -26,6 +26,7 @@ from .loss import (
     clipped_objective,
     kl_penalty,
     log_ratio,
+    mean_over,
     policy_loss,
 )
 from .shaping import overlong_penalty
@@ -46,6 +47,7 @@ __all__ = [
     "group_advantages",
     "kl_penalty",
     "log_ratio",
+    "mean_over",
     "mixed_groups",
     "overlong_penalty",
     "policy_loss",

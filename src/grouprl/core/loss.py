@@ -141,10 +141,6 @@ def _seq_mean_token_sum(loss: Tensor, mask: Tensor, norm_len, num_tokens, num_se
 
 def _seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, norm_len, num_tokens, num_seqs) -> Tensor:
     """1/N Σ_i Σ_t m·l / L, L a constant such as max_new_tokens (Dr. GRPO, arXiv 2503.20783)."""
-    if norm_len is None or norm_len <= 0:
-        raise ValueError(
-            "aggregation 'seq_mean_token_sum_norm' needs norm_len > 0 (e.g. max_new_tokens)"
-        )
     return _seq_mean_token_sum(loss, mask, norm_len, num_tokens, num_seqs) / norm_len
 
 
@@ -178,7 +174,8 @@ def aggregate(
     loss is the *sum* of the rank losses. DDP averages gradients over ranks: multiply each rank's
     loss (or its gradients) by the world size to compensate.
     """
-    reduce = choose(AGGREGATIONS, mode, "loss aggregation")
+    LossOptions(agg=mode, norm_len=norm_len)  # the rules (a known mode, its norm_len)
+    reduce = AGGREGATIONS[mode]
     _check_same_shape(per_token=per_token, mask=mask)
     mask = mask.bool()
     loss = torch.where(mask, per_token, 0.0)  # (N, T)
@@ -204,15 +201,22 @@ def clipped_objective(
     ≥ c·Â, i.e. the loss is bounded by c·|Â| (no gradient once r > c). Elementwise on the broadcast
     of ``ratio`` and ``advantages``; the loss is the negative of this.
     """
-    if not (0 <= clip_low < 1 and clip_high >= 0):
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    LossOptions(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)  # the rules
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     objective = torch.minimum(ratio * advantages, clipped * advantages)
     if dual_clip is None:
         return objective
-    if dual_clip <= 1:
-        raise ValueError(f"dual_clip must be > 1 (verl's default is 3), got {dual_clip}")
     return torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
+
+
+def mean_over(total: Tensor | float, count: Tensor | float) -> Tensor | float:
+    """`total / count`, NaN where `count` is 0: the one definition of a metric over nothing (a
+    mean over no token, no row, no update is undefined, and is logged as null), for the loss's
+    diagnostics and the trainer's metrics alike. Tensors (elementwise) or numbers."""
+    if isinstance(total, Tensor) or isinstance(count, Tensor):
+        count = torch.as_tensor(count, device=total.device if isinstance(total, Tensor) else None)
+        return torch.where(count > 0, total / count.clamp(min=1), math.nan)
+    return total / count if count else math.nan
 
 
 @dataclass(frozen=True)
@@ -231,21 +235,25 @@ class LossOptions:
     norm_len: int | None = None  # the constant of seq_mean_token_sum_norm
 
     def __post_init__(self) -> None:
+        """The loss's rules, here only: `clipped_objective` and `aggregate` check their settings
+        by building one of these, and a trainer's config turns these errors into its own."""
         choose(RATIO_LEVELS, self.level, "ratio level")
         choose(KL_ESTIMATORS, self.kl_estimator, "KL estimator")
         choose(AGGREGATIONS, self.agg, "loss aggregation")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError(
-                f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}"
-            )
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"dual_clip must be > 1 (verl's default is 3), got {self.dual_clip}")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
-        if self.agg == "seq_mean_token_sum_norm" and (self.norm_len is None or self.norm_len <= 0):
-            raise ValueError(
-                "aggregation 'seq_mean_token_sum_norm' needs norm_len > 0 (e.g. max_new_tokens)"
-            )
+        rules = (
+            (0 <= self.clip_low < 1, f"clip_low must lie in [0, 1): the ratio's lower bound is "
+             f"1 - clip_low; got {self.clip_low}"),
+            (self.clip_high >= 0, f"clip_high must be >= 0; got {self.clip_high}"),
+            (self.dual_clip is None or self.dual_clip > 1,
+             f"dual_clip must be > 1 (or unset; verl's default is 3); got {self.dual_clip}"),
+            (self.beta >= 0, f"beta must be >= 0; got {self.beta}"),
+            (self.agg != "seq_mean_token_sum_norm" or (self.norm_len or 0) > 0,
+             "loss aggregation 'seq_mean_token_sum_norm' needs norm_len > 0 (e.g. "
+             f"max_new_tokens); got {self.norm_len}"),
+        )  # fmt: skip
+        for ok, message in rules:
+            if not ok:
+                raise ValueError(message)
 
 
 @dataclass(frozen=True)
@@ -287,15 +295,14 @@ class LossStats:
         s = dict(zip(LossStats.SUMS, sums.tolist()))
         e = dict(zip(LossStats.EXTREMES, extremes.tolist()))
         tokens = s["tokens"]
-        per_token = (lambda v: v / tokens) if tokens > 0 else (lambda v: math.nan)
         return {
             "clipped_low": s["clipped_low"],
             "clipped_high": s["clipped_high"],
-            "ratio_mean": per_token(s["ratio_sum"]),
+            "ratio_mean": mean_over(s["ratio_sum"], tokens),
             "ratio_min": -e["neg_ratio_min"] if tokens > 0 else math.nan,
             "ratio_max": e["ratio_max"] if tokens > 0 else math.nan,
-            "approx_kl": per_token(s["approx_kl_sum"]),
-            "kl": per_token(s["kl_sum"]),
+            "approx_kl": mean_over(s["approx_kl_sum"], tokens),
+            "kl": mean_over(s["kl_sum"], tokens),
         }
 
 
@@ -304,8 +311,8 @@ class PolicyLoss:
     """The loss to minimise, and what it saw (`stats`: sums and extremes, see `LossStats`).
 
     The properties are the usual diagnostics of one computation: shares and means over its valid
-    tokens, each a detached 0-dim tensor (0 when there is no valid token at all); ``metrics()``
-    turns them into floats with one host sync.
+    tokens, each a detached 0-dim tensor (NaN when there is no valid token at all: `mean_over`);
+    ``metrics()`` turns them into floats with one host sync. The loss itself is then 0.
     """
 
     loss: Tensor  # () differentiable
@@ -313,7 +320,7 @@ class PolicyLoss:
     has_kl: bool = False  # a reference was given, so `kl` means something
 
     def _mean(self, total: Tensor) -> Tensor:
-        return total / self.stats.tokens.clamp(min=1)
+        return mean_over(total, self.stats.tokens)
 
     @property
     def clip_frac_low(self) -> Tensor:
@@ -331,11 +338,11 @@ class PolicyLoss:
 
     @property
     def ratio_min(self) -> Tensor:
-        return torch.where(self.stats.tokens > 0, -self.stats.neg_ratio_min, 0.0)
+        return torch.where(self.stats.tokens > 0, -self.stats.neg_ratio_min, math.nan)
 
     @property
     def ratio_max(self) -> Tensor:
-        return torch.where(self.stats.tokens > 0, self.stats.ratio_max, 0.0)
+        return torch.where(self.stats.tokens > 0, self.stats.ratio_max, math.nan)
 
     @property
     def approx_kl(self) -> Tensor:

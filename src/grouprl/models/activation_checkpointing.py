@@ -26,9 +26,9 @@ def enable(model: nn.Module) -> None:
             "drop --gradient-checkpointing"
         )
     kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+    if hasattr(model, "activation_checkpointing_enable"):  # the name in later 5.x releases
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:  # pragma: no cover - older transformers
+    else:  # transformers 5.0 (the floor) has only the older name, later 5.x deprecate it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 

@@ -391,24 +391,29 @@ def write_figures(groups: dict[str, list[RunLog]], comparison: Comparison, out: 
     save(fig, "dynamics")
 
     if any(a.ratio_bins for a in comparison.algos):
-        fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=100)
-        for algo in comparison.algos:
-            if not algo.ratio_bins:
-                continue
-            xs = [(b["length_from"] + b["length_to"]) / 2 for b in algo.ratio_bins]
-            colour = colours[algo.label]
-            ax.plot(xs, [max(b["token_product"], 1e-12) for b in algo.ratio_bins], "-o",
-                    color=colour, label=f"{algo.label}: token-ratio product")  # fmt: skip
-            ax.plot(xs, [max(b["sequence"], 1e-12) for b in algo.ratio_bins], "--s",
-                    color=colour, label=f"{algo.label}: sequence ratio (length-normalised)")  # fmt: skip
-        ax.set_yscale("log")
-        ax.set_xlabel("completion length (tokens)")
-        ax.set_ylabel(f"|log ratio|, {_percentile_name()} percentile")
-        ax.set_title("How far one step moves each completion's ratio, by length")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-        save(fig, "ratios")
+        save(_ratio_figure(plt, comparison, colours), "ratios")
     return written
+
+
+def _ratio_figure(plt: Any, comparison: Comparison, colours: dict[str, str]) -> Any:
+    """Per algorithm, how far one step moves a completion's ratio, by completion length."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=100)
+    for algo in comparison.algos:
+        if not algo.ratio_bins:
+            continue
+        xs = [(b["length_from"] + b["length_to"]) / 2 for b in algo.ratio_bins]
+        colour = colours[algo.label]
+        ax.plot(xs, [max(b["token_product"], 1e-12) for b in algo.ratio_bins], "-o",
+                color=colour, label=f"{algo.label}: token-ratio product")  # fmt: skip
+        ax.plot(xs, [max(b["sequence"], 1e-12) for b in algo.ratio_bins], "--s",
+                color=colour, label=f"{algo.label}: sequence ratio (length-normalised)")  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_xlabel("completion length (tokens)")
+    ax.set_ylabel(f"|log ratio|, {_percentile_name()} percentile")
+    ax.set_title("How far one step moves each completion's ratio, by length")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    return fig
 
 
 # ----- the report -------------------------------------------------------------------------------
@@ -546,8 +551,3 @@ def _ratio_table(comparison: Comparison) -> list[str]:
                 f"{b['completions']} | e^{b['token_product']:.2g} | e^{b['sequence']:.2g} |"
             )
     return [*lines, ""]
-
-
-def report_numbers(path: Path) -> dict[str, Any]:
-    """report.json of a written report."""
-    return json.loads((Path(path) / "report.json").read_text())

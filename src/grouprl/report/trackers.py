@@ -172,27 +172,39 @@ class _Trackio(_Backend):
 
 class _Mlflow(_Backend):
     """An MLflow run through MlflowClient (no process-global active run): the tracking URI is
-    MLFLOW_TRACKING_URI (a local file store: file:./mlruns, which MLflow 3 allows only with
-    MLFLOW_ALLOW_FILE_STORE=true; or sqlite:///mlflow.db with the full mlflow package), the
-    experiment MLFLOW_EXPERIMENT_NAME (created if missing), else MLflow's default. The config
-    becomes params; MLflow refuses to change a param, so a resumed run adds only new ones."""
+    MLFLOW_TRACKING_URI as given (a server, sqlite:///mlflow.db with the full mlflow package, a
+    file: store), else the store an earlier part of this run used, else a local file store,
+    ./mlruns under the working directory, as TRL's users get without setting anything (newer
+    MLflow refuses a file store unless MLFLOW_ALLOW_FILE_STORE=true, which is then set for this
+    process; the lowest version allowed takes a file store as it is). The experiment is
+    MLFLOW_EXPERIMENT_NAME (created if missing), else MLflow's default. The config becomes
+    params; MLflow refuses to change a param, so a resumed run adds only new ones."""
 
     name = "mlflow"
+
+    def __init__(self, say: Callable[[str], None] = print):
+        self.say = say
 
     def start(self, *, config: dict, run_name: str, run_dir: Path, saved: dict) -> dict:
         from mlflow import MlflowClient
 
+        given = os.environ.get("MLFLOW_TRACKING_URI")
+        uri = given or saved.get("uri") or (Path.cwd() / "mlruns").resolve().as_uri()
+        if not given and uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        if not given and not saved.get("uri"):
+            self.say(f"mlflow: no MLFLOW_TRACKING_URI, so runs go to the local store {uri} "
+                     f"(see them with: mlflow ui --backend-store-uri {uri})")  # fmt: skip
         try:
-            self.client = MlflowClient()
-            return self._start(self.client, config, run_name, run_dir, saved)
+            self.client = MlflowClient(tracking_uri=uri)
+            return {**self._start(self.client, config, run_name, run_dir, saved), "uri": uri}
         except Exception as err:
-            if os.environ.get("MLFLOW_TRACKING_URI"):
+            if given:
                 raise
             raise UserError(
-                f"--report-to mlflow: MLFLOW_TRACKING_URI is not set and MLflow's default store "
-                f"failed ({one_line(err)}); set it, e.g. MLFLOW_TRACKING_URI=file:./mlruns with "
-                "MLFLOW_ALLOW_FILE_STORE=true, sqlite:///mlflow.db (the full mlflow package), "
-                "or a tracking server's http:// address"
+                f"--report-to mlflow: the local store {uri} failed ({one_line(err)}); set "
+                "MLFLOW_TRACKING_URI (a tracking server's http:// address, or sqlite:///mlflow.db "
+                "with the full mlflow package)"
             ) from err
 
     def _start(self, client: Any, config: dict, run_name: str, run_dir: Path, saved: dict) -> dict:
@@ -258,6 +270,7 @@ class Trackers:
         run_name: str | None = None,
         purge_step: int | None = None,
         warn: Callable[[str], None] = print,
+        say: Callable[[str], None] = print,
     ):
         self.run_dir, self.warn = Path(run_dir), warn
         path = self.run_dir / RECORD
@@ -266,7 +279,13 @@ class Trackers:
         config = {**config, "run_dir": str(self.run_dir)}
         # TensorBoard last: a tracker that cannot start then leaves no event files behind
         for name in sorted(names, key=lambda n: n == "tensorboard"):
-            backend = _TensorBoard(purge_step) if name == "tensorboard" else BACKENDS[name]()
+            backend = (
+                _TensorBoard(purge_step)
+                if name == "tensorboard"
+                else _Mlflow(say)
+                if name == "mlflow"
+                else BACKENDS[name]()
+            )
             saved = self.record.get(name, {})
             try:
                 resume = backend.start(

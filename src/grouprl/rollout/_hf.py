@@ -21,11 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import DynamicCache
-
-try:  # transformers >= 4.56 splits caches into per-layer objects
-    from transformers.cache_utils import DynamicLayer
-except ImportError:  # pragma: no cover - older transformers: no in-place fast path
-    DynamicLayer = None
+from transformers.cache_utils import DynamicLayer
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -74,14 +70,10 @@ def left_pad_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def new_cache(model: nn.Module) -> DynamicCache:
     """An empty dynamic cache laid out for `model` (sliding-window layers included)."""
-    config = getattr(model, "config", None)
-    try:
-        return DynamicCache(config=config)
-    except TypeError:  # pragma: no cover - transformers without the config argument
-        return DynamicCache()
+    return DynamicCache(config=getattr(model, "config", None))
 
 
-class PreallocatedLayer(DynamicLayer if DynamicLayer is not None else object):  # type: ignore[misc]
+class PreallocatedLayer(DynamicLayer):
     """A full-attention cache layer with room for `capacity` positions, written in place.
 
     `DynamicLayer.update` concatenates, copying the whole cache every step (O(L) per step,
@@ -148,7 +140,7 @@ def expand_cache(
     prompt (see `SharedPromptDecoding`).
     """
     layers = getattr(cache, "layers", None)
-    if extra is None or layers is None or DynamicLayer is None:
+    if extra is None or layers is None:
         if repeats > 1:
             cache.batch_repeat_interleave(repeats)
         return
@@ -177,7 +169,7 @@ _PLAIN_ATTENTION_MODELS = {"llama", "qwen2", "qwen3", "mistral"}
 _active: list[SharedPromptLayer] = []  # the decode loop's layers, by layer_idx, while it runs
 
 
-class SharedPromptLayer(DynamicLayer if DynamicLayer is not None else object):  # type: ignore[misc]
+class SharedPromptLayer(DynamicLayer):
     """A cache layer that keeps each prompt's keys and values once for its G rows.
 
     Decoding G completions of B prompts, a per-row cache holds G copies of every prompt and each
@@ -299,7 +291,7 @@ def shares_prompt_attention(model: nn.Module) -> bool:
     """Whether decoding `model` can use `shared_prompt_attention`: a plain full-attention
     architecture on its SDPA or eager path."""
     config = getattr(model, "config", None)
-    if DynamicLayer is None or config is None:
+    if config is None:
         return False
     if getattr(config, "model_type", None) not in _PLAIN_ATTENTION_MODELS:
         return False

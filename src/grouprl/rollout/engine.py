@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from grouprl.rollout.sampling import Prompt, sample_groups
+from grouprl.rollout.sampling import sample_groups
 from grouprl.rollout.turns import TurnHandler
 from grouprl.rollout.types import Rollout
 
@@ -38,7 +38,7 @@ class HFRolloutEngine:
 
     def sample(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[Sequence[int]],
         *,
         group_size: int,
         max_new_tokens: int,
@@ -49,8 +49,8 @@ class HFRolloutEngine:
         seed: int | None = None,
         tools: TurnHandler | None = None,
     ) -> Rollout:
-        """`tools`: this rollout's handler, instead of the engine's (an environment's rows
-        each have their own)."""
+        """`RolloutEngine.sample` by `sample_groups`. `tools`: this rollout's handler, instead
+        of the engine's (an environment's rows each have their own)."""
         return sample_groups(
             self.model,
             self.tokenizer,

@@ -90,24 +90,11 @@ def completion_logprobs(
     sel = mask[:, :used]  # (N, T')
 
     if plain_head(model):
-        decoder, head = model.get_decoder(), model.get_output_embeddings()
         hidden = _completion_hidden(
-            decoder, prompt_ids, prompt_mask, completion_ids, group_size, share_prompt
+            model.get_decoder(), prompt_ids, prompt_mask, completion_ids, group_size, share_prompt
         )
-        h = hidden[sel]  # (M, H) only masked positions
-        targets = completion_ids[sel]  # (M,)
-        step = chunk_tokens or max(1, _LOGIT_CHUNK_ELEMENTS // _vocab_size(model, head))
-        # One chunk's logits fit the memory budget as they are; only several chunks need the
-        # recompute-in-backward that bounds memory (and costs a second head matmul).
-        recompute = h.shape[0] > step
-        parts = [
-            _chunk_logp(
-                head, h[i : i + step], targets[i : i + step], temperature, with_entropy, recompute
-            )
-            for i in range(0, h.shape[0], step)
-        ]
-        lp = torch.cat([p[0] for p in parts])  # (M,)
-        ent = torch.cat([p[1] for p in parts]) if with_entropy else None
+        lp, ent = _head_logp(model, hidden[sel], completion_ids[sel], temperature, with_entropy,
+                             chunk_tokens)  # fmt: skip
     else:
         logits = _full_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)
         lp, ent = _token_logp(logits[sel], completion_ids[sel], temperature, with_entropy)
@@ -118,6 +105,31 @@ def completion_logprobs(
     if not with_entropy:
         return logp
     return logp, entropy.masked_scatter(full_sel, ent)
+
+
+def _head_logp(
+    model: nn.Module,
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    chunk_tokens: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's log-probs (M,) of `targets` (M,) from hidden states h (M, H), and entropies,
+    in chunks of `chunk_tokens` positions (default: 2^25 / vocab logits at a time). One chunk's
+    logits fit the memory budget as they are; only several chunks need the
+    recompute-in-backward that bounds memory (and costs a second head matmul)."""
+    head = model.get_output_embeddings()
+    step = chunk_tokens or max(1, _LOGIT_CHUNK_ELEMENTS // _vocab_size(model, head))
+    recompute = h.shape[0] > step
+    parts = [
+        _chunk_logp(
+            head, h[i : i + step], targets[i : i + step], temperature, with_entropy, recompute
+        )
+        for i in range(0, h.shape[0], step)
+    ]
+    lp = torch.cat([p[0] for p in parts])  # (M,)
+    return lp, (torch.cat([p[1] for p in parts]) if with_entropy else None)
 
 
 def _token_logp(

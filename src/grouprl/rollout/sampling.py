@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -317,141 +318,182 @@ def sample_groups(
     if seed is not None and not greedy:
         generator = torch.Generator(device=device)
         generator.manual_seed(int(seed))
-
     n = len(prompt_rows) * group_size
-    turns = None if tools is None else Turns(tools, tokenizer, n, max_new_tokens, device)
-    with torch.inference_mode() if lockstep is None else torch.no_grad():
-        tokens, logp, entropy, lengths, ended = _decode(
-            model,
-            prompt_ids,
-            prompt_mask,
-            group_size=group_size,
-            max_new_tokens=max_new_tokens,
-            temperature=1.0 if greedy else float(temperature),
-            greedy=greedy,
-            top_k=top_k,
-            top_p=top_p,
-            eos_ids=eos_ids,
-            pad_id=pad_id,
-            stopper=StopStrings(tokenizer, stop) if stop else None,
-            generator=generator,
-            lockstep=lockstep,
-            turns=turns,
-        )
-    width = int(lengths.max())  # T
-    tokens, logp, entropy = tokens[:, :width], logp[:, :width], entropy[:, :width]  # (N, T)
-    mask = torch.arange(width, device=device)[None, :] < lengths[:, None]  # (N, T)
-    texts, record = _texts(tokenizer, tokens, lengths, ended, eos_ids, stop, turns)
-    # clone() outside inference mode: inference tensors cannot be saved for backward, and the
-    # trainer's loss uses old_logp next to differentiable log-probs.
-    return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=tokens.clone(),
-        mask=mask,
-        old_logp=logp.clone(),
-        truncated=~ended,
-        texts=texts,
-        prompts=prompt_texts,
+    settings = _Settings(
         group_size=group_size,
+        max_new_tokens=max_new_tokens,
         temperature=1.0 if greedy else float(temperature),
+        greedy=greedy,
+        top_k=top_k,
+        top_p=top_p,
+        eos_ids=eos_ids,
         pad_id=pad_id,
-        entropy=entropy.clone(),
-        loss_mask=None if turns is None else mask & ~turns.fed[:, :width],
-        turns=record,
+        stopper=StopStrings(tokenizer, stop) if stop else None,
+        generator=generator,
+        lockstep=lockstep,
+        turns=None if tools is None else Turns(tools, tokenizer, n, max_new_tokens, device),
     )
+    with torch.inference_mode() if lockstep is None else torch.no_grad():
+        out = _decode(model, prompt_ids, prompt_mask, settings)
+    width = int(out.lengths.max())  # T
+    texts, record = _texts(tokenizer, out.tokens[:, :width], out.lengths, out.ended, eos_ids,
+                           stop, settings.turns)  # fmt: skip
+    return out.rollout(prompt_ids, prompt_mask, texts, prompt_texts, settings, record)
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What a decode keeps fixed: the group size and budget, the distribution, the ends."""
+
+    group_size: int
+    max_new_tokens: int
+    temperature: float  # 1.0 when greedy: old_logp is then taken at temperature 1
+    greedy: bool
+    top_k: int
+    top_p: float
+    eos_ids: Sequence[int]
+    pad_id: int
+    stopper: StopStrings | None
+    generator: torch.Generator | None
+    lockstep: Callable[[bool], bool] | None
+    turns: Turns | None
+
+
+@dataclass
+class _Decoded:
+    """The decode's output rows: tokens, old_logp and entropy (N, max_new), where each row
+    stopped (N,: max_new + 1 while running)."""
+
+    tokens: torch.Tensor  # (N, max_new) long
+    old_logp: torch.Tensor  # (N, max_new)
+    entropy: torch.Tensor  # (N, max_new)
+    stop_at: torch.Tensor  # (N,) long
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.stop_at.clamp(max=self.tokens.shape[1])  # (N,)
+
+    @property
+    def ended(self) -> torch.Tensor:
+        return self.stop_at <= self.tokens.shape[1]  # (N,) at EOS or a stop string
+
+    def rollout(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        texts: list[str],
+        prompt_texts: list[str],
+        settings: _Settings,
+        record: TurnRecord | None,
+    ) -> Rollout:
+        """The `Rollout`, cut to its longest row. clone() outside inference mode: inference
+        tensors cannot be saved for backward, and the trainer's loss uses old_logp next to
+        differentiable log-probs."""
+        lengths = self.lengths
+        width = int(lengths.max())  # T
+        mask = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]  # (N, T)
+        turns = settings.turns
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=self.tokens[:, :width].clone(),
+            mask=mask,
+            old_logp=self.old_logp[:, :width].clone(),
+            truncated=~self.ended,
+            texts=texts,
+            prompts=prompt_texts,
+            group_size=settings.group_size,
+            temperature=settings.temperature,
+            pad_id=settings.pad_id,
+            entropy=self.entropy[:, :width].clone(),
+            loss_mask=None if turns is None else mask & ~turns.fed[:, :width],
+            turns=record,
+        )
 
 
 def _decode(
-    model: nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    *,
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    greedy: bool,
-    top_k: int,
-    top_p: float,
-    eos_ids: Sequence[int],
-    pad_id: int,
-    stopper: StopStrings | None,
-    generator: torch.Generator | None,
-    lockstep: Callable[[bool], bool] | None = None,
-    turns: Turns | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decode loop. Returns tokens, old_logp and entropy (N, max_new), lengths and ended (N,)."""
-    device = prompt_ids.device
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: _Settings
+) -> _Decoded:
+    """The decode loop (steps 1-5 of `sample_groups`)."""
+    s, device = settings, prompt_ids.device
     num_prompts, prompt_width = prompt_ids.shape
-    n = num_prompts * group_size
-    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)  # (E,)
-    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    n, max_new = num_prompts * s.group_size, s.max_new_tokens
+    eos = torch.tensor(list(s.eos_ids), dtype=torch.long, device=device)  # (E,)
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
-    old_logp = torch.zeros((n, max_new_tokens), dtype=dtype, device=device)
-    entropy = torch.zeros_like(old_logp)
-    stop_at = torch.full((n,), max_new_tokens + 1, dtype=torch.long, device=device)  # (N,)
+    out = _Decoded(
+        tokens=torch.full((n, max_new), s.pad_id, dtype=torch.long, device=device),
+        old_logp=torch.zeros((n, max_new), dtype=dtype, device=device),
+        entropy=torch.zeros((n, max_new), dtype=dtype, device=device),
+        stop_at=torch.full((n,), max_new + 1, dtype=torch.long, device=device),
+    )
     # Host-side checks (all finished? compact?) need a device sync; on CPU that is free, on an
     # accelerator it stalls the launch queue, so there they run every few steps. Stop strings
     # and tool calls read tokens on the host anyway, so with either, every step.
-    check_every = 1 if device.type == "cpu" or stopper or turns else 4
+    check_every = 1 if device.type == "cpu" or s.stopper or s.turns else 4
 
     # 1-3. Prefill each prompt once, broadcast its cache to its group.
-    cache, logits, shared = _prefill(model, prompt_ids, prompt_mask, group_size, max_new_tokens)
+    cache, logits, shared = _prefill(model, prompt_ids, prompt_mask, s.group_size, max_new)
     # Batch state below is per *batch* row; `rows` maps batch rows to output rows once
     # compaction has dropped some (None = identity).
-    logits = logits.repeat_interleave(group_size, dim=0)  # (n, V)
-    attn = torch.ones((n, prompt_width + max_new_tokens), dtype=torch.bool, device=device)
-    attn[:, :prompt_width] = prompt_mask.repeat_interleave(group_size, dim=0)
-    next_pos = prompt_mask.sum(-1).repeat_interleave(group_size)  # (n,) position of token 0
+    logits = logits.repeat_interleave(s.group_size, dim=0)  # (n, V)
+    attn = torch.ones((n, prompt_width + max_new), dtype=torch.bool, device=device)
+    attn[:, :prompt_width] = prompt_mask.repeat_interleave(s.group_size, dim=0)
+    next_pos = prompt_mask.sum(-1).repeat_interleave(s.group_size)  # (n,) position of token 0
     done = torch.zeros(n, dtype=torch.bool, device=device)  # (n,)
     rows: torch.Tensor | None = None
 
     with _hf.SharedPromptDecoding(model, cache) if shared else contextlib.nullcontext():
-        for t in range(max_new_tokens):
-            # 4. Pick a token per row.
-            tok, lp, ent = _pick(logits, temperature, greedy, top_k, top_p, generator)
-            tok = tok.masked_fill(done, pad_id)
-            lp = lp.masked_fill(done, 0.0)
-            ent = ent.masked_fill(done, 0.0)
-            # a row answering a tool call is fed its observation instead (never an end)
-            fed = done if turns is None else turns.force(rows, tok, lp, ent, t) | done
-            out_rows = slice(None) if rows is None else rows
-            tokens[out_rows, t] = tok
-            old_logp[out_rows, t] = lp
-            entropy[out_rows, t] = ent
-
-            # 5. Finish rows at EOS / stop strings; answer tool calls.
-            hit = torch.isin(tok, eos) & ~fed  # (n,)
-            if stopper is not None:
-                since = None if turns is None else turns.since
-                hit |= stopper.hits(tokens, rows, ~(fed | hit), t, since=since)
-            if turns is not None:
-                hit = turns.after_step(tokens, rows, ~fed, hit, t)
-            stop_at[out_rows] = torch.where(hit, t + 1, stop_at[out_rows])
+        for t in range(max_new):
+            # 4-5. Pick a token per row; finish rows at EOS / stop strings; answer tool calls.
+            tok, hit = _step(out, logits, done, rows, eos, t, s)
             done |= hit
-            if t == max_new_tokens - 1:
+            if t == max_new - 1:
                 break
             if (t + 1) % check_every == 0:
                 running = int((~done).sum())
-                if (running == 0) if lockstep is None else lockstep(running == 0):
+                if (running == 0) if s.lockstep is None else s.lockstep(running == 0):
                     break
                 if running > 0 and 2 * running <= done.numel():  # compaction: drop finished rows
                     keep = (~done).nonzero().squeeze(1)  # (running,)
                     cache.batch_select_indices(keep)
                     rows = keep if rows is None else rows[keep]
                     done, attn, next_pos, tok = done[keep], attn[keep], next_pos[keep], tok[keep]
-
             logits = _forward_last(
-                model,
-                tok[:, None],
-                attn[:, : prompt_width + t + 1],
-                (next_pos + t)[:, None],
-                cache,
+                model, tok[:, None], attn[:, : prompt_width + t + 1], (next_pos + t)[:, None], cache
             )  # (n, V)
+    return out
 
-    lengths = stop_at.clamp(max=max_new_tokens)  # (N,)
-    ended = stop_at <= max_new_tokens  # (N,)
-    return tokens, old_logp, entropy, lengths, ended
+
+def _step(
+    out: _Decoded,
+    logits: torch.Tensor,
+    done: torch.Tensor,
+    rows: torch.Tensor | None,
+    eos: torch.Tensor,
+    t: int,
+    s: _Settings,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode step t: a token per batch row (pad for finished rows; a row answering a tool call
+    is fed its observation instead, never an end), written to the output rows; returns the
+    tokens (n,) and which rows finished here (n,)."""
+    tok, lp, ent = _pick(logits, s.temperature, s.greedy, s.top_k, s.top_p, s.generator)
+    tok = tok.masked_fill(done, s.pad_id)
+    lp = lp.masked_fill(done, 0.0)
+    ent = ent.masked_fill(done, 0.0)
+    turns = s.turns
+    fed = done if turns is None else turns.force(rows, tok, lp, ent, t) | done
+    out_rows = slice(None) if rows is None else rows
+    out.tokens[out_rows, t] = tok
+    out.old_logp[out_rows, t] = lp
+    out.entropy[out_rows, t] = ent
+    hit = torch.isin(tok, eos) & ~fed  # (n,)
+    if s.stopper is not None:
+        since = None if turns is None else turns.since
+        hit |= s.stopper.hits(out.tokens, rows, ~(fed | hit), t, since=since)
+    if turns is not None:
+        hit = turns.after_step(out.tokens, rows, ~fed, hit, t)
+    out.stop_at[out_rows] = torch.where(hit, t + 1, out.stop_at[out_rows])
+    return tok, hit
 
 
 def _prefill(

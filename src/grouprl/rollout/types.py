@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from grouprl.rollout.turns import TurnRecord
+from grouprl.rollout.turns import TurnHandler, TurnRecord
 
 
 @dataclass
@@ -260,19 +260,23 @@ class Rollout:
         )
 
 
-@runtime_checkable
 class RolloutEngine(Protocol):
-    """Anything that samples groups of completions: the HF engine today, vLLM later.
+    """Anything that samples groups of completions: the HF engine today, others later. The one
+    way grouprl samples: training, evaluation, `check` and `generate` all call `sample`, with
+    exactly these arguments (tests hold every caller to this signature).
 
-    The trainer only calls `sample`; an engine owns its model copy, its batching and its cache.
-    `old_logp` must be the log-prob under softmax(logits / temperature) before top-k / top-p,
-    as documented on `Rollout`, whatever the backend. `entropy` is optional: an engine that
-    cannot provide it returns None, and the trainer then logs no entropy.
+    An engine owns its model copy, its batching and its cache. Prompts arrive as token ids,
+    encoded once by the caller exactly as the model is to see them. `old_logp` must be the
+    log-prob under softmax(logits / temperature) before top-k / top-p, as documented on
+    `Rollout`, whatever the backend; temperature 0 decodes greedily (old_logp at temperature 1).
+    `tools` answers tool calls inside the decode (`grouprl.rollout.turns`); None: a single turn.
+    `entropy` is optional: an engine that cannot provide it returns None, and the trainer then
+    logs no entropy.
     """
 
     def sample(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int]],
         *,
         group_size: int,
         max_new_tokens: int,
@@ -281,4 +285,5 @@ class RolloutEngine(Protocol):
         top_k: int = 0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
+        tools: TurnHandler | None = None,
     ) -> Rollout: ...

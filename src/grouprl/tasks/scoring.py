@@ -207,10 +207,6 @@ class RewardSet:
     def weights(self) -> dict[str, float]:
         return {r.name: r.weight for r in self.rewards}
 
-    @property
-    def pass_fn(self) -> RewardFn:
-        return next(r.fn for r in self.rewards if r.name == self.pass_reward)
-
     def check_columns(self, row: dict, where: str) -> None:
         """UserError when a reward function needs a column `row` lacks (checked before a run
         starts, not at its first step): a required parameter of the function's signature, or

@@ -3,9 +3,8 @@ reward set and the prompt budget. One place, so both commands read data and mode
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.loading import DTYPES, context_length
 from grouprl.models.lora import apply_lora
-from grouprl.rollout import encode_prompts
 from grouprl.tasks import Task, get_task
 from grouprl.tasks.chat_tools import ChatTools
 from grouprl.tasks.data import DEFAULT_MAX_NEW_TOKENS, RowFormat, dataset_task
@@ -163,13 +161,6 @@ def forward_dtype(cfg: RunConfig) -> torch.dtype | None:
     return None
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """Autocast to `dtype` on the model's device type; a no-op context for None."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
-
-
 def load_policy(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, Any, nn.Module | None]:
     """(policy, tokenizer, reference) on `device`, in eval mode.
 
@@ -219,30 +210,6 @@ def prompt_budget(opts: DataOptions, model: nn.Module, max_new_tokens: int) -> i
             )
         return opts.max_prompt_length
     return None if context is None else context - max_new_tokens
-
-
-def prompt_ids(tokenizer: Any, prompt: Any, tools: ToolUse | None = None) -> list[int]:
-    """The token ids the sampler feeds for one prompt (chat template applied to messages; in
-    the chat tool format, to string prompts too, with the tools rendered)."""
-    schemas = None if tools is None else tools.schemas
-    chat = schemas is not None
-    return encode_prompts(tokenizer, [prompt], chat_template=chat, tools=schemas)[0][0]
-
-
-def rows_that_fit(
-    rows: Iterable[dict], limit: int, tokenizer: Any, budget: int | None
-) -> tuple[list[dict], int]:
-    """The first `limit` rows whose prompts fit in `budget` tokens, and how many were too long."""
-    kept: list[dict] = []
-    too_long = 0
-    for row in rows:
-        if len(kept) == limit:
-            break
-        if budget is None or len(prompt_ids(tokenizer, row["prompt"])) <= budget:
-            kept.append(row)
-        else:
-            too_long += 1
-    return kept, too_long
 
 
 #: glibc mallopt parameters (malloc.h): the largest trim-free top of the heap, and how many

@@ -26,13 +26,14 @@ from grouprl.config.options import RunConfig
 from grouprl.core import mixed_groups, overlong_penalty, zero_variance_groups
 from grouprl.errors import UserError
 from grouprl.faults import fault
+from grouprl.models.precision import autocast
 from grouprl.rollout import RolloutEngine
 from grouprl.tasks.base import TrainerState
 from grouprl.tasks.data import PromptStream
 from grouprl.tasks.scoring import RewardSet
 from grouprl.train.batch import Batch
-from grouprl.train.build import autocast, prompt_ids
 from grouprl.train.parallel.distributed import SINGLE, Dist
+from grouprl.train.prompts import fits, prompt_ids
 
 
 @dataclass
@@ -102,21 +103,6 @@ class Collected:
         """Whether dynamic sampling left groups out (the kept batch is not all that was sampled)."""
         return self.groups < self.counts.sampled
 
-    def metrics(self) -> dict[str, float]:
-        c = self.counts
-        return {
-            **self.logged,
-            "frac_zero_std": c.zero_std / c.sampled,
-            # by the pass reward: all-wrong groups need easier data, all-right ones a harder one
-            "frac_all_pass": c.all_pass / c.sampled,
-            "frac_none_pass": c.none_pass / c.sampled,
-            # the rollout compute spent on groups whose advantages are all 0
-            "zero_std_token_frac": c.zero_std_tokens / c.tokens if c.tokens else 0.0,
-            "sample_rounds": self.rounds,
-            "skipped_prompts": self.skipped_prompts,
-            "groups": self.groups,
-        }
-
 
 def draw_prompts(
     sampler: Sampler, position: int, k: int
@@ -134,7 +120,7 @@ def draw_prompts(
         for row in sampler.stream.take(position, k - len(rows)):
             position += 1
             row_ids = prompt_ids(sampler.tokenizer, row["prompt"], sampler.tools)
-            if sampler.budget is None or len(row_ids) <= sampler.budget:
+            if fits(row_ids, sampler.budget):
                 rows.append(row)
                 ids.append(row_ids)
                 misses = 0

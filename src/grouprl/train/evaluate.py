@@ -1,8 +1,8 @@
 """Evaluation: pass@1 (sampled and greedy) and pass@k of a model on a task or dataset split, for
 `grouprl eval` (`evaluate_model`) and the trainer's held-out evaluations (`run_eval`).
 
-For each problem, k completions are sampled at `temperature` with `grouprl.rollout.sample_groups`
-(the trainer's own sampler) and judged by the pass reward (`--pass-reward`, the same one
+For each problem, k completions are sampled at `temperature` by a `RolloutEngine` (the trainer's
+own) and judged by the pass reward (`--pass-reward`, the same one
 `grouprl train` uses): a completion counts as solved when that reward is at least 1 (full marks;
 None counts as unsolved). With c of n = k samples solved:
 
@@ -34,22 +34,15 @@ from grouprl.errors import UserError
 from grouprl.messages import is_conversational
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.loading import resolve_device
-from grouprl.rollout import Rollout, sample_groups, stop_token_ids
+from grouprl.models.precision import autocast
+from grouprl.rollout import HFRolloutEngine, Rollout, RolloutEngine, stop_token_ids
 from grouprl.tasks import RewardFn
 from grouprl.tasks.base import REWARD_TIMEOUT, TrainerState, call_reward, completion_objects
 from grouprl.tasks.scoring import RewardSet
-from grouprl.train.build import (
-    autocast,
-    build_rewards,
-    build_task,
-    build_tools,
-    prompt_budget,
-    prompt_ids,
-    rows_that_fit,
-    stop_strings,
-)
+from grouprl.train.build import build_rewards, build_task, build_tools, prompt_budget, stop_strings
 from grouprl.train.collect import Sampler
 from grouprl.train.parallel.fsdp import Lockstep
+from grouprl.train.prompts import prompt_ids, rows_that_fit
 
 
 @dataclass(frozen=True)
@@ -161,12 +154,16 @@ def evaluate(
     agree: Callable[[UserError | None], None] | None = None,
     lockstep: Callable[[bool], bool] | None = None,
     tools: Any = None,
+    engine: RolloutEngine | None = None,
+    ids: Sequence[list[int]] | None = None,
 ) -> EvalResult:
     """pass@1, pass@k (k = samples) and greedy pass@1 of `model` on `rows`.
 
-    Completions are judged by `judge(rows, rollout) -> solved flags`, or by `reward_fn`'s score
-    reaching 1. The model is put in eval mode for the measurement and returned to its previous
-    mode.
+    Completions are sampled by `engine` (default: the Hugging Face engine over `model`) from
+    the rows' prompt `ids` (default: encoded here as sampling feeds them, `tools` included;
+    `grouprl.train.prompts.rows_that_fit` gives both), and judged by `judge(rows, rollout) ->
+    solved flags`, or by `reward_fn`'s score reaching 1. The model is put in eval mode for the
+    measurement and returned to its previous mode.
 
     Sharded across data-parallel ranks (the trainer): `rows` is this rank's share, of which the
     first `real_rows` count (under FSDP the rest pad every rank to as many batches, each decoded
@@ -180,68 +177,97 @@ def evaluate(
     judge = judge or reward_judge(reward_fn)
     if not rows:
         raise UserError("nothing to evaluate: the split is empty (check --limit and the task)")
+    engine = engine or HFRolloutEngine(model, tokenizer, lockstep=lockstep)
+    ids = (
+        list(ids) if ids is not None else [prompt_ids(tokenizer, r["prompt"], tools) for r in rows]
+    )
+    sampling = _Sampling(engine, tokenizer, tools, seed, samples, temperature, max_new_tokens,
+                         stop, greedy)  # fmt: skip
+    counts, error = _Counts(samples, greedy), None
     was_training = model.training
     model.eval()
-    solved: list[int] = []  # (n,) solved samples per problem
-    greedy_solved: list[bool] = []  # (n,)
-    lengths: list[int] = []  # (n,) sampled completion tokens per problem, over its samples
-    error: UserError | None = None
-    batches = [rows[i : i + batch_prompts] for i in range(0, len(rows), batch_prompts)]
-    bar = _progress(console, progress)
-    common = {"max_new_tokens": max_new_tokens, "stop": stop, "lockstep": lockstep}
-    calls: list[int] = []  # (n,) samples per problem that called a tool
     try:
-        with bar:
+        with _progress(console, progress) as bar:
             task_id = bar.add_task("eval", total=len(rows))
-            for i, batch in enumerate(batches):
-                rollouts = [
-                    _sample(model, tokenizer, batch, tools, seed, group_size=samples,
-                            temperature=temperature, seed=seed + i, **common)
-                ]  # fmt: skip
-                if greedy:
-                    rollouts.append(
-                        _sample(model, tokenizer, batch, tools, seed, group_size=1,
-                                temperature=0.0, **common)
-                    )  # fmt: skip
+            for i, first in enumerate(range(0, len(rows), batch_prompts)):
+                batch = rows[first : first + batch_prompts]
+                rollouts = sampling.rollouts(batch, ids[first : first + batch_prompts], i)
                 if error is None:
                     try:
-                        flags = [judge(batch, rollout) for rollout in rollouts]
+                        counts.add(batch, rollouts, judge)
                     except UserError as err:
                         if agree is None:
                             raise
                         error = err
-                if error is None:
-                    solved += [sum(flags[0][j * samples : (j + 1) * samples])
-                               for j in range(len(batch))]  # fmt: skip
-                    lengths += (
-                        rollouts[0].sampled_lengths.view(len(batch), samples).sum(-1).tolist()
-                    )
-                    if rollouts[0].turns is not None:
-                        per = rollouts[0].turns.calls > 0  # (N,) completions that called
-                        calls += per.view(len(batch), samples).sum(-1).tolist()
-                    greedy_solved += flags[1] if greedy else []
-                elif lockstep is None:
+                if error is not None and lockstep is None:
                     break
                 bar.advance(task_id, len(batch))
     finally:
         model.train(was_training)
     if agree is not None:
         agree(error)
-    keep = len(rows) if real_rows is None else real_rows
-    counts = (solved[:keep], greedy_solved[:keep], lengths[:keep], calls[:keep])
-    return _result(gather(counts) if gather is not None else [counts], samples, greedy, tools)
+    mine = counts.first(len(rows) if real_rows is None else real_rows)
+    return _result(gather(mine) if gather is not None else [mine], samples, greedy, tools)
 
 
-def _sample(
-    model: Any, tokenizer: Any, rows: Sequence[dict], tools: Any, run_seed: int, **settings: Any
-) -> Rollout:
-    """One evaluation rollout of `rows`; with environments, each group reset from a seed of
-    the run's seed and its row (the same in every evaluation, on every rank)."""
-    if tools is None:
-        return sample_groups(model, tokenizer, [r["prompt"] for r in rows], **settings)
-    start = tools.rollout(rows, settings["group_size"], run_seed, "eval")
-    ids = [prompt_ids(tokenizer, p, tools) for p in start.prompts]
-    return sample_groups(model, tokenizer, ids, tools=start.handler, **settings)
+@dataclass(frozen=True)
+class _Sampling:
+    """How an evaluation samples: the engine, and the settings every batch shares."""
+
+    engine: RolloutEngine
+    tokenizer: Any
+    tools: Any  # the run's ToolUse, or None
+    run_seed: int
+    samples: int
+    temperature: float
+    max_new_tokens: int
+    stop: list[str] | None
+    greedy: bool
+
+    def rollouts(self, rows: Sequence[dict], ids: list[list[int]], i: int) -> list[Rollout]:
+        """Batch i's `samples` completions per prompt at the temperature (seed `seed + i`), and
+        with `greedy` one more at temperature 0."""
+        out = [self._sample(rows, ids, group_size=self.samples, temperature=self.temperature,
+                            seed=self.run_seed + i)]  # fmt: skip
+        if self.greedy:
+            out.append(self._sample(rows, ids, group_size=1, temperature=0.0, seed=None))
+        return out
+
+    def _sample(self, rows: Sequence[dict], ids: list[list[int]], **settings: Any) -> Rollout:
+        """One rollout of `rows`; with environments, each group reset from a seed of the run's
+        seed and its row (the same in every evaluation, on every rank)."""
+        handler = None
+        if self.tools is not None:
+            start = self.tools.rollout(rows, settings["group_size"], self.run_seed, "eval")
+            handler = start.handler
+            if start.environments is not None:  # the prompts now hold reset's text
+                ids = [prompt_ids(self.tokenizer, p, self.tools) for p in start.prompts]
+        return self.engine.sample(ids, max_new_tokens=self.max_new_tokens, stop=self.stop,
+                                  tools=handler, **settings)  # fmt: skip
+
+
+class _Counts:
+    """Per problem: solved samples, greedy solved, sampled tokens, samples that called a tool."""
+
+    def __init__(self, samples: int, greedy: bool) -> None:
+        self.samples, self.greedy = samples, greedy
+        self.solved: list[int] = []
+        self.greedy_solved: list[bool] = []
+        self.lengths: list[int] = []
+        self.calls: list[int] = []
+
+    def add(self, rows: Sequence[dict], rollouts: list[Rollout], judge: Judge) -> None:
+        """Judge a batch's rollouts, then count (nothing is counted when the judge raises)."""
+        flags = [judge(rows, rollout) for rollout in rollouts]
+        n, k = len(rows), self.samples
+        self.solved += [sum(flags[0][j * k : (j + 1) * k]) for j in range(n)]
+        self.lengths += rollouts[0].sampled_lengths.view(n, k).sum(-1).tolist()
+        if rollouts[0].turns is not None:
+            self.calls += (rollouts[0].turns.calls > 0).view(n, k).sum(-1).tolist()
+        self.greedy_solved += flags[1] if self.greedy else []
+
+    def first(self, n: int) -> tuple[list, ...]:
+        return self.solved[:n], self.greedy_solved[:n], self.lengths[:n], self.calls[:n]
 
 
 def _result(shares: list[tuple], samples: int, greedy: bool, tools: Any) -> EvalResult:
@@ -280,22 +306,25 @@ def run_eval(
     policy: Any,
     sampler: Sampler,
     rows: Sequence[dict],
+    ids: Sequence[list[int]],
     step: int,
     *,
     lockstep: Lockstep,
 ) -> dict[str, float]:
     """The trainer's held-out evaluation at `step`: pass@1 (sampled and greedy) and pass@k on
-    its fixed rows, with a fixed seed. Data parallel: each rank evaluates a contiguous share of
-    the rows and the per-problem counts are gathered; a reward's error on any rank ends every
-    rank's evaluation together."""
+    its fixed rows (with their prompts' `ids`), with a fixed seed, sampled by the run's engine.
+    Data parallel: each rank evaluates a contiguous share of the rows and the per-problem counts
+    are gathered; a reward's error on any rank ends every rank's evaluation together."""
     dist = sampler.dist
-    share = [rows[i] for i in dist.mine(len(rows))]
+    mine = dist.mine(len(rows))
+    share, share_ids = [rows[i] for i in mine], [ids[i] for i in mine]
     state = TrainerState(global_step=step, max_steps=cfg.steps)
     with autocast(sampler.device, sampler.dtype):
         result = evaluate(
             policy,
             sampler.tokenizer,
             lockstep.pad_rows(share, rows),
+            ids=lockstep.pad_rows(share_ids, ids),
             judge=pass_judge(sampler.rewards, state=state, timeout=cfg.reward_timeout),
             samples=cfg.eval_samples,
             temperature=cfg.temperature,
@@ -309,6 +338,7 @@ def run_eval(
             agree=dist.check if dist.enabled else None,
             lockstep=lockstep.all_done,
             tools=sampler.tools,
+            engine=sampler.engine,
         )
     out = {"pass_at_1": result.pass_at_1, f"pass_at_{result.samples}": result.pass_at_k}
     if result.greedy_pass_at_1 is not None:
@@ -341,7 +371,7 @@ def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
     rewards = build_rewards(cfg, task, device, tools)
     max_new_tokens = cfg.max_new_tokens or task.max_new_tokens
     budget = prompt_budget(cfg, model, max_new_tokens)
-    rows, too_long = rows_that_fit(task.split(cfg.split), cfg.limit, tokenizer, budget)
+    rows, ids, too_long = rows_that_fit(task.split(cfg.split), cfg.limit, tokenizer, budget, tools)
     if too_long:
         Console(stderr=True).print(
             f"[yellow]warning:[/] skipped {too_long} prompts longer than {budget} tokens"
@@ -361,6 +391,7 @@ def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
         greedy=cfg.greedy,
         progress=progress,
         tools=tools,
+        ids=ids,
     )
     return {
         "model": name,

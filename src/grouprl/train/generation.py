@@ -27,10 +27,11 @@ from grouprl.config.options import DataOptions, GenerateConfig
 from grouprl.errors import UserError
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.loading import resolve_device
-from grouprl.rollout import sample_groups
+from grouprl.rollout import HFRolloutEngine, RolloutEngine
 from grouprl.tasks.base import TrainerState
 from grouprl.tasks.data import RowFormat, format_prompt
-from grouprl.train.build import build_rewards, build_task, prompt_ids, stop_strings
+from grouprl.train.build import build_rewards, build_task, stop_strings
+from grouprl.train.prompts import prompt_ids
 
 
 def resolve_run(cfg: GenerateConfig) -> tuple[GenerateConfig, str]:
@@ -69,17 +70,21 @@ def prompt_rows(cfg: GenerateConfig, task: Any) -> list[dict]:
     return list(task.split(cfg.split)[: cfg.limit])
 
 
-def generate(cfg: GenerateConfig, rows: list[dict], model: Any, tokenizer: Any, task: Any,
-             rewards: Any) -> list[dict]:  # fmt: skip
-    """For each row: the prompt as the model sees it and `samples` completions (with their
-    rewards when `rewards` is given)."""
-    max_new_tokens = cfg.max_new_tokens or task.max_new_tokens
-    rollout = sample_groups(
-        model,
-        tokenizer,
-        [r["prompt"] for r in rows],
+def generate(
+    cfg: GenerateConfig,
+    rows: list[dict],
+    engine: RolloutEngine,
+    tokenizer: Any,
+    task: Any,
+    rewards: Any,
+) -> list[dict]:
+    """For each row: the prompt as the model sees it and `samples` completions sampled by
+    `engine` (with their rewards when `rewards` is given)."""
+    ids = [prompt_ids(tokenizer, row["prompt"]) for row in rows]  # encoded once
+    rollout = engine.sample(
+        ids,
         group_size=cfg.samples,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=cfg.max_new_tokens or task.max_new_tokens,
         temperature=cfg.temperature,
         stop=stop_strings(cfg, task),
         seed=cfg.seed,
@@ -95,15 +100,14 @@ def generate(cfg: GenerateConfig, rows: list[dict], model: Any, tokenizer: Any, 
             timeout=cfg.reward_timeout,
         )
     out = []
-    for g, row in enumerate(rows):
+    for g, row_ids in enumerate(ids):
         completions = []
         for i in range(g * cfg.samples, (g + 1) * cfg.samples):
             item: dict[str, Any] = {"completion": rollout.texts[i]}
             if scores is not None:
                 item["rewards"] = {n: _number(v[i]) for n, v in scores.by_function.items()}
             completions.append(item)
-        ids = prompt_ids(tokenizer, row["prompt"])
-        rendered = tokenizer.decode(ids, skip_special_tokens=False)
+        rendered = tokenizer.decode(row_ids, skip_special_tokens=False)
         out.append({"prompt": rendered, "completions": completions})
     return out
 
@@ -120,7 +124,7 @@ class Generator:
     cfg: GenerateConfig  # with a run directory's data options as defaults (`resolve_run`)
     name: str  # the model loaded
     task: Any
-    model: Any
+    engine: RolloutEngine  # samples with the model
     tokenizer: Any
     rewards: Any  # a RewardSet when --rewards is given, else None
 
@@ -128,7 +132,7 @@ class Generator:
         """`generate` for the rows `cfg` (default: the generator's own) asks for."""
         cfg = cfg or self.cfg
         rows = prompt_rows(cfg, self.task)
-        return generate(cfg, rows, self.model, self.tokenizer, self.task, self.rewards)
+        return generate(cfg, rows, self.engine, self.tokenizer, self.task, self.rewards)
 
 
 def load_generator(cfg: GenerateConfig) -> Generator:
@@ -145,4 +149,4 @@ def load_generator(cfg: GenerateConfig) -> Generator:
     model = load_model(name, device=device, trust_remote_code=cfg.trust_remote_code)
     tokenizer = load_tokenizer(name, trust_remote_code=cfg.trust_remote_code)
     rewards = build_rewards(cfg, task, device) if cfg.rewards else None
-    return Generator(cfg, name, task, model, tokenizer, rewards)
+    return Generator(cfg, name, task, HFRolloutEngine(model, tokenizer), tokenizer, rewards)

@@ -40,9 +40,9 @@ from rich.console import Console
 from grouprl.config.options import TrainConfig
 from grouprl.errors import UserError
 from grouprl.report.doctor import Finding
-from grouprl.train.build import prompt_ids
-from grouprl.train.collect import collect_batch
-from grouprl.train.run import Run, setup_run
+from grouprl.train.collect import Collected, collect_batch
+from grouprl.train.prompts import prompt_ids
+from grouprl.train.run import Run, RunState, setup_run
 
 GROUP_SIZES = (2, 4, 8, 16, 32, 64)
 NO_GRADIENT_TARGET = 0.5  # a group size is suggested that brings the no-gradient share below this
@@ -115,6 +115,13 @@ class _NoStep:
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
 
+class _NoSchedule:
+    """A learning-rate schedule that stays where it is (check takes no step)."""
+
+    def step(self) -> None:
+        pass
+
+
 @dataclass
 class Report:
     config: dict[str, Any]
@@ -129,6 +136,7 @@ class Report:
     second_temperature: dict[str, float] | None
     timing: dict[str, float]
     memory: dict[str, Any]
+    step: dict[str, float]  # the measured step's metrics, as train logs them (timings aside)
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -143,6 +151,8 @@ class Report:
 
 
 STOPPERS = {"no_gradient", "all_truncated", "never_passes"}
+#: A step's timings, reported under `timing` instead of with the step's metrics.
+TIMINGS = ("step_seconds", "rollout_seconds", "tokens_per_s")
 
 
 def check(cfg: TrainConfig, options: CheckOptions, *, console: Console | None = None) -> Report:
@@ -169,6 +179,7 @@ def measure(run: Run, options: CheckOptions) -> Report:
     timing = {"sampling_seconds_per_step": seconds / len(batches), "tokens_per_s": tokens / seconds}
     timing.update(_measure_update(run, batches[0]))
     memory = timing.pop("memory")
+    step_metrics = timing.pop("step")
     per_step = timing["sampling_seconds_per_step"] + timing["update_seconds"]
     timing["seconds_per_step"] = per_step
     timing["run_seconds"] = per_step * cfg.steps + _eval_seconds(
@@ -206,6 +217,7 @@ def measure(run: Run, options: CheckOptions) -> Report:
         second_temperature=_at_temperature(run, options.second_temperature),
         timing=timing,
         memory=memory,
+        step=step_metrics,
     )
     report.findings = findings(report, sampled, sampler.rewards.pass_reward)
     return report
@@ -228,45 +240,49 @@ def _at_temperature(run: Run, temperature: float | None) -> dict[str, float] | N
     }
 
 
-def _measure_update(run: Run, collected: Any) -> dict[str, Any]:
-    """One step's update (every epoch and minibatch, forwards and backwards) on the first
-    step's batch, timed and its peak memory measured; the optimizer never steps."""
-    from grouprl.train.loop import batch_advantages
-    from grouprl.train.update import update
+def _measure_update(run: Run, collected: Collected) -> dict[str, Any]:
+    """The first step's training after sampling, as `train` runs it (`grouprl.train.step.learn`:
+    advantages, reference log-probs when beta > 0, every epoch and minibatch, the metrics),
+    timed and its peak memory measured, on a copy of the run whose optimizer and schedule never
+    step: the weights, AdamW's moments and the learning rate stay as they were. When dynamic
+    sampling kept no group, the first round's groups are measured instead."""
+    from grouprl.train.step import learn
 
-    cfg = run.cfg
-    batch = collected.kept if collected.kept is not None else collected.sampled
-    batch = batch.to(run.device)
-    advantages = batch_advantages(cfg, batch, run.dist, run.sampler.rewards.weights)
+    if collected.kept is None:
+        first = collected.sampled.select_groups(list(range(run.cfg.prompts_per_step)))
+        collected = dataclasses.replace(collected, kept=first)
+    measured = dataclasses.replace(run, optimizer=_NoStep(run.optimizer), scheduler=_NoSchedule())
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
         torch.cuda.reset_peak_memory_stats(run.device)
     start = time.perf_counter()
     with _PeakRSS() as rss:
-        update(cfg, run.policy, _NoStep(run.optimizer), batch, advantages, None,
-               scaler=run.scaler, dist=run.dist, lockstep=run.lockstep)  # fmt: skip
+        _, log = learn(measured, RunState(), collected)
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
     seconds = time.perf_counter() - start
     run.optimizer.zero_grad(set_to_none=True)
-    trained = sum(p.numel() for p in run.policy.parameters() if p.requires_grad)
-    if run.device.type == "cuda":
-        peak, base, method = (
-            torch.cuda.max_memory_allocated(run.device),
-            None,
-            "CUDA allocator peak",
-        )
-    else:
-        peak, base, method = rss.peak, rss.start, "process RSS sampled every 5 ms"
-    per_forward = cfg.micro_batch_size or (len(batch.rollout.texts) // cfg.minibatches)
-    memory = {"peak_gb": peak / 1e9, "before_gb": None if base is None else base / 1e9,
-              "method": method, "completions_per_forward": per_forward,
-              "adamw_state_gb": 2 * 4 * trained / 1e9}  # fmt: skip
     return {
         "update_seconds": seconds,
-        "update_completions": len(batch.rollout.texts),
-        "memory": memory,
+        "update_completions": len(collected.kept.rollout.texts),
+        "memory": _memory(run, rss, len(collected.kept.rollout.texts)),
+        "step": {k: v for k, v in log.metrics.items() if k not in TIMINGS},
     }
+
+
+def _memory(run: Run, rss: _PeakRSS, completions: int) -> dict[str, Any]:
+    """The update's peak memory: the CUDA allocator's, or the process's resident set."""
+    cfg = run.cfg
+    trained = sum(p.numel() for p in run.policy.parameters() if p.requires_grad)
+    if run.device.type == "cuda":
+        peak, base = torch.cuda.max_memory_allocated(run.device), None
+        method = "CUDA allocator peak"
+    else:
+        peak, base, method = rss.peak, rss.start, "process RSS sampled every 5 ms"
+    per_forward = cfg.micro_batch_size or (completions // cfg.minibatches)
+    return {"peak_gb": peak / 1e9, "before_gb": None if base is None else base / 1e9,
+            "method": method, "completions_per_forward": per_forward,
+            "adamw_state_gb": 2 * 4 * trained / 1e9}  # fmt: skip
 
 
 def _fit(cfg: Any, memory: dict[str, Any], limit_gb: float | None) -> dict[str, Any]:

@@ -56,7 +56,6 @@ from grouprl.train.build import (
     keep_freed_memory,
     load_policy,
     prompt_budget,
-    rows_that_fit,
     stop_strings,
     task_defaults,
 )
@@ -64,6 +63,7 @@ from grouprl.train.collect import Sampler
 from grouprl.train.parallel import distributed
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep, full_state, shard
+from grouprl.train.prompts import rows_that_fit
 from grouprl.train.update import grad_scaler, make_optimizer
 
 
@@ -110,6 +110,7 @@ class Run:
     scaler: torch.amp.GradScaler | None
     sampler: Sampler
     eval_rows: list[dict]
+    eval_ids: list[list[int]]  # their prompts as the sampler feeds them
     console: Console
     sinks: MetricSinks | NullSinks = field(default_factory=NullSinks)
     reported: set[str] = field(default_factory=set)  # the live doctor's findings already printed
@@ -154,6 +155,7 @@ def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
     else:
         dist.broadcast_parameters(policy)
     tools = build_tools(cfg, task, tokenizer, stop_token_ids(policy, tokenizer))
+    dtype = forward_dtype(cfg)  # every forward's autocast dtype: the run's one source
     sampler = Sampler(
         # samples with the policy itself (no sync), answering tool calls as it goes
         engine=lockstep.engine(policy, tokenizer, tools=tools and tools.handler),
@@ -162,13 +164,14 @@ def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
         rewards=build_rewards(cfg, task, device, tools),
         stop=stop_strings(cfg, task),
         budget=prompt_budget(cfg, policy, cfg.max_new_tokens),
-        dtype=forward_dtype(cfg),
+        dtype=dtype,
         device=device,
         dist=dist,
         warn=warn,
         tools=tools,
     )
     optimizer = make_optimizer(cfg, policy)
+    eval_rows, eval_ids = evaluation_rows(cfg, task, sampler, warn)
     return Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -181,9 +184,10 @@ def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
         reference=reference,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s)),
-        scaler=grad_scaler(cfg, device),
+        scaler=grad_scaler(dtype, device),
         sampler=sampler,
-        eval_rows=evaluation_rows(cfg, task, sampler, warn),
+        eval_rows=eval_rows,
+        eval_ids=eval_ids,
         console=console,
     )
 
@@ -275,6 +279,7 @@ def open_sinks(run: Run, state: RunState) -> Iterator[None]:
                 run_name=run.cfg.run_name,
                 purge_step=purge,
                 warn=run.warn,
+                say=lambda line: run.console.print(line, soft_wrap=True, highlight=False),
             )
         except UserError:
             if run.cfg.resume is None:  # nothing ran: leave the directory free for the next try
@@ -342,20 +347,22 @@ def committed(run: Run, state: RunState) -> Iterator[None]:
 
 def evaluation_rows(
     cfg: RunConfig, task: Task, sampler: Sampler, warn: Callable[[str], None]
-) -> list[dict]:
-    """The first `eval_size` held-out rows whose prompts fit the prompt budget (a warning when
-    there are fewer)."""
+) -> tuple[list[dict], list[list[int]]]:
+    """The first `eval_size` held-out rows whose prompts, as sampling renders them (tools
+    included), fit the prompt budget, and their ids (a warning when there are fewer)."""
     if cfg.eval_size > len(task.heldout):
         warn(
             f"eval_size {cfg.eval_size} is more than the {len(task.heldout)} held-out rows; "
             "evaluating all of them"
         )
-    rows, too_long = rows_that_fit(task.heldout, cfg.eval_size, sampler.tokenizer, sampler.budget)
+    rows, ids, too_long = rows_that_fit(
+        task.heldout, cfg.eval_size, sampler.tokenizer, sampler.budget, sampler.tools
+    )
     if too_long:
         warn(f"{too_long} held-out prompts are over {sampler.budget} tokens and not evaluated")
     if not rows:
         raise UserError("no held-out prompt fits the prompt budget; raise --max-prompt-length")
-    return rows
+    return rows, ids
 
 
 def lr_factor(cfg: RunConfig, step: int) -> float:
@@ -378,8 +385,7 @@ def apply_hyperparameters(cfg: RunConfig, optimizer: torch.optim.Optimizer, sche
             lr=cfg.lr * lr_factor(cfg, scheduler.last_epoch),
             weight_decay=cfg.weight_decay,
             betas=tuple(cfg.adam_betas),
-        )
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        )  # (the scheduler's record of its last rate follows at its next step; nothing reads it)
 
 
 def prepare_run_dir(cfg: RunConfig) -> Path:

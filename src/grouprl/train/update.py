@@ -18,13 +18,15 @@ import torch
 from torch import nn
 
 from grouprl.config.options import RunConfig
+from grouprl.config.validation import loss_options
 from grouprl.core import LossOptions, LossStats, policy_loss
 from grouprl.faults import fault
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models.lora import adapter_dropout
+from grouprl.models.precision import autocast
 from grouprl.rollout import Rollout, model_device
 from grouprl.train.batch import Batch
-from grouprl.train.build import autocast, forward_dtype
+from grouprl.train.metrics import UpdateSums
 from grouprl.train.parallel.distributed import SINGLE, Dist
 from grouprl.train.parallel.fsdp import Lockstep, logprobs
 from grouprl.train.plan import (
@@ -36,87 +38,6 @@ from grouprl.train.plan import (
 )
 
 
-def loss_options(cfg: RunConfig) -> LossOptions:
-    """The objective `policy_loss` computes, from the run's config."""
-    return LossOptions(
-        level=cfg.ratio_level,
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip,
-        beta=cfg.beta,
-        kl_estimator=cfg.kl_estimator,
-        agg=cfg.loss_agg,
-        norm_len=cfg.norm_len,
-    )
-
-
-@dataclass
-class _Totals:
-    """An update's diagnostics as sums over its minibatches (and, inside each, over passes and
-    ranks), divided once at the end (`metrics`): nothing is averaged twice."""
-
-    has_kl: bool
-    updates: int = 0  # optimizer steps whose loss and gradient were finite
-    nonfinite: int = 0  # optimizer steps skipped as non-finite
-    loss: float = 0.0  # Σ over finite updates of the global minibatch loss
-    grad_norm: float = 0.0  # Σ over finite updates
-    loss_tokens: float = 0.0  # Σ global loss tokens of the finite updates' minibatches
-    trained_rows: float = 0.0  # Σ over every update of rows that ran (globally)
-    rows: float = 0.0  # Σ over every update of the minibatch's rows (globally)
-    # the trained tokens' LossStats of the finite updates: sums added, extremes maxed
-    sums: torch.Tensor = dataclasses.field(
-        default_factory=lambda: torch.zeros(len(LossStats.SUMS), dtype=torch.float64)
-    )
-    extremes: torch.Tensor = dataclasses.field(
-        default_factory=lambda: torch.full(
-            (len(LossStats.EXTREMES),), -math.inf, dtype=torch.float64
-        )
-    )
-
-    def add(
-        self,
-        plan: Minibatch,
-        loss: float,
-        sums: list[float],
-        extremes: torch.Tensor,
-        trained_rows: float,
-        rows: float,
-        grad_norm: float | None,
-    ) -> None:
-        """One minibatch's update: its global loss and sums, this rank's extremes, and the
-        gradient norm (None: the step was skipped as non-finite)."""
-        self.trained_rows += trained_rows
-        self.rows += rows
-        if grad_norm is None:  # a NaN or inf never reached the weights, nor AdamW's moments
-            self.nonfinite += 1
-            return
-        self.updates += 1
-        self.loss += loss
-        self.grad_norm += grad_norm
-        self.loss_tokens += float(plan.num_tokens)
-        self.sums += torch.tensor(sums, dtype=torch.float64)
-        self.extremes = torch.maximum(self.extremes, extremes)
-
-    def metrics(self) -> dict[str, float]:
-        """Loss and gradient norm per finite update; clip fractions over every loss token of
-        their minibatches (skipped groups included: their advantages are 0, so never clipped,
-        which makes the fractions exactly those of the full computation); ratio statistics and
-        KL estimates over the tokens that were trained (NaN when none was)."""
-        stats = LossStats.combine(self.sums, self.extremes)
-        out = {
-            "loss": self.loss / self.updates if self.updates else 0.0,
-            "grad_norm": self.grad_norm / self.updates if self.updates else 0.0,
-            "clip_frac_low": stats.pop("clipped_low") / max(self.loss_tokens, 1.0),
-            "clip_frac_high": stats.pop("clipped_high") / max(self.loss_tokens, 1.0),
-            **stats,
-            "trained_frac": self.trained_rows / self.rows if self.rows else 0.0,
-            "nonfinite_updates": self.nonfinite,
-        }
-        if not self.has_kl:
-            del out["kl"]
-        return out
-
-
 def update(
     cfg: RunConfig,
     policy,
@@ -124,14 +45,17 @@ def update(
     batch: Batch,
     advantages: torch.Tensor,
     ref_logp: torch.Tensor | None,
+    *,
+    dtype: torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
     dist: Dist = SINGLE,
     lockstep: Lockstep | None = None,
 ) -> dict[str, float]:
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
 
-    advantages: (N,); ref_logp: (N, T) or None; scaler: the loss scaler of fp16 forwards (see
-    `grad_scaler`). Returns the step's diagnostics (see `_Totals.metrics`).
+    advantages: (N,); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
+    run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of fp16 forwards (see
+    `grad_scaler`). Returns the update's diagnostics (`UpdateSums.metrics`).
 
     Groups without a learning signal are skipped (`skip_zero_advantage`, beta = 0 only): when
     every completion of a group scored the same, its advantages are all 0, so its loss terms
@@ -157,49 +81,86 @@ def update(
     diagnostic is that of the global minibatch. Under FSDP `lockstep` pads the passes.
     """
     rollout = batch.rollout
-    device, dtype = model_device(policy), forward_dtype(cfg)
-    options = loss_options(cfg)  # the objective, one frozen object
-    advantages = advantages.to(device)  # (N,)
+    advantages = advantages.to(model_device(policy))  # (N,)
     mask = rollout.loss_mask  # (N, T) the tokens the loss trains
     if cfg.mask_truncated:
         mask = mask & ~rollout.truncated[:, None]
     # the optimizer's own: under FSDP the model's parameters are the unsharded tensors whenever
     # the root module is unsharded (after a forward), the optimizer's the sharded DTensors
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    # Passes by width where their cost is measured: on a CPU, and not under FSDP, where every
-    # pass is a collective per layer (all ranks must run the same passes) and costs an
-    # all-gather of the model that the position count does not model.
-    by_width = device.type == "cpu" and not dist.fsdp
-    plans = plan_minibatches(
-        cfg, rollout, advantages, mask, pass_overhead(policy) if by_width else None
-    )
-    plans = with_global_counts(plans, dist)
-    plans = pad_passes(plans, rollout, lockstep or Lockstep(dist))
-    if dtype is not None:
-        plans = trainer_old_logp(cfg, policy, plans)
-    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-    loss_inputs = _LossInputs(options, advantages, mask, ref_logp)
-    totals = _Totals(has_kl=ref_logp is not None)
+    plans = _plans(cfg, policy, rollout, advantages, mask, dtype, dist, lockstep or Lockstep(dist))
+    inputs = _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype)
+    sums = UpdateSums(has_kl=ref_logp is not None)
     for _ in range(cfg.epochs):
         for plan in plans:
             optimizer.zero_grad(set_to_none=True)
-            shared, extremes = _backward(cfg, policy, plan, loss_inputs, scaler)
-            if shared[-2] == 0:  # nothing trained here: a zero gradient (AdamW still steps)
+            passes = _backward(cfg, policy, plan, inputs, scaler)
+            if passes.trained_rows == 0:  # nothing trained here: a zero gradient (AdamW steps)
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
             dist.sum_gradients(params)
-            if dist.enabled:  # the global minibatch's loss and sums: one all-reduce
-                dist.all_reduce(shared)
-            loss, *stat_sums, trained_rows, rows = shared.tolist()
+            passes = passes.over_ranks(dist)  # the global minibatch's loss and sums
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
             grad_norm = optimizer_step(
-                optimizer, params, max_norm=max_norm, scaler=scaler, loss=loss
+                optimizer, params, max_norm=max_norm, scaler=scaler, loss=passes.loss
             )
             fault("update")
-            totals.add(plan, loss, stat_sums, extremes, trained_rows, rows, grad_norm)
+            sums.add(plan, passes.loss, passes.stats, passes.extremes, passes.trained_rows,
+                     passes.rows, grad_norm)  # fmt: skip
     if dist.enabled:
-        dist.all_reduce(totals.extremes, "max")
-    return totals.metrics()
+        dist.all_reduce(sums.extremes, "max")
+    return sums.metrics()
+
+
+def _plans(
+    cfg: RunConfig,
+    policy: nn.Module,
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    dtype: torch.dtype | None,
+    dist: Dist,
+    lockstep: Lockstep,
+) -> list[Minibatch]:
+    """The update's minibatches and passes (`grouprl.train.plan`), with the global counts, the
+    lockstep's fillers, and under autocast the trainer's own old_logp.
+
+    Passes by width where their cost is measured: on a CPU, and not under FSDP, where every pass
+    is a collective per layer (all ranks must run the same passes) and costs an all-gather of
+    the model that the position count does not model."""
+    by_width = model_device(policy).type == "cpu" and not dist.fsdp
+    plans = plan_minibatches(
+        cfg, rollout, advantages, mask, pass_overhead(policy) if by_width else None
+    )
+    plans = with_global_counts(plans, dist)
+    plans = pad_passes(plans, rollout, lockstep)
+    if dtype is not None:
+        plans = trainer_old_logp(cfg, policy, plans, dtype)
+    return plans
+
+
+@dataclass(frozen=True)
+class PassSums:
+    """What a minibatch's forward/backward passes add up to on this rank (or, `over_ranks`, in
+    the whole job): the loss, the `LossStats` sums, the rows trained (a lockstep filler adds
+    nothing) and the minibatch's rows; and this rank's `LossStats` extremes (maxed over ranks
+    once per update, by the caller)."""
+
+    loss: float
+    stats: list[float]  # LossStats.SUMS
+    trained_rows: float
+    rows: float
+    extremes: torch.Tensor  # (len(LossStats.EXTREMES),) float64 on the CPU
+
+    def over_ranks(self, dist: Dist) -> PassSums:
+        """The sums of every rank's passes: one all-reduce (float64)."""
+        if not dist.enabled:
+            return self
+        packed = torch.tensor([self.loss, *self.stats, self.trained_rows, self.rows],
+                              dtype=torch.float64, device=dist.device)  # fmt: skip
+        loss, *stats, trained_rows, rows = dist.all_reduce(packed).tolist()
+        return PassSums(loss, stats, trained_rows, rows, self.extremes)
 
 
 @dataclass(frozen=True)
@@ -210,6 +171,7 @@ class _LossInputs:
     advantages: torch.Tensor  # (N,) on the model's device
     mask: torch.Tensor  # (N, T) the loss mask
     ref_logp: torch.Tensor | None  # (N, T)
+    dtype: torch.dtype | None  # the forwards' autocast dtype
 
 
 def _backward(
@@ -218,19 +180,17 @@ def _backward(
     plan: Minibatch,
     inputs: _LossInputs,
     scaler: torch.amp.GradScaler | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward of every pass of a minibatch, gradients accumulated. Returns this
-    rank's [loss, *LossStats.SUMS, trained rows, rows] (float64, to be summed over ranks) and
-    the LossStats extremes (to be maxed), both over the passes that trained (a lockstep filler
-    adds nothing)."""
-    device, dtype = model_device(policy), forward_dtype(cfg)
+) -> PassSums:
+    """Forward and backward of every pass of a minibatch, gradients accumulated; what they add
+    up to on this rank (a lockstep filler adds nothing)."""
+    device = model_device(policy)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     sums = torch.zeros(len(LossStats.SUMS), dtype=torch.float64, device=device)
     extremes = torch.full((len(LossStats.EXTREMES),), -math.inf, dtype=torch.float64, device=device)
     trained_rows = 0
     for chunk in plan.chunks:
         with (
-            autocast(device, dtype),
+            autocast(device, inputs.dtype),
             _recomputing(cfg, policy),
             adapter_dropout(policy, cfg.lora_dropout > 0),
         ):
@@ -252,8 +212,9 @@ def _backward(
             sums += out.stats.sums()
             extremes = torch.maximum(extremes, out.stats.extremes())
             trained_rows += len(chunk.rows)
-    counts = sums.new_tensor([trained_rows, plan.num_rows])
-    return torch.cat([loss_sum[None], sums, counts]), extremes.cpu()
+    shared = torch.cat([loss_sum[None], sums]).tolist()  # one host sync
+    return PassSums(shared[0], shared[1:], float(trained_rows), float(plan.num_rows),
+                    extremes.cpu())  # fmt: skip
 
 
 def optimizer_step(
@@ -283,7 +244,9 @@ def optimizer_step(
     return float(grad_norm) if finite else None
 
 
-def trainer_old_logp(cfg: RunConfig, policy, plans: list[Minibatch]) -> list[Minibatch]:
+def trainer_old_logp(
+    cfg: RunConfig, policy, plans: list[Minibatch], dtype: torch.dtype
+) -> list[Minibatch]:
     """The minibatches with `old_logp` recomputed by the trainer's own forward.
 
     Under bf16 the sampler's KV-cached decode and the trainer's full-sequence forward round
@@ -292,7 +255,7 @@ def trainer_old_logp(cfg: RunConfig, policy, plans: list[Minibatch]) -> list[Min
     same forward path (prompt shared, or not under gradient checkpointing), makes the first
     update's ratio 1 again. Runs before any optimizer step.
     """
-    device, dtype = model_device(policy), forward_dtype(cfg)
+    device = model_device(policy)
     out = []
     for plan in plans:
         chunks = []
@@ -335,15 +298,15 @@ def _recomputing(cfg: RunConfig, policy: nn.Module) -> contextlib.AbstractContex
     )
 
 
-def grad_scaler(cfg: RunConfig, device: torch.device) -> torch.amp.GradScaler | None:
-    """A dynamic loss scaler when forward passes run in fp16, else None.
+def grad_scaler(dtype: torch.dtype | None, device: torch.device) -> torch.amp.GradScaler | None:
+    """A dynamic loss scaler when forward passes run in fp16 (`dtype`), else None.
 
     fp16 has a narrow exponent range: small gradients of fp16 activations flush to zero and large
     ones overflow. Scaling the loss up before backward and the gradients down before the step
     keeps them representable; a step whose gradients overflowed is skipped and the scale lowered
     (torch.amp's usual recipe). bf16 has fp32's range and needs none.
     """
-    if forward_dtype(cfg) != torch.float16:
+    if dtype != torch.float16:
         return None
     return torch.amp.GradScaler(device.type)
 

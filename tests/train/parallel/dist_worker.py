@@ -24,10 +24,13 @@ from grouprl.rollout.logprobs import plain_head
 from grouprl.tasks import get_task
 from grouprl.tasks.data import PromptStream
 from grouprl.train import checkpoint as ckpt
-from grouprl.train import collect, loop
+from grouprl.train import collect
+from grouprl.train.batch import Batch
 from grouprl.train.build import build_rewards
+from grouprl.train.metrics import sampling_metrics
 from grouprl.train.parallel import distributed, fsdp
 from grouprl.train.parallel.distributed import SINGLE, Dist
+from grouprl.train.step import batch_advantages
 from grouprl.train.update import update
 from numerics import to_float64
 
@@ -69,7 +72,7 @@ def train_three_steps(cfg, dist: Dist, policy, batch, lora: bool = False):
         sample_groups(model, tokenizer, ["1+1="], group_size=2, max_new_tokens=4, seed=0,
                       lockstep=dist.all_done)  # fmt: skip
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, eps=1e-4)
-    advantages = loop.batch_advantages(cfg, batch, dist, WEIGHTS)
+    advantages = batch_advantages(cfg, batch, dist, WEIGHTS)
     if dist.fsdp:  # as in training: the step-0 checkpoint gathers states before any update
         fsdp.gather_full_state(model, optimizer)
     grads, diagnostics = {}, None
@@ -91,7 +94,7 @@ def scale(a: dict) -> float:
     return max(float(v.abs().max()) for v in a.values())
 
 
-def fixed_batch(policy, tokenizer) -> loop.Batch:
+def fixed_batch(policy, tokenizer) -> Batch:
     """The global batch every check trains on: B arithmetic prompts, sampled with one seed."""
     rows = get_task("arithmetic").train[:B]
     rollout = sample_groups(
@@ -99,7 +102,7 @@ def fixed_batch(policy, tokenizer) -> loop.Batch:
     )
     rewards = torch.tensor(REWARDS, dtype=torch.float32).reshape(-1)
     second = torch.tensor(SECOND, dtype=torch.float32).reshape(-1)
-    return loop.Batch(rollout, list(rows), rewards, {"correct": rewards, "second": second})
+    return Batch(rollout, list(rows), rewards, {"correct": rewards, "second": second})
 
 
 def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
@@ -136,10 +139,11 @@ def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
 VAULT = str(Path(__file__).resolve().parents[3] / "examples" / "vault" / "env.py") + ":Vault"
 
 
-def tool_batch(environment: bool) -> tuple[torch.nn.Module, loop.Batch]:
+def tool_batch(environment: bool) -> tuple[torch.nn.Module, Batch]:
     """builtin:lookup (float64) and a global batch of B lookup prompts sampled with its tool,
     or with the vault environment (each group reset from its seed); fixed rewards as above."""
-    from grouprl.train.build import build_tools, prompt_ids
+    from grouprl.train.build import build_tools
+    from grouprl.train.prompts import prompt_ids
 
     policy = to_float64(load_model("builtin:lookup")).eval()
     tokenizer = load_tokenizer("builtin:lookup")
@@ -153,7 +157,7 @@ def tool_batch(environment: bool) -> tuple[torch.nn.Module, loop.Batch]:
                             tools=start.handler)  # fmt: skip
     assert not bool(rollout.loss_mask.equal(rollout.mask))  # observations are in the batch
     rewards = torch.tensor(REWARDS, dtype=torch.float32).reshape(-1)
-    return policy, loop.Batch(rollout, list(rows), rewards, {"correct": rewards})
+    return policy, Batch(rollout, list(rows), rewards, {"correct": rewards})
 
 
 def tool_parity(dist: Dist, out: dict) -> None:
@@ -226,7 +230,7 @@ def prompts_and_completions(dist: Dist, policy, tokenizer, out: dict) -> None:
     same, position, single_position = [], 0, 0
     for step in range(2):
         collected = collect.collect_batch(cfg, spread, step, position)
-        batch, stats, position = collected.kept, collected.metrics(), collected.position
+        batch, stats, position = collected.kept, sampling_metrics(collected), collected.position
         everyone = {p for part in dist.gather([r["prompt"] for r in batch.rows]) for p in part}
         single, _, single_position, _ = collect.draw_prompts(alone, single_position, B)
         mine = [single[i]["prompt"] for i in dist.my_groups(B, cfg.minibatches)]
@@ -248,7 +252,7 @@ def prompts_and_completions(dist: Dist, policy, tokenizer, out: dict) -> None:
     kept = []
     for step in range(2):
         collected = collect.collect_batch(dapo, sampler(dist, task.train), step, 0)
-        batch, stats = collected.kept, collected.metrics()
+        batch, stats = collected.kept, sampling_metrics(collected)
         groups = dist.gather(
             [(batch.rows[g]["prompt"], tuple(batch.rollout.texts[g * G : (g + 1) * G]),
               tuple(batch.passed[g * G : (g + 1) * G].tolist())) for g in range(len(batch.rows))]
@@ -280,7 +284,7 @@ def fsdp_checkpoint(dist: Dist, policy, run_dir: Path, out: dict) -> None:
         return model, optimizer, scheduler
 
     model, optimizer, scheduler = fresh()
-    update(cfg, model, optimizer, batch, loop.batch_advantages(cfg, batch, here), None, dist=here)
+    update(cfg, model, optimizer, batch, batch_advantages(cfg, batch, here), None, dist=here)
     weights, opt_state = fsdp.gather_full_state(model, optimizer)
     if here.is_main:
         ckpt.save_checkpoint(run_dir, 1, model=model, optimizer=optimizer, scheduler=scheduler,

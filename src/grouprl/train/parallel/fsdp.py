@@ -21,7 +21,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,8 @@ from grouprl.errors import UserError
 from grouprl.rollout import HFRolloutEngine, Rollout, completion_logprobs
 from grouprl.rollout.logprobs import plain_head
 from grouprl.train.parallel.distributed import SINGLE, Dist
+
+T = TypeVar("T")
 
 #: The name under which FSDP2 runs `completion_logprobs` with the root module's hooks.
 LOGPROBS_METHOD = "grouprl_completion_logprobs"
@@ -57,15 +59,15 @@ class Lockstep:
         step with the other ranks."""
         return HFRolloutEngine(model, tokenizer, lockstep=self.all_done, tools=tools)
 
-    def pad_rows(self, share: Sequence[dict], rows: Sequence[dict]) -> list[dict]:
-        """This rank's `share` of the evaluation `rows`, padded under lockstep with copies of
-        the first row to the longest share, so every rank samples as many batches; the caller
-        counts only the first len(share)."""
+    def pad_rows(self, share: Sequence[T], items: Sequence[T]) -> list[T]:
+        """This rank's `share` of the evaluation's `items` (rows, or their prompt ids), padded
+        under lockstep with copies of the first item to the longest share, so every rank
+        samples as many batches; the caller counts only the first len(share)."""
         share = list(share)
         if not self.active:
             return share
-        longest = max(len(r) for r in self.dist.shares(len(rows)))
-        return share + [rows[0]] * (longest - len(share))
+        longest = max(len(r) for r in self.dist.shares(len(items)))
+        return share + [items[0]] * (longest - len(share))
 
     def most_passes(self, counts: Sequence[int]) -> list[int]:
         """Each minibatch's most forward/backward passes on any rank, under lockstep: a rank

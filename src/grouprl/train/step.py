@@ -1,0 +1,183 @@
+"""One training step after sampling, the part that changes the weights: advantages, reference
+log-probs, the update, the learning-rate schedule and the step's metrics (`learn`). The training
+loop calls it once a step; `grouprl check` calls it to measure a step without stepping the
+optimizer, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grouprl.config.options import RunConfig
+from grouprl.core import gdpo_advantages, group_advantages, overlong_penalty
+from grouprl.models.lora import base_model_context
+from grouprl.rollout import Rollout
+from grouprl.train.batch import Batch
+from grouprl.train.collect import Collected
+from grouprl.train.metrics import step_metrics
+from grouprl.train.parallel.distributed import Dist
+from grouprl.train.run import Run, RunState
+from grouprl.train.update import no_grad_logprobs, update
+
+
+@dataclass(frozen=True)
+class StepLog:
+    """What a step leaves for the logs."""
+
+    metrics: dict[str, float]
+    samples: list[dict[str, Any]]  # samples.jsonl's lines
+    ratios: tuple[list[int], list[float]] | None  # ratios.jsonl's line, on a probed step
+
+
+def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, StepLog]:
+    """The rest of a step, which changes the weights in place: advantages, reference log-probs,
+    the update (`train_on`), the learning-rate schedule, the step's metrics; returns the next
+    state and what to log. `grouprl check` measures a step by calling this on a run whose
+    optimizer does not step."""
+    start = time.perf_counter()
+    cfg, dist, batch = run.cfg, run.dist, collected.kept
+    weights = run.sampler.rewards.weights
+    trained, samples, ratios, nonfinite = None, [], None, state.nonfinite_in_a_row
+    if batch is not None:
+        probe = _ratio_probe(cfg, state.step, batch, run)
+        advantages, trained = train_on(run, batch)
+        nonfinite = nonfinite + 1 if trained["nonfinite_updates"] else 0
+        samples = _samples(batch, advantages, cfg.log_samples)
+        ratios = None if probe is None else _probe_ratios(cfg, probe, run.policy, dist)
+    lr = run.optimizer.param_groups[0]["lr"]  # the rate this step's updates used
+    metrics = step_metrics(collected, trained, dist=dist, weights=weights, lr=lr)
+    run.scheduler.step()
+    seconds = collected.seconds + time.perf_counter() - start
+    (generated,) = dist.sum(int(collected.sampled.rollout.sampled_lengths.sum()))  # every rank's
+    metrics.update(step_seconds=seconds, rollout_seconds=collected.seconds,
+                   tokens_per_s=generated / seconds)  # fmt: skip
+    state = RunState(state.step + 1, collected.position, nonfinite, state.initial_eval)
+    return state, StepLog(metrics, samples, ratios)
+
+
+def train_on(run: Run, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """One update on `batch`: its advantages (N,) over the whole job's batch, the reference
+    log-probs when beta > 0 (the initial policy: a frozen copy, or LoRA's base model), then
+    `update`; returns the advantages and the update's diagnostics."""
+    cfg, dist = run.cfg, run.dist
+    advantages = batch_advantages(cfg, batch, dist, run.sampler.rewards.weights)  # (N,)
+    ref_logp = None
+    if cfg.beta > 0:
+        with base_model_context(run.policy):
+            model = run.reference or run.policy
+            ref_logp = no_grad_logprobs(cfg, model, batch.rollout, run.sampler.dtype)
+    diagnostics = update(cfg, run.policy, run.optimizer, batch, advantages, ref_logp,
+                         dtype=run.sampler.dtype, scaler=run.scaler, dist=dist,
+                         lockstep=run.lockstep)  # fmt: skip
+    return advantages, diagnostics
+
+
+def batch_advantages(
+    cfg: RunConfig, batch: Batch, dist: Dist, weights: dict[str, float] | None = None
+) -> torch.Tensor:
+    """This rank's advantages (N,), computed over the whole job's batch (so a batch-level
+    scale uses the global batch's statistics). `weights`: the reward functions' (for gdpo)."""
+    G, per = cfg.group_size, len(batch.rows)
+    if cfg.adv_estimator == "gdpo":
+        components, w = gdpo_components(cfg, batch, weights or {})
+        gathered = torch.cat(dist.gather(components)) if dist.enabled else components
+        advantages = gdpo_advantages(gathered.view(-1, G, len(w)), w, eps=cfg.adv_eps)
+        advantages = advantages.to(batch.rewards.dtype)
+    else:
+        rewards = torch.cat(dist.gather(batch.rewards)) if dist.enabled else batch.rewards
+        advantages = group_advantages(
+            rewards.view(-1, G),
+            scale=cfg.adv_scale,
+            estimator=cfg.adv_estimator,
+            eps=cfg.adv_eps,
+            unbiased_std=cfg.unbiased_std,
+        )
+    advantages = advantages.reshape(-1)  # (N_global,)
+    return advantages[dist.rank * per * G : (dist.rank + 1) * per * G]
+
+
+def gdpo_components(
+    cfg: RunConfig, batch: Batch, weights: dict[str, float]
+) -> tuple[torch.Tensor, list[float]]:
+    """GDPO's rewards (N, K) and weights (K,): each weighted reward function's raw scores, and
+    DAPO's overlong penalty, when on, as one more reward of weight 1 (normalised in its group
+    like the others)."""
+    names = [name for name, w in weights.items() if w != 0 and name in batch.by_function]
+    columns = [batch.by_function[name].to(torch.float64) for name in names]
+    w = [weights[name] for name in names]
+    if cfg.overlong_penalty:
+        lengths = batch.rollout.sampled_lengths.cpu()
+        columns.append(
+            overlong_penalty(lengths, max_len=cfg.max_new_tokens, cache_len=cfg.overlong_cache)
+            .to(torch.float64)
+        )  # fmt: skip
+        w.append(1.0)
+    return torch.stack(columns, -1), w
+
+
+@dataclass
+class _Probe:
+    """Completions whose ratio against the sampling policy is measured after the step."""
+
+    rollout: Rollout  # one completion per group (groups of 1), spread over the batch
+    old_logp: torch.Tensor  # (k, T) the sampling policy's log-probs, by the trainer's forward
+    dtype: torch.dtype | None
+
+
+def _ratio_probe(cfg: RunConfig, step: int, batch: Batch, run: Run) -> _Probe | None:
+    """This rank's share of the `log_ratios` completions of a logged step (every
+    `log_ratios_every` steps), before the update: one completion from each of as many groups
+    as possible, a different member of each, so lengths and prompts vary. Under bf16 their
+    sampling-policy log-probs are recomputed by the trainer's forward (the sampler's differ
+    from it by rounding, see `trainer_old_logp`): a second extra forward."""
+    if not cfg.log_ratios or (step + 1) % cfg.log_ratios_every:
+        return None
+    rollout = batch.rollout
+    B, G = rollout.num_prompts, rollout.group_size
+    k = min(-(-cfg.log_ratios // run.dist.world_size), B * G)  # this rank's share
+    rows = [(i % B) * G + (i // B + i) % G for i in range(k)]  # distinct: groups first
+    sub = rollout.regroup(1).select_groups(rows)
+    dtype = run.sampler.dtype
+    old = sub.old_logp if dtype is None else no_grad_logprobs(cfg, run.policy, sub, dtype)
+    return _Probe(sub, old, dtype)
+
+
+def _probe_ratios(
+    cfg: RunConfig, probe: _Probe, policy: torch.nn.Module, dist: Dist
+) -> tuple[list[int], list[float]]:
+    """Sampled lengths and Σ_t log ρ_t over the sampled tokens (the log of the token-ratio
+    product; divided by the length it is GSPO's log sequence ratio) of the probe's completions
+    under the policy after the step's last update, every rank's together. One extra no-grad
+    forward: for an on-policy step the ratio inside the update is 1 by construction; this is how
+    far the update moved those sequences."""
+    sub = probe.rollout
+    logp = no_grad_logprobs(cfg, policy, sub, probe.dtype)  # (k, T)
+    log_ratio = ((logp - probe.old_logp) * sub.loss_mask).sum(-1)  # (k,)
+    mine = (sub.sampled_lengths.tolist(), log_ratio.tolist())
+    shares = dist.gather(mine) if dist.enabled else [mine]
+    return [x for s in shares for x in s[0]], [x for s in shares for x in s[1]]
+
+
+def _samples(batch: Batch, advantages: torch.Tensor, k: int) -> list[dict[str, Any]]:
+    """The first completion of the first k groups: enough to read what the policy writes (with
+    any columns the reward functions added through `log_extra`)."""
+    G, out = batch.rollout.group_size, []
+    for g in range(min(k, len(batch.rows))):
+        row = g * G
+        out.append(
+            {
+                "prompt": batch.rows[g]["prompt"],
+                "completion": batch.rollout.texts[row],
+                "reward": float(batch.rewards[row]),
+                "advantage": float(advantages[row]),
+                "answer": batch.rows[g].get("answer"),
+                **{name: values[row] for name, values in batch.extra.items()},
+            }
+        )
+        if batch.rollout.turns is not None:  # the whole transcript, tool turns marked
+            out[-1]["transcript"] = batch.rollout.turns.transcripts[row]
+    return out
