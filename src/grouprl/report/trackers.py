@@ -174,11 +174,12 @@ class _Mlflow(_Backend):
     """An MLflow run through MlflowClient (no process-global active run): the tracking URI is
     MLFLOW_TRACKING_URI as given (a server, sqlite:///mlflow.db with the full mlflow package, a
     file: store), else the store an earlier part of this run used, else a local file store,
-    ./mlruns under the working directory, as TRL's users get without setting anything (newer
-    MLflow refuses a file store unless MLFLOW_ALLOW_FILE_STORE=true, which is then set for this
-    process; the lowest version allowed takes a file store as it is). The experiment is
-    MLFLOW_EXPERIMENT_NAME (created if missing), else MLflow's default. The config becomes
-    params; MLflow refuses to change a param, so a resumed run adds only new ones."""
+    ./mlruns under the working directory, as TRL's users get without setting anything. A store
+    grouprl chose becomes this process's MLFLOW_TRACKING_URI (MLflow's table and artifact
+    helpers read it; the lowest version allowed logged tables to ./mlruns otherwise), with
+    MLFLOW_ALLOW_FILE_STORE=true, without which newer MLflow refuses a file store. The
+    experiment is MLFLOW_EXPERIMENT_NAME (created if missing), else MLflow's default. The config
+    becomes params; MLflow refuses to change a param, so a resumed run adds only new ones."""
 
     name = "mlflow"
 
@@ -190,8 +191,10 @@ class _Mlflow(_Backend):
 
         given = os.environ.get("MLFLOW_TRACKING_URI")
         uri = given or saved.get("uri") or (Path.cwd() / "mlruns").resolve().as_uri()
-        if not given and uri.startswith("file:"):
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        if not given:  # MLflow's own helpers (tables, artifacts) read the process's URI
+            os.environ["MLFLOW_TRACKING_URI"] = uri
+            if uri.startswith("file:"):
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         if not given and not saved.get("uri"):
             self.say(f"mlflow: no MLFLOW_TRACKING_URI, so runs go to the local store {uri} "
                      f"(see them with: mlflow ui --backend-store-uri {uri})")  # fmt: skip

@@ -18,8 +18,9 @@ Each step:
      `micro_batch_size` completions, gradients accumulated), gradient clipping, an optimizer
      step. With one epoch and one minibatch the update is exactly on-policy and the ratio is 1;
      only its gradient matters (GRPO paper, mu = 1);
-  8. learning-rate schedule, metrics, sample completions (steps 5-8: `learn`); then the driver
-     logs, evaluates and checkpoints.
+  8. learning-rate schedule, metrics, sample completions (steps 5-8: `learn`, in
+     `grouprl.train.step`, which `grouprl check` runs too); then the driver logs, evaluates
+     and checkpoints.
 
 A step is split where the weights begin to change: `collect_batch` only reads them, `learn`
 changes them in place. The driver keeps the `RunState` of the last completed step, and saves it
