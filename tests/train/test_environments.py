@@ -54,8 +54,18 @@ class Guess:
 
 
 class Unseeded(Guess):
+    """As TRL's examples write them: the global random."""
+
     def reset(self, prompt, **row):
         self.secret, self.guesses = random.randint(1, 10**9), []
+        return f" {self.secret}"
+
+
+class OwnGenerator(Guess):
+    """Randomness grouprl cannot reach: a generator of its own, seeded from the OS."""
+
+    def reset(self, prompt, **row):
+        self.secret, self.guesses = random.Random().randint(1, 10**9), []
         return f" {self.secret}"
 
 
@@ -121,7 +131,7 @@ def test_steps_count_against_max_turns(tokenizer, game, scripted_cache):
     assert bool(r.turns.ended_by_turns[0]) and r.turns.environments[0].guesses == [3]
 
 
-def test_a_group_shares_its_initial_state_and_an_unseeded_reset_is_refused(game):
+def test_a_group_shares_its_initial_state_and_a_reset_it_cannot_seed_is_refused(game):
     env = load_environment(f"{game}:Guess")
     assert env.takes_seed and env.has_step and env.has_reward and env.methods == ()
     rows = [{"prompt": "#1=", "secret": None}, {"prompt": "#2=", "secret": None}]
@@ -131,9 +141,15 @@ def test_a_group_shares_its_initial_state_and_an_unseeded_reset_is_refused(game)
     assert secrets[:4] == [secrets[0]] * 4 and secrets[4:] == [secrets[4]] * 4
     assert seeds == [group_seed(0, 3, 0, row) for row in rows]  # the same on any rank, resume
     assert seeds[0] != group_seed(0, 4, 0, rows[0])  # another step, another episode
+    # the global random: seeded from the group's seed around each reset, so a group agrees
+    unseeded = load_environment(f"{game}:Unseeded").start(rows, 3, seeds).instances
+    assert [e.secret for e in unseeded[:3]] == [unseeded[0].secret] * 3
+    assert unseeded[0].secret != unseeded[3].secret
     with pytest.raises(UserError, match="reset to different states") as err:
-        load_environment(f"{game}:Unseeded").start(rows, 2, seeds)
-    assert "take a seed keyword" in str(err.value) and "\n" not in str(err.value)
+        load_environment(f"{game}:OwnGenerator").start(rows, 2, seeds)
+    message = str(err.value)
+    assert "take a seed keyword" in message and "\n" not in message
+    assert "seeds Python's global random" in message  # says what grouprl did already
 
 
 def test_get_reward_is_a_reward_and_rewards_receive_the_environments(game, tokenizer):

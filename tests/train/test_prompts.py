@@ -60,8 +60,8 @@ def test_held_out_prompts_are_budgeted_with_their_tool_schemas(chat_run_files, m
     )
     want = [r for r, n in zip(rows, full) if n <= budget]
     assert 0 < len(want) < len(rows)
-    assert run.eval_rows == want
-    assert run.eval_ids == [prompt_ids(tokenizer, r["prompt"], tools) for r in want]
-    assert all(len(ids) <= budget for ids in run.eval_ids)
+    assert run.heldout.rows == want
+    assert run.heldout.ids == [prompt_ids(tokenizer, r["prompt"], tools) for r in want]
+    assert all(len(ids) <= budget for ids in run.heldout.ids)
     kept, ids, too_long = rows_that_fit(rows, len(rows), tokenizer, budget, tools)
-    assert (kept, ids, too_long) == (want, run.eval_ids, len(rows) - len(want))
+    assert (kept, ids, too_long) == (want, run.heldout.ids, len(rows) - len(want))

@@ -159,10 +159,10 @@ def test_a_run_killed_in_its_final_evaluation_is_not_taken_for_finished(tmp_path
     assert main(["train", "--steps", "1", "--output-dir", str(run), *TINY]) == 0
     original = loop.run_eval
 
-    def dies_in_the_final_evaluation(cfg, policy, sampler, rows, ids, step, **kwargs):
+    def dies_in_the_final_evaluation(cfg, policy, sampler, heldout, step, **kwargs):
         if step == 2:
             raise KeyboardInterrupt  # as good as a kill: nothing after this point runs
-        return original(cfg, policy, sampler, rows, ids, step, **kwargs)
+        return original(cfg, policy, sampler, heldout, step, **kwargs)
 
     monkeypatch.setattr(loop, "run_eval", dies_in_the_final_evaluation)
     assert main(["train", "--resume", str(run), "--steps", "2"]) == 130

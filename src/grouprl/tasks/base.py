@@ -52,6 +52,13 @@ class Task:
     """The policy `--model` means when it is not given."""
     default_steps: int = 200
     """The training steps `--steps` means when it is not given."""
+    episodes: bool = False
+    """Training draws fresh episodes of an environment, not rows: the environment owns the data
+    (its rows have no prompt: `reset` writes it) or every row is one prompt. Each group is
+    then seeded by its position in the run's episodes (`grouprl.tasks.tool_use.Episode`)."""
+    heldout_episodes: bool = False
+    """The held-out evaluation runs `eval_size` fresh episodes of `heldout[0]`, seeded apart
+    from training's, instead of held-out rows."""
 
     def split(self, name: str) -> Sequence[dict]:
         """The rows of split `name`: "train", "heldout", or "all" (train, then heldout)."""

@@ -446,19 +446,38 @@ def dataset_task(
     eval_source: str | None = None,
     eval_split: str = "train",
     eval_fraction: float = 0.05,
+    environment: bool = False,
+    same_eval_source: bool = False,
 ) -> Task:
     """A task over a dataset: training rows, held-out rows (from `eval_source`, or a hash-chosen
-    part of `source`), no reward functions of its own (name them with --rewards)."""
+    part of `source`), no reward functions of its own (name them with --rewards).
+
+    With an `environment`, a dataset whose rows are all one prompt (a game's) is a source of
+    episodes: every row trains, and the held-out evaluation runs fresh episodes of that prompt
+    (unless another `eval_source` is given; the same one, `same_eval_source`, adds nothing)."""
     table = load_table(source, split)
     check_schema(table, fmt, source)
+    if environment and len(set(_prompt_keys(table, fmt, source))) == 1:
+        rows = Rows(table, np.arange(len(table)), fmt, source)
+        own = eval_source is None or same_eval_source
+        heldout = rows if own else _eval_rows(eval_source, eval_split, fmt)
+        return Task(
+            name=f"dataset:{source}", train=rows, heldout=heldout, reward_funcs={},
+            reward_weights={}, stop=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, episodes=True,
+            heldout_episodes=own,
+        )  # fmt: skip
+    if same_eval_source:
+        raise UserError(
+            f"--eval-dataset is --dataset and --eval-split is --dataset-split ({split}): "
+            "evaluation would score training prompts; choose another split, or leave "
+            "--eval-dataset out to hold out part of --dataset"
+        )
     if eval_source is None:
         train_idx, heldout_idx = split_by_hash(table, fmt, eval_fraction, source)
         heldout = Rows(table, heldout_idx, fmt, source)
     else:
-        eval_table = load_table(eval_source, eval_split)
-        check_schema(eval_table, fmt, eval_source)
         train_idx = np.arange(len(table))
-        heldout = Rows(eval_table, np.arange(len(eval_table)), fmt, eval_source)
+        heldout = _eval_rows(eval_source, eval_split, fmt)
     return Task(
         name=f"dataset:{source}",
         train=Rows(table, train_idx, fmt, source),
@@ -468,6 +487,23 @@ def dataset_task(
         stop=None,
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
     )
+
+
+def _eval_rows(source: str, split: str, fmt: RowFormat) -> Rows:
+    table = load_table(source, split)
+    check_schema(table, fmt, source)
+    return Rows(table, np.arange(len(table)), fmt, source)
+
+
+def environment_task(name: str) -> Task:
+    """The task of an environment that owns its data: every row is an empty one (reset writes
+    the prompt), training and held-out alike are fresh episodes, and the rewards are the
+    environment's own or --rewards."""
+    return Task(
+        name=f"environment:{name}", train=[{}], heldout=[{}], reward_funcs={},
+        reward_weights={}, stop=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, episodes=True,
+        heldout_episodes=True,
+    )  # fmt: skip
 
 
 class PromptStream:

@@ -18,16 +18,24 @@ The class is instantiated with no arguments, once per rollout (G per prompt), an
   it returns is the next observation (None: the episode is over). Steps count against
   `--max-turns`, as tool calls do.
 
+Without a dataset (and no task) the environment owns the data: each group's `reset` gets no
+row (only `seed=`, when it takes one) and returns the prompt itself, as TRL calls it.
+
 The group shares its initial state: its G instances are reset from the same row with the same
-seed, and their initial prompts must come out identical (the prompt is prefilled once for the
-group); if they differ, `reset` used randomness it was not given, and the run stops with one
-line saying so. Rollouts then differ only by what the model does and the environment answers.
+seed, while Python's global `random` and NumPy's global generator start from that seed too
+(`grouprl.tasks.randomness`: environments written the way TRL's examples are need nothing
+more); their initial prompts must come out identical (the prompt is prefilled once for the
+group); if they differ, `reset` used randomness grouprl cannot reach, and the run stops with
+one line saying so. After the reset each rollout draws from its own stream, swapped in around
+every call into its environment, so rollouts differ by what the model does and what the
+environment answers, and a run is still a function of its seed.
 Reward functions receive the instances as `environments=` (one per completion), as TRL passes
 them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -38,6 +46,13 @@ from typing import Any
 
 from grouprl.errors import UserError
 from grouprl.messages import is_conversational
+from grouprl.tasks.randomness import (
+    STREAM_ATTRIBUTE,
+    RandomStream,
+    bind_stream,
+    seeded,
+    stream_of,
+)
 from grouprl.tasks.specs import is_file_spec
 from grouprl.tasks.tools import Tool
 
@@ -64,51 +79,90 @@ class Environment:
         return {m: Tool(m, getattr(instance, m)) for m in self.methods}
 
     def reward(self) -> Callable[..., list[float | None]]:
-        """A reward function that reads each rollout's `get_reward()` (named after the class)."""
+        """A reward function that reads each rollout's `get_reward()` (named after the class),
+        with that rollout's random stream swapped in."""
 
         def reward(completions, environments, **_):
-            return [env.get_reward() for env in environments]
+            out = []
+            for env in environments:
+                with stream_of(env):
+                    out.append(env.get_reward())
+            return out
 
         reward.__name__ = self.name
         return reward
 
-    def start(self, rows: Sequence[dict], group_size: int, seeds: Sequence[int]) -> Episodes:
+    def start(
+        self, rows: Sequence[dict], group_size: int, seeds: Sequence[int], *, chat: bool = False
+    ) -> Episodes:
         """One instance per rollout (`group_size` per row), reset from its row (with the row's
-        seed when `reset` takes one); the rows' prompts with what `reset` returned."""
-        instances, prompts = [], []
+        seed when `reset` takes one) while Python's and NumPy's global generators start from
+        that seed (`grouprl.tasks.randomness`); then each instance gets its rollout's own
+        random stream. The rows' prompts with what `reset` returned; a row without a prompt
+        (an environment that owns its data) gets reset's text as the prompt, a user message
+        for a `chat` model."""
+        instances, prompts, rows_out = [], [], []
         for g, (row, seed) in enumerate(zip(rows, seeds, strict=True)):
             texts = []
-            for _ in range(group_size):
+            for k in range(group_size):
                 env = self.new()
-                kwargs = {**row, "seed": seed} if self.takes_seed else dict(row)
-                try:
-                    text = env.reset(**kwargs)
-                except Exception as err:
-                    raise UserError(
-                        f"environment {self.name}.reset raised {type(err).__name__}: {err}; fix "
-                        f"it (reset(**row) gets every column of the row: {', '.join(row)})"
-                    ) from None
-                if text is not None and not isinstance(text, str):
-                    raise UserError(
-                        f"environment {self.name}.reset returned a {type(text).__name__}; "
-                        "return the text to add to the prompt, or None"
-                    )
+                with seeded(seed):
+                    text = self._reset(env, row, seed)
+                bind_stream(env, RandomStream(group_seed(seed, k)))
                 instances.append(env)
                 texts.append(text)
             if any(t != texts[0] for t in texts):
-                hint = (
-                    "use the seed it is given"
-                    if self.takes_seed
-                    else "take a seed keyword in reset and draw from it"
-                )
-                raise UserError(
-                    f"environment {self.name}: the {group_size} rollouts of prompt {g} were "
-                    f"reset to different states ({texts[0]!r} vs "
-                    f"{next(t for t in texts if t != texts[0])!r}); a group must share its "
-                    f"initial state (its advantages compare the rollouts), so {hint}"
-                )
-            prompts.append(with_reset_text(row["prompt"], texts[0]))
-        return Episodes(self, instances, prompts)
+                raise UserError(self._differing(group_size, g, texts))
+            if "prompt" in row:  # the row is scored as it is; the model sees reset's text too
+                prompts.append(with_reset_text(row["prompt"], texts[0]))
+                rows_out.append(row)
+            else:  # the environment owns the data: reset's text is the prompt
+                prompts.append([{"role": "user", "content": texts[0]}] if chat else texts[0])
+                rows_out.append({**row, "prompt": prompts[-1]})
+        return Episodes(self, instances, prompts, rows_out)
+
+    def _reset(self, env: Any, row: dict, seed: int) -> str | None:
+        """`reset` as the row asks: every column (and the seed) from a dataset row, only the
+        seed (when it takes one) for an environment that owns its data, as TRL calls it."""
+        owns_data = "prompt" not in row
+        kwargs = {} if owns_data else dict(row)
+        if self.takes_seed:
+            kwargs["seed"] = seed
+        try:
+            text = env.reset(**kwargs)
+        except Exception as err:
+            given = "no row (the environment owns the data)" if owns_data else (
+                f"every column of the row: {', '.join(row)}")  # fmt: skip
+            raise UserError(
+                f"environment {self.name}.reset raised {type(err).__name__}: {err}; fix it "
+                f"(reset gets {given})"
+            ) from None
+        if text is not None and not isinstance(text, str):
+            raise UserError(
+                f"environment {self.name}.reset returned a {type(text).__name__}; return the "
+                "text to add to the prompt, or None"
+            )
+        if owns_data and not text:
+            raise UserError(
+                f"environment {self.name}.reset returned {text!r} with no dataset: without one "
+                "the prompt is what reset returns; return the prompt text, or give --dataset"
+            )
+        return text
+
+    def _differing(self, group_size: int, g: int, texts: list[str | None]) -> str:
+        other = next(t for t in texts if t != texts[0])
+        hint = (
+            "draw from the seed reset is given"
+            if self.takes_seed
+            else "take a seed keyword in reset and draw from it"
+        )
+        return (
+            f"environment {self.name}: the {group_size} rollouts of prompt {g} were reset to "
+            f"different states ({texts[0]!r} vs {other!r}), although grouprl seeds Python's "
+            "global random (and NumPy's) from the group's seed before every reset, so they "
+            "come from randomness it cannot reach (a random.Random() of the environment's own, "
+            f"the clock); a group must share its initial state, so {hint}"
+        )
 
     def new(self) -> Any:
         """A fresh instance (the class takes no arguments)."""
@@ -128,14 +182,28 @@ class Episodes:
     environment: Environment
     instances: list[Any]
     prompts: list[Any]
+    rows: list[dict]  # the rows as rewards see them (reset's text as the prompt of a row with none)
 
     def row_tools(self) -> list[dict[str, Tool]]:
-        return [self.environment.tools_of(env) for env in self.instances]
+        """Each rollout's tools: its instance's methods, run with its random stream."""
+        return [
+            {name: dataclasses.replace(tool, stream=getattr(env, STREAM_ATTRIBUTE, None))
+             for name, tool in self.environment.tools_of(env).items()}
+            for env in self.instances
+        ]  # fmt: skip
 
     def steps(self) -> list[Callable[[str], str | None]] | None:
         if not self.environment.has_step:
             return None
-        return [env.step for env in self.instances]
+        return [_streamed(env, env.step) for env in self.instances]
+
+
+def _streamed(env: Any, method: Callable[[str], Any]) -> Callable[[str], Any]:
+    def call(text: str) -> Any:
+        with stream_of(env):
+            return method(text)
+
+    return call
 
 
 def with_reset_text(prompt: Any, text: str | None) -> Any:

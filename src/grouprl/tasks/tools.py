@@ -23,7 +23,10 @@ available to the format but never run).
 
 How tools run: inside the decode loop, in the main process, when a row closes a call: every
 row's calls of that decode step together, sync tools one after another and `async` ones
-concurrently in one event loop, while the other rows wait for that step. Each call has
+concurrently in one event loop, while the other rows wait for that step. An environment's
+methods run with their rollout's global-random stream swapped in
+(`grouprl.tasks.randomness`), its async ones one at a time, each in its own event loop (the
+stream is process-wide state: interleaved coroutines would draw from each other's). Each call has
 `timeout` seconds: sync tools through the same SIGALRM timer as reward functions (the main
 thread's, which is where the decode loop runs), async tools through the event loop's timeout
 as well. Nothing is evaluated: arguments are parsed, never `eval`'d.
@@ -32,6 +35,7 @@ as well. Nothing is evaluated: arguments are parsed, never `eval`'d.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import difflib
 import inspect
@@ -55,10 +59,12 @@ TRUNCATED = "..."
 
 @dataclass(frozen=True)
 class Tool:
-    """A function the policy may call by name."""
+    """A function the policy may call by name; an environment's method carries its rollout's
+    random stream (`grouprl.tasks.randomness`), swapped in while it runs."""
 
     name: str
     fn: Callable[..., Any]
+    stream: Any = None  # a RandomStream, or None
 
     @property
     def is_async(self) -> bool:
@@ -183,20 +189,35 @@ def run_calls(calls: Sequence[tuple[Tool | None, Call]], timeout: float) -> list
         except (TypeError, ValueError) as err:
             out[i] = (f"error: {describe(tool)}: {err}", True)
             continue
-        if tool.is_async:
+        if tool.is_async and tool.stream is None:
             pending[i] = (tool, bound)
             continue
-        try:
-            with time_limit(timeout):
-                out[i] = (_text(tool.fn(*bound.args, **bound.kwargs)), False)
-        except TimeLimitExceeded:
-            out[i] = (f"error: {tool.name} did not return within {timeout:g} s", True)
-        except Exception as err:  # a tool's failure is the model's observation, never a crash
-            out[i] = (f"error: {tool.name} raised {type(err).__name__}: {err}", True)
+        with _stream(tool):
+            out[i] = _run_one(tool, bound, timeout)
     if pending:
         for i, result in _run_async(pending, timeout).items():
             out[i] = result
     return [o for o in out if o is not None]
+
+
+def _stream(tool: Tool) -> contextlib.AbstractContextManager:
+    """The tool's random stream swapped in, if it has one."""
+    return tool.stream.swapped() if tool.stream is not None else contextlib.nullcontext()
+
+
+def _run_one(tool: Tool, bound: inspect.BoundArguments, timeout: float) -> tuple[str, bool]:
+    """One call on its own: a sync tool under the time limit; an async one (an environment's,
+    which runs one at a time while its rollout's stream is swapped in) in an event loop of its
+    own."""
+    if tool.is_async:
+        return _run_async({0: (tool, bound)}, timeout)[0]
+    try:
+        with time_limit(timeout):
+            return _text(tool.fn(*bound.args, **bound.kwargs)), False
+    except TimeLimitExceeded:
+        return f"error: {tool.name} did not return within {timeout:g} s", True
+    except Exception as err:  # a tool's failure is the model's observation, never a crash
+        return f"error: {tool.name} raised {type(err).__name__}: {err}", True
 
 
 def _run_async(pending: dict[int, Any], timeout: float) -> dict[int, tuple[str, bool]]:

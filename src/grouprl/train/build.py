@@ -19,7 +19,7 @@ from grouprl.models.loading import DTYPES, context_length
 from grouprl.models.lora import apply_lora
 from grouprl.tasks import Task, get_task
 from grouprl.tasks.chat_tools import ChatTools
-from grouprl.tasks.data import DEFAULT_MAX_NEW_TOKENS, RowFormat, dataset_task
+from grouprl.tasks.data import DEFAULT_MAX_NEW_TOKENS, RowFormat, dataset_task, environment_task
 from grouprl.tasks.environments import load_environment
 from grouprl.tasks.scoring import RewardSet, build_reward_set
 from grouprl.tasks.tool_use import ToolUse
@@ -31,7 +31,7 @@ def task_defaults(opts: DataOptions) -> dict[str, Any]:
     read): `task_max_new_tokens`, the built-in task's budget or 256 for a dataset,
     `task_model`, the task's policy (builtin:arith for a dataset) and `task_steps`, its run's
     length. `resolve`'s keywords."""
-    if opts.dataset is not None:
+    if opts.dataset is not None or owns_data(opts):
         return {"task_max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "task_model": "builtin:arith"}
     task = get_task(opts.task or "arithmetic")
     return {"task_max_new_tokens": task.max_new_tokens, "task_model": task.default_model,
@@ -54,8 +54,11 @@ def build_tools(
     if environment is not None:
         # the methods of one instance stand for every rollout's (names, schemas); each rollout
         # binds its own instances' (`ToolHandler.for_rollout`)
-        # (reset on the first row: a reset that cannot take a row is found now)
-        probe = environment.tools_of(environment.start(task.train[:1], 1, [0]).instances[0])
+        # (reset on the first row: a reset that cannot take a row, or one that writes no
+        # prompt for an environment that owns the data, is found now)
+        probe = environment.tools_of(
+            environment.start(task.train[:1], 1, [0], chat=_chat(tokenizer)).instances[0]
+        )
         clash = sorted(set(probe) & {t.name for t in tools})
         if clash:
             raise UserError(
@@ -80,11 +83,25 @@ def build_tools(
         handler = TagTools(tools, tokenizer, **limits)
     else:  # an environment played by step() alone
         handler = PlainTurns(tokenizer, **limits)
-    return ToolUse(handler, environment)
+    return ToolUse(handler, environment, chat=_chat(tokenizer))
+
+
+def _chat(tokenizer: Any) -> bool:
+    """Whether the model's prompts are chat messages (its tokenizer has a template)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def owns_data(opts: DataOptions) -> bool:
+    """An `--environment` with neither `--dataset` nor `--task`: its `reset` writes every
+    prompt, as TRL trains an environment with no dataset."""
+    return opts.environment is not None and opts.dataset is None and opts.task is None
 
 
 def build_task(opts: DataOptions) -> Task:
-    """The built-in task (`--task`, default arithmetic) or a task over `--dataset`."""
+    """The built-in task (`--task`, default arithmetic), a task over `--dataset`, or the
+    episodes of an environment that owns its data."""
+    if owns_data(opts):
+        return environment_task(opts.environment.rpartition(":")[2])
     if opts.dataset is None:
         return get_task(opts.task or "arithmetic")
     fmt = RowFormat(
@@ -95,12 +112,6 @@ def build_task(opts: DataOptions) -> Task:
         system_prompt=opts.system_prompt,
     )
     same_source = opts.eval_dataset is not None and _same_source(opts.eval_dataset, opts.dataset)
-    if same_source and opts.eval_split == opts.dataset_split:
-        raise UserError(
-            f"--eval-dataset is --dataset and --eval-split is --dataset-split "
-            f"({opts.dataset_split}): evaluation would score training prompts; choose "
-            "another split, or leave --eval-dataset out to hold out part of --dataset"
-        )
     return dataset_task(
         opts.dataset,
         fmt,
@@ -108,6 +119,8 @@ def build_task(opts: DataOptions) -> Task:
         eval_source=opts.eval_dataset,
         eval_split=opts.eval_split,
         eval_fraction=opts.eval_fraction,
+        environment=opts.environment is not None,
+        same_eval_source=same_source and opts.eval_split == opts.dataset_split,
     )
 
 

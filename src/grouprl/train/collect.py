@@ -27,13 +27,14 @@ from grouprl.core import mixed_groups, overlong_penalty, zero_variance_groups
 from grouprl.errors import UserError
 from grouprl.faults import fault
 from grouprl.models.precision import autocast
-from grouprl.rollout import RolloutEngine
+from grouprl.rollout import Rollout, RolloutEngine
 from grouprl.tasks.base import TrainerState
 from grouprl.tasks.data import PromptStream
 from grouprl.tasks.scoring import RewardSet
+from grouprl.tasks.tool_use import Episode
 from grouprl.train.batch import Batch
 from grouprl.train.parallel.distributed import SINGLE, Dist
-from grouprl.train.prompts import fits, prompt_ids
+from grouprl.train.prompts import fits, prompt_ids, reset_prompt_ids
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Sampler:
     dist: Dist = SINGLE  # this rank's place in a torchrun job
     warn: Callable[[str], None] = print
     tools: Any = None  # the run's ToolUse (`grouprl.tasks.tool_use`): format, tools, environment
+    episodes: bool = False  # the task draws fresh episodes (`Task.episodes`), keyed by position
     warned: set[str] = field(default_factory=set)  # one-time warnings already given
 
     def warn_once(self, key: str, message: str) -> None:
@@ -106,23 +108,29 @@ class Collected:
 
 def draw_prompts(
     sampler: Sampler, position: int, k: int
-) -> tuple[list[dict], list[list[int]], int, int]:
+) -> tuple[list[dict], list[list[int]], list[Any], int, int]:
     """k rows from the stream at `position` whose prompts fit the prompt budget, their token
-    ids, the position after them, and how many prompts were skipped as too long.
+    ids, their keys (what seeds their groups' environments: the row, or for episodes its
+    position in the stream), the position after them, and how many prompts were skipped as
+    too long.
 
     A prompt over the budget is skipped (warned about once); when a whole pass over the split
-    finds none that fits, that is the user's to fix.
+    finds none that fits, that is the user's to fix. A row without a prompt (an environment
+    that owns its data) is budgeted once its environment has written the prompt.
     """
     rows: list[dict] = []
     ids: list[list[int]] = []
+    keys: list[Any] = []
     misses = skipped = 0
     while len(rows) < k:
         for row in sampler.stream.take(position, k - len(rows)):
             position += 1
-            row_ids = prompt_ids(sampler.tokenizer, row["prompt"], sampler.tools)
+            row_ids = [] if "prompt" not in row else prompt_ids(
+                sampler.tokenizer, row["prompt"], sampler.tools)  # fmt: skip
             if fits(row_ids, sampler.budget):
                 rows.append(row)
                 ids.append(row_ids)
+                keys.append(Episode(position - 1) if sampler.episodes else row)
                 misses = 0
                 continue
             sampler.warn_once(
@@ -137,7 +145,7 @@ def draw_prompts(
                 f"no prompt of the training data fits in {sampler.budget} tokens; raise "
                 "--max-prompt-length or lower --max-new-tokens"
             )
-    return rows, ids, position, skipped
+    return rows, ids, keys, position, skipped
 
 
 @dataclass(frozen=True)
@@ -151,32 +159,20 @@ class Round:
 
 
 def sample_round(
-    cfg: RunConfig, sampler: Sampler, step: int, round_: int, rows: list[dict], ids: list[list[int]]
+    cfg: RunConfig,
+    sampler: Sampler,
+    step: int,
+    round_: int,
+    rows: list[dict],
+    ids: list[list[int]],
+    keys: list[Any],
 ) -> Round:
     """Sample G completions for each of this rank's prompts, score them (the weighted reward
     functions, NaN where none scored), add DAPO's soft overlong penalty when enabled, and count.
 
     A user error in a reward function on any rank is raised on every rank (`Dist.agreed`)."""
     dist, G = sampler.dist, cfg.group_size
-    handler = None
-    if sampler.tools is not None:  # environments: reset here, each group from one seed
-        start = sampler.tools.rollout(rows, G, cfg.seed, step, round_)
-        handler = start.handler
-        if start.environments is not None:  # the prompts now hold reset's text
-            ids = [prompt_ids(sampler.tokenizer, p, sampler.tools) for p in start.prompts]
-    with autocast(sampler.device, sampler.dtype):
-        rollout = sampler.engine.sample(
-            ids,
-            group_size=G,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            stop=sampler.stop,
-            # each rank its own stream (an odd 32-bit offset: CPU generators keep 32 bits)
-            seed=cfg.seed * 1_000_003 + step * 97 + round_ + dist.rank * 0x9E3779B1,
-            tools=handler,
-        )
+    rollout, rows = _sample(cfg, sampler, step, round_, rows, ids, keys)
     fault("sample")
     scores = dist.agreed(
         sampler.rewards.score,
@@ -213,6 +209,39 @@ def sample_round(
     return Round(batch, keep, counts, scores.logged)
 
 
+def _sample(
+    cfg: RunConfig,
+    sampler: Sampler,
+    step: int,
+    round_: int,
+    rows: list[dict],
+    ids: list[list[int]],
+    keys: list[Any],
+) -> tuple[Rollout, list[dict]]:
+    """This rank's groups sampled (environments reset first, each group from one seed, its
+    prompts then encoded with reset's text and budgeted), and the rows as rewards see them."""
+    handler = None
+    if sampler.tools is not None:
+        start = sampler.tools.rollout(rows, cfg.group_size, cfg.seed, step, round_, keys=keys)
+        handler, rows = start.handler, start.rows
+        if start.environments is not None:
+            ids = reset_prompt_ids(sampler.tokenizer, start.prompts, sampler.tools, sampler.budget)
+    with autocast(sampler.device, sampler.dtype):
+        rollout = sampler.engine.sample(
+            ids,
+            group_size=cfg.group_size,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            stop=sampler.stop,
+            # each rank its own stream (an odd 32-bit offset: CPU generators keep 32 bits)
+            seed=cfg.seed * 1_000_003 + step * 97 + round_ + sampler.dist.rank * 0x9E3779B1,
+            tools=handler,
+        )
+    return rollout, rows
+
+
 def collect_batch(cfg: RunConfig, sampler: Sampler, step: int, position: int) -> Collected:
     """Sample and score B groups from data `position` on; with dynamic sampling keep only the
     groups that teach something, sampling more rounds while fewer than B were kept. Short of B
@@ -226,7 +255,7 @@ def collect_batch(cfg: RunConfig, sampler: Sampler, step: int, position: int) ->
     sampled: list[Batch] = []
     counts, kept_anywhere, skipped, logged = GroupCounts(), 0, 0, {}
     for round_ in range(rounds):
-        every_rows, every_ids, position, too_long = draw_prompts(
+        every_rows, every_ids, every_key, position, too_long = draw_prompts(
             sampler,
             position,
             -(-(B - kept_anywhere) // W) * W,  # the same on all ranks
@@ -235,7 +264,7 @@ def collect_batch(cfg: RunConfig, sampler: Sampler, step: int, position: int) ->
         n = len(every_rows)
         mine = dist.my_groups(n, M) if n % (W * M) == 0 else dist.mine(n)
         rows, ids = [every_rows[i] for i in mine], [every_ids[i] for i in mine]
-        result = sample_round(cfg, sampler, step, round_, rows, ids)
+        result = sample_round(cfg, sampler, step, round_, rows, ids, [every_key[i] for i in mine])
         sampled.append(result.batch)
         counts = counts + result.counts
         logged.update(result.logged)

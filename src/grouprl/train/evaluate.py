@@ -18,6 +18,7 @@ Deterministic for a given seed: batch i of prompts samples with seed `seed + i`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +43,7 @@ from grouprl.tasks.scoring import RewardSet
 from grouprl.train.build import build_rewards, build_task, build_tools, prompt_budget, stop_strings
 from grouprl.train.collect import Sampler
 from grouprl.train.parallel.fsdp import Lockstep
-from grouprl.train.prompts import prompt_ids, rows_that_fit
+from grouprl.train.prompts import HeldOut, held_out, prompt_ids, reset_prompt_ids
 
 
 @dataclass(frozen=True)
@@ -156,13 +157,16 @@ def evaluate(
     tools: Any = None,
     engine: RolloutEngine | None = None,
     ids: Sequence[list[int]] | None = None,
+    keys: Sequence[Any] | None = None,
+    budget: int | None = None,
 ) -> EvalResult:
     """pass@1, pass@k (k = samples) and greedy pass@1 of `model` on `rows`.
 
     Completions are sampled by `engine` (default: the Hugging Face engine over `model`) from
     the rows' prompt `ids` (default: encoded here as sampling feeds them, `tools` included;
-    `grouprl.train.prompts.rows_that_fit` gives both), and judged by `judge(rows, rollout) ->
-    solved flags`, or by `reward_fn`'s score reaching 1. The model is put in eval mode for the
+    `grouprl.train.prompts.held_out` gives both), with environments seeded by the rows' `keys`
+    (default: the rows; episodes: `Episode`s) and their prompts after reset held to `budget`,
+    and judged by `judge(rows, rollout) -> solved flags`, or by `reward_fn`'s score reaching 1. The model is put in eval mode for the
     measurement and returned to its previous mode.
 
     Sharded across data-parallel ranks (the trainer): `rows` is this rank's share, of which the
@@ -181,8 +185,9 @@ def evaluate(
     ids = (
         list(ids) if ids is not None else [prompt_ids(tokenizer, r["prompt"], tools) for r in rows]
     )
+    keys = list(keys) if keys is not None else list(rows)
     sampling = _Sampling(engine, tokenizer, tools, seed, samples, temperature, max_new_tokens,
-                         stop, greedy)  # fmt: skip
+                         stop, greedy, budget)  # fmt: skip
     counts, error = _Counts(samples, greedy), None
     was_training = model.training
     model.eval()
@@ -190,8 +195,8 @@ def evaluate(
         with _progress(console, progress) as bar:
             task_id = bar.add_task("eval", total=len(rows))
             for i, first in enumerate(range(0, len(rows), batch_prompts)):
-                batch = rows[first : first + batch_prompts]
-                rollouts = sampling.rollouts(batch, ids[first : first + batch_prompts], i)
+                span = slice(first, first + batch_prompts)
+                batch, rollouts = sampling.rollouts(rows[span], ids[span], keys[span], i)
                 if error is None:
                     try:
                         counts.add(batch, rollouts, judge)
@@ -223,27 +228,35 @@ class _Sampling:
     max_new_tokens: int
     stop: list[str] | None
     greedy: bool
+    budget: int | None
 
-    def rollouts(self, rows: Sequence[dict], ids: list[list[int]], i: int) -> list[Rollout]:
+    def rollouts(
+        self, rows: Sequence[dict], ids: list[list[int]], keys: list[Any], i: int
+    ) -> tuple[list[dict], list[Rollout]]:
         """Batch i's `samples` completions per prompt at the temperature (seed `seed + i`), and
-        with `greedy` one more at temperature 0."""
-        out = [self._sample(rows, ids, group_size=self.samples, temperature=self.temperature,
-                            seed=self.run_seed + i)]  # fmt: skip
+        with `greedy` one more at temperature 0; and the rows as rewards see them."""
+        scored, sampled = self._sample(rows, ids, keys, group_size=self.samples,
+                                       temperature=self.temperature, seed=self.run_seed + i)  # fmt: skip
+        out = [sampled]
         if self.greedy:
-            out.append(self._sample(rows, ids, group_size=1, temperature=0.0, seed=None))
-        return out
+            out.append(self._sample(rows, ids, keys, group_size=1, temperature=0.0, seed=None)[1])
+        return scored, out
 
-    def _sample(self, rows: Sequence[dict], ids: list[list[int]], **settings: Any) -> Rollout:
+    def _sample(
+        self, rows: Sequence[dict], ids: list[list[int]], keys: list[Any], **settings: Any
+    ) -> tuple[list[dict], Rollout]:
         """One rollout of `rows`; with environments, each group reset from a seed of the run's
-        seed and its row (the same in every evaluation, on every rank)."""
-        handler = None
+        seed and its key (the same in every evaluation, on every rank)."""
+        handler, rows = None, list(rows)
         if self.tools is not None:
-            start = self.tools.rollout(rows, settings["group_size"], self.run_seed, "eval")
-            handler = start.handler
+            start = self.tools.rollout(rows, settings["group_size"], self.run_seed, "eval",
+                                       keys=keys)  # fmt: skip
+            handler, rows = start.handler, start.rows
             if start.environments is not None:  # the prompts now hold reset's text
-                ids = [prompt_ids(self.tokenizer, p, self.tools) for p in start.prompts]
-        return self.engine.sample(ids, max_new_tokens=self.max_new_tokens, stop=self.stop,
-                                  tools=handler, **settings)  # fmt: skip
+                ids = reset_prompt_ids(self.tokenizer, start.prompts, self.tools, self.budget)
+        rollout = self.engine.sample(ids, max_new_tokens=self.max_new_tokens, stop=self.stop,
+                                     tools=handler, **settings)  # fmt: skip
+        return rows, rollout
 
 
 class _Counts:
@@ -305,26 +318,29 @@ def run_eval(
     cfg: RunConfig,
     policy: Any,
     sampler: Sampler,
-    rows: Sequence[dict],
-    ids: Sequence[list[int]],
+    heldout: HeldOut,
     step: int,
     *,
     lockstep: Lockstep,
 ) -> dict[str, float]:
     """The trainer's held-out evaluation at `step`: pass@1 (sampled and greedy) and pass@k on
-    its fixed rows (with their prompts' `ids`), with a fixed seed, sampled by the run's engine.
-    Data parallel: each rank evaluates a contiguous share of the rows and the per-problem counts
-    are gathered; a reward's error on any rank ends every rank's evaluation together."""
+    its fixed rows or episodes (with their prompts' ids and seed keys), with a fixed seed,
+    sampled by the run's engine. Data parallel: each rank evaluates a contiguous share of the
+    rows and the per-problem counts are gathered; a reward's error on any rank ends every rank's
+    evaluation together."""
     dist = sampler.dist
-    mine = dist.mine(len(rows))
-    share, share_ids = [rows[i] for i in mine], [ids[i] for i in mine]
+    mine = dist.mine(len(heldout.rows))
+    share = {name: [getattr(heldout, name)[i] for i in mine] for name in ("rows", "ids", "keys")}
+    padded = {name: lockstep.pad_rows(part, getattr(heldout, name)) for name, part in share.items()}
     state = TrainerState(global_step=step, max_steps=cfg.steps)
     with autocast(sampler.device, sampler.dtype):
         result = evaluate(
             policy,
             sampler.tokenizer,
-            lockstep.pad_rows(share, rows),
-            ids=lockstep.pad_rows(share_ids, ids),
+            padded["rows"],
+            ids=padded["ids"],
+            keys=padded["keys"],
+            budget=sampler.budget,
             judge=pass_judge(sampler.rewards, state=state, timeout=cfg.reward_timeout),
             samples=cfg.eval_samples,
             temperature=cfg.temperature,
@@ -333,7 +349,7 @@ def run_eval(
             seed=cfg.seed,
             greedy=True,
             progress=False,
-            real_rows=len(share),
+            real_rows=len(share["rows"]),
             gather=dist.gather if dist.enabled else None,
             agree=dist.check if dist.enabled else None,
             lockstep=lockstep.all_done,
@@ -371,16 +387,24 @@ def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
     rewards = build_rewards(cfg, task, device, tools)
     max_new_tokens = cfg.max_new_tokens or task.max_new_tokens
     budget = prompt_budget(cfg, model, max_new_tokens)
-    rows, ids, too_long = rows_that_fit(task.split(cfg.split), cfg.limit, tokenizer, budget, tools)
-    if too_long:
+    if task.heldout_episodes and cfg.split != "heldout":
+        raise UserError(
+            f"{task.name}: an environment's episodes have no {cfg.split} split to evaluate; use "
+            "--split heldout (fresh episodes, seeded apart from training's)"
+        )
+    source = (
+        task if task.heldout_episodes else dataclasses.replace(task, heldout=task.split(cfg.split))
+    )
+    heldout = held_out(source, cfg.limit, tokenizer, budget, tools)
+    if heldout.too_long:
         Console(stderr=True).print(
-            f"[yellow]warning:[/] skipped {too_long} prompts longer than {budget} tokens"
+            f"[yellow]warning:[/] skipped {heldout.too_long} prompts longer than {budget} tokens"
         )
     start = time.perf_counter()
     result = evaluate(
         model,
         tokenizer,
-        rows,
+        heldout.rows,
         judge=pass_judge(rewards, state=TrainerState(), timeout=cfg.reward_timeout),
         samples=cfg.samples,
         temperature=cfg.temperature,
@@ -391,7 +415,9 @@ def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
         greedy=cfg.greedy,
         progress=progress,
         tools=tools,
-        ids=ids,
+        ids=heldout.ids,
+        keys=heldout.keys,
+        budget=budget,
     )
     return {
         "model": name,

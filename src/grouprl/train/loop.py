@@ -162,8 +162,7 @@ def evaluate_at(run: Run, step: int) -> dict[str, float]:
     """The held-out evaluation at `step`, logged and printed; then `grouprl doctor`'s checks,
     live, each warning once."""
     fault("eval")
-    result = run_eval(run.cfg, run.policy, run.sampler, run.eval_rows, run.eval_ids, step,
-                      lockstep=run.lockstep)  # fmt: skip
+    result = run_eval(run.cfg, run.policy, run.sampler, run.heldout, step, lockstep=run.lockstep)
     run.on_main(lambda: run.sinks.log_eval(step, result))
     line = "  ".join(f"{k} {v:.3f}" for k, v in result.items())
     run.console.print(f"step {step:>5}  held-out  {line}")

@@ -41,7 +41,6 @@ from grouprl.config.options import TrainConfig
 from grouprl.errors import UserError
 from grouprl.report.doctor import Finding
 from grouprl.train.collect import Collected, collect_batch
-from grouprl.train.prompts import prompt_ids
 from grouprl.train.run import Run, RunState, setup_run
 
 GROUP_SIZES = (2, 4, 8, 16, 32, 64)
@@ -365,11 +364,12 @@ def _lengths(sampled: list[Any], budget: int) -> dict[str, float]:
 
 
 def _first_prompts(run: Run, batch: Any, G: int, k: int = 3) -> list[dict[str, Any]]:
-    """The first prompts exactly as the model sees them (template, system prompt and special
-    tokens visible), with the first completion sampled for each."""
-    out = []
+    """The first prompts exactly as the model saw them (the ids it was fed: template, system
+    prompt, tools, an environment's reset text and special tokens visible), with the first
+    completion sampled for each."""
+    out, rollout = [], batch.rollout
     for g, row in enumerate(batch.rows[:k]):
-        ids = prompt_ids(run.tokenizer, row["prompt"], run.sampler.tools)
+        ids = rollout.prompt_ids[g][rollout.prompt_mask[g]].tolist()
         out.append({
             "rendered": run.tokenizer.decode(ids, skip_special_tokens=False),
             "tokens": len(ids),

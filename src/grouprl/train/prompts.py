@@ -4,11 +4,14 @@ budgeted by its length in those ids, for training and evaluation alike."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from grouprl.errors import UserError
 from grouprl.rollout import encode_prompts
-from grouprl.tasks.tool_use import ToolUse
+from grouprl.tasks.base import Task
+from grouprl.tasks.tool_use import Episode, ToolUse
 
 
 def prompt_ids(tokenizer: Any, prompt: Any, tools: ToolUse | None = None) -> list[int]:
@@ -43,3 +46,45 @@ def rows_that_fit(
         else:
             too_long += 1
     return kept, ids, too_long
+
+
+def reset_prompt_ids(
+    tokenizer: Any, prompts: Sequence[Any], tools: ToolUse, budget: int | None
+) -> list[list[int]]:
+    """The ids of prompts an environment's `reset` wrote (or added to), which must fit the
+    budget like any prompt: one that does not is one line."""
+    ids = [prompt_ids(tokenizer, prompt, tools) for prompt in prompts]
+    longest = max(ids, key=len)
+    if not fits(longest, budget):
+        name = tools.environment.name if tools.environment is not None else "the environment"
+        raise UserError(
+            f"environment {name}'s reset made a prompt of {len(longest)} tokens, over the "
+            f"prompt budget of {budget} (--max-prompt-length, else the model's context less "
+            "--max-new-tokens); return a shorter prompt from reset or raise the budget"
+        )
+    return ids
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The rows a held-out evaluation samples, their prompts' ids, the keys that seed their
+    environments, and how many rows were over the budget."""
+
+    rows: list[dict]
+    ids: list[list[int]]
+    keys: list[Any]
+    too_long: int = 0
+
+
+def held_out(
+    task: Task, size: int, tokenizer: Any, budget: int | None, tools: ToolUse | None
+) -> HeldOut:
+    """`size` held-out rows that fit the budget (`rows_that_fit`); for a task of episodes
+    (`Task.heldout_episodes`), `size` fresh episodes of its held-out row, keyed apart from
+    training's (`Episode(k, held_out=True)`), whose prompts reset writes or completes."""
+    if not task.heldout_episodes:
+        rows, ids, too_long = rows_that_fit(task.heldout, size, tokenizer, budget, tools)
+        return HeldOut(rows, ids, list(rows), too_long)
+    row = dict(task.heldout[0])
+    ids = [] if "prompt" not in row else prompt_ids(tokenizer, row["prompt"], tools)
+    return HeldOut([row] * size, [ids] * size, [Episode(k, held_out=True) for k in range(size)])

@@ -63,7 +63,7 @@ from grouprl.train.collect import Sampler
 from grouprl.train.parallel import distributed
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep, full_state, shard
-from grouprl.train.prompts import rows_that_fit
+from grouprl.train.prompts import HeldOut, held_out
 from grouprl.train.update import grad_scaler, make_optimizer
 
 
@@ -109,8 +109,7 @@ class Run:
     scheduler: Any
     scaler: torch.amp.GradScaler | None
     sampler: Sampler
-    eval_rows: list[dict]
-    eval_ids: list[list[int]]  # their prompts as the sampler feeds them
+    heldout: HeldOut  # the held-out rows (or episodes), their prompts' ids and seed keys
     console: Console
     sinks: MetricSinks | NullSinks = field(default_factory=NullSinks)
     reported: set[str] = field(default_factory=set)  # the live doctor's findings already printed
@@ -169,9 +168,10 @@ def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
         dist=dist,
         warn=warn,
         tools=tools,
+        episodes=task.episodes,
     )
     optimizer = make_optimizer(cfg, policy)
-    eval_rows, eval_ids = evaluation_rows(cfg, task, sampler, warn)
+    heldout = evaluation_rows(cfg, task, sampler, warn)
     return Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -186,8 +186,7 @@ def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s)),
         scaler=grad_scaler(dtype, device),
         sampler=sampler,
-        eval_rows=eval_rows,
-        eval_ids=eval_ids,
+        heldout=heldout,
         console=console,
     )
 
@@ -347,22 +346,21 @@ def committed(run: Run, state: RunState) -> Iterator[None]:
 
 def evaluation_rows(
     cfg: RunConfig, task: Task, sampler: Sampler, warn: Callable[[str], None]
-) -> tuple[list[dict], list[list[int]]]:
+) -> HeldOut:
     """The first `eval_size` held-out rows whose prompts, as sampling renders them (tools
-    included), fit the prompt budget, and their ids (a warning when there are fewer)."""
-    if cfg.eval_size > len(task.heldout):
+    included), fit the prompt budget, with their ids (a warning when there are fewer); for a
+    task of episodes, `eval_size` fresh episodes (`grouprl.train.prompts.held_out`)."""
+    if cfg.eval_size > len(task.heldout) and not task.heldout_episodes:
         warn(
             f"eval_size {cfg.eval_size} is more than the {len(task.heldout)} held-out rows; "
             "evaluating all of them"
         )
-    rows, ids, too_long = rows_that_fit(
-        task.heldout, cfg.eval_size, sampler.tokenizer, sampler.budget, sampler.tools
-    )
-    if too_long:
-        warn(f"{too_long} held-out prompts are over {sampler.budget} tokens and not evaluated")
-    if not rows:
+    rows = held_out(task, cfg.eval_size, sampler.tokenizer, sampler.budget, sampler.tools)
+    if rows.too_long:
+        warn(f"{rows.too_long} held-out prompts are over {sampler.budget} tokens and not evaluated")
+    if not rows.rows:
         raise UserError("no held-out prompt fits the prompt budget; raise --max-prompt-length")
-    return rows, ids
+    return rows
 
 
 def lr_factor(cfg: RunConfig, step: int) -> float:
@@ -471,8 +469,20 @@ def describe(run: Run) -> None:
     say(
         f"policy:  {run.cfg.model} ({_count(total)} parameters, {_count(trained)} trained) on {where}"
     )
-    say(
-        f"data:    {run.task.name} ({len(run.task.train)} train rows, {len(run.eval_rows)} "
-        "held-out rows evaluated)"
-    )
+    say(f"data:    {_data(run)}")
     say(f"rewards: {weights}; pass reward: {rewards.pass_reward}")
+
+
+def _data(run: Run) -> str:
+    """What a run trains on and evaluates, in words."""
+    task, evaluated = run.task, len(run.heldout.rows)
+    if task.episodes:
+        source = "the environment owns the data" if not len(task.train[0]) else (
+            f"{task.name}, one prompt")  # fmt: skip
+        heldout = (
+            f"held-out: {evaluated} fresh episodes, seeded apart from training's"
+            if task.heldout_episodes
+            else f"{evaluated} held-out rows evaluated"
+        )
+        return f"fresh episodes of {run.cfg.environment} ({source}); {heldout}"
+    return f"{task.name} ({len(task.train)} train rows, {evaluated} held-out rows evaluated)"

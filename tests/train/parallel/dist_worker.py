@@ -232,7 +232,7 @@ def prompts_and_completions(dist: Dist, policy, tokenizer, out: dict) -> None:
         collected = collect.collect_batch(cfg, spread, step, position)
         batch, stats, position = collected.kept, sampling_metrics(collected), collected.position
         everyone = {p for part in dist.gather([r["prompt"] for r in batch.rows]) for p in part}
-        single, _, single_position, _ = collect.draw_prompts(alone, single_position, B)
+        single, _, _, single_position, _ = collect.draw_prompts(alone, single_position, B)
         mine = [single[i]["prompt"] for i in dist.my_groups(B, cfg.minibatches)]
         same.append(
             everyone == {r["prompt"] for r in single}
