@@ -5,6 +5,7 @@ resumes bit for bit, and leaves the caller's global random state as it found it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import signal
@@ -17,6 +18,7 @@ from grouprl.cli import main
 from grouprl.tasks.environments import group_seed
 from grouprl.tasks.randomness import RandomStream, seeded
 from grouprl.tasks.tool_use import Episode
+from grouprl.tasks.tools import Call, Tool, run_calls
 from grouprl.train import loop
 
 ENV = '''
@@ -219,3 +221,23 @@ def test_training_and_held_out_episodes_never_share_a_seed():
     held = {Episode(k, held_out=True).seed(0, "eval") for k in range(200)}
     assert all(s % 2 == 0 for s in train) and all(s % 2 == 1 for s in held)
     assert len(held) == 200 and not train & held
+
+
+def test_async_environment_methods_run_one_at_a_time_with_their_own_streams():
+    """Interleaved coroutines would draw from each other's streams (the streams are
+    process-wide state): an environment's async tools run one at a time, each in its stream."""
+
+    class Env:
+        async def draw(self) -> str:
+            first = random.random()
+            await asyncio.sleep(0)  # where a concurrent loop would switch to the other call
+            return f"{first},{random.random()}"
+
+    env = Env()
+    tools = [Tool("draw", env.draw, stream=RandomStream(seed)) for seed in (11, 12)]
+    results = run_calls([(tool, Call("draw", "")) for tool in tools], timeout=5.0)
+    expected = []
+    for seed in (11, 12):
+        with RandomStream(seed).swapped():
+            expected.append((f"{random.random()},{random.random()}", False))
+    assert results == expected
