@@ -1,4 +1,4 @@
-"""The package's layers: core ← rollout, models, tasks, report ← config ← train, sft ← cli.
+"""The package's layers: core ← rollout, models, tasks, report ← config ← train, sft ← api ← cli.
 
 No module imports from a layer above its own, modules of one middle layer do not import each
 other's packages, and there is no import cycle inside a package either (a cycle is where a
@@ -15,12 +15,13 @@ ROOT = Path(grouprl.__file__).parent
 #: Each part of the package and its layer; a module may import its own layer's part and lower
 #: layers. errors, faults and messages are shared helpers everyone may use.
 LAYERS = {
-    "errors": 0, "faults": 0, "messages": 0,
+    "errors": 0, "faults": 0, "messages": 0, "quiet": 0,
     "core": 1,
     "rollout": 2, "models": 2, "tasks": 2, "report": 2, "explain": 2,
     "config": 3,
     "train": 4, "sft": 4,
-    "cli": 5, "__main__": 6,
+    "api": 5,
+    "cli": 6, "__main__": 7,
 }  # fmt: skip
 
 

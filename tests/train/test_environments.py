@@ -180,7 +180,7 @@ def test_get_reward_is_a_reward_and_rewards_receive_the_environments(game, token
     [
         ("class E:\n    def play(self):\n        '''x'''\n", "has no reset method"),
         ("class E:\n    def reset(self, **row):\n        pass\n", "neither public methods"),
-        ("E = 3\n", "E is a int, not a class"),
+        ("E = 3\n", "a int, not a class"),
     ],
 )
 def test_an_environment_that_cannot_be_used_is_one_line(tmp_path, source, match):

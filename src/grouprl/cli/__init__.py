@@ -15,6 +15,7 @@ import sys
 import warnings
 
 from grouprl.errors import UserError
+from grouprl.quiet import quiet_hf  # noqa: F401 (the commands' import)
 
 #: Each command: its module in grouprl.cli, and the line `grouprl --help` shows for it.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -28,13 +29,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("explain", "the seeds' worked examples, computed live"),
     "plot": ("plot", "PNG plots of a run directory"),
 }
-
-
-def quiet_hf() -> None:
-    """Our own progress output is enough: no progress bars from the HF libraries."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
 
 
 def version() -> str:

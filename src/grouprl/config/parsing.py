@@ -30,6 +30,8 @@ from grouprl.errors import UserError
 #: Launch directives: what a command does, not what a run is. Never read from or written to a
 #: run's config.yaml, so that a saved config is a record and can never resume or overwrite.
 LAUNCH_FIELDS = ("config", "resume", "allow_change")
+#: The key under which a run from Python records its live objects' identities.
+LIVE_KEY = "live"
 #: Fields a resumed run may change: how long, how often to evaluate and save, how much to log,
 #: and where it runs. Anything else would make the rest of the run a different run.
 RESUMABLE_FIELDS = (
@@ -79,6 +81,13 @@ def split_mapping(
     hints = typing.get_type_hints(cls)
     args: list[str] = []
     text: dict[str, Any] = {}
+    if LIVE_KEY in values:
+        objects = ", ".join(str(k).removeprefix("live:") for k in values[LIVE_KEY] or {})
+        raise UserError(
+            f"{source} records a run made from Python with live objects ({objects}); the "
+            "command line cannot give them: resume or repeat it from Python with "
+            "grouprl.Trainer and the same objects"
+        )
     for key, value in values.items():
         name = str(key).replace("-", "_")
         if name in LAUNCH_FIELDS:
@@ -268,9 +277,13 @@ def config_record(cfg: TrainConfig) -> dict[str, Any]:
     return values
 
 
-def to_yaml(cfg: TrainConfig) -> str:
-    """`config_record` as the YAML a run directory's config.yaml holds."""
-    return yaml.safe_dump(config_record(cfg), sort_keys=False)
+def to_yaml(cfg: TrainConfig, *, live: dict[str, str] | None = None) -> str:
+    """`config_record` as the YAML a run directory's config.yaml holds; a run from Python adds
+    what identifies each live object it was given (`live:`, spec -> identity)."""
+    record = config_record(cfg)
+    if live:
+        record[LIVE_KEY] = dict(live)
+    return yaml.safe_dump(record, sort_keys=False)
 
 
 def parse_train_args(argv: Sequence[str]) -> TrainConfig:
@@ -318,6 +331,24 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
         base, text = split_mapping(load_yaml(path), TrainConfig, source=str(path))
         parse_args(TrainConfig, base, prog="grouprl train", source=str(path), text=text)
     return parse_args(TrainConfig, [*base, *argv], prog="grouprl train", source=cli, text=text)
+
+
+def resume_config(run_dir: Path, changes: dict[str, Any]) -> tuple[TrainConfig, dict[str, str]]:
+    """For resuming from Python: the run's saved config with `changes` (fields, as the flags
+    of `--resume` may change them, and as strictly checked), and what identifies each live
+    object it was given."""
+    saved_path = Path(run_dir) / "config.yaml"
+    if not saved_path.is_file():
+        raise UserError(f"{run_dir} is not a run directory (no config.yaml); check resume=")
+    values = load_yaml(saved_path)
+    live = {str(k): str(v) for k, v in (values.pop(LIVE_KEY, None) or {}).items()}
+    saved = from_mapping(values, source=str(saved_path))
+    unknown = sorted(set(changes) - set(field_names()))
+    if unknown:
+        raise UserError(f"no option {unknown[0]!r}; see grouprl train --help for the options")
+    cfg = dataclasses.replace(saved, **changes, resume=Path(run_dir), output_dir=Path(run_dir))
+    _check_resume_changes(saved, cfg)
+    return cfg, live
 
 
 def _check_resume_changes(saved: TrainConfig, cfg: TrainConfig) -> None:

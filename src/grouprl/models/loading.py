@@ -19,6 +19,7 @@ import json
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -283,6 +284,11 @@ def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False) -> PreT
         tokenizer = _from_pretrained(
             AutoTokenizer, source, "tokenizer", trust_remote_code=trust_remote_code
         )
+    return with_pad_token(tokenizer, spec)
+
+
+def with_pad_token(tokenizer: Any, spec: Any) -> Any:
+    """`tokenizer`, given its EOS token as the pad token when it has none."""
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(f"the tokenizer of {spec} has neither a pad nor an EOS token; add one")

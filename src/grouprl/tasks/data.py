@@ -33,6 +33,7 @@ import torch
 
 from grouprl.errors import UserError, one_line
 from grouprl.tasks.base import Task
+from grouprl.tasks.live import is_live, live_object
 
 #: Data file formats by suffix, as `datasets.load_dataset` names their builders.
 FORMATS = {
@@ -131,6 +132,8 @@ def load_table(source: str, split: str = "train") -> Any:
     """A `datasets.Dataset`: a data file (JSONL, JSON, CSV, Parquet, Arrow), a directory saved
     with `save_to_disk`, a directory of data files, or a hub id given to `load_dataset`."""
     datasets = _datasets()
+    if is_live(source):
+        return _in_memory(live_object(source, "dataset"), split, source)
     path = Path(source).expanduser()
     try:
         if path.is_file():
@@ -189,6 +192,26 @@ def _only_train(split: str, source: str) -> None:
             f"dataset {source} is a single file, which has no split {split!r} (only train); "
             "give those rows as a file of their own (e.g. --eval-dataset test.jsonl)"
         )
+
+
+def _in_memory(data: Any, split: str, source: str) -> Any:
+    """A live dataset as a `datasets.Dataset`: a Dataset as it is, a DatasetDict's `split`, a
+    list of dicts (rows in TRL's columns), or an IterableDataset read once to the end."""
+    datasets = _datasets()
+    if isinstance(data, datasets.DatasetDict):
+        return _pick_split(data, split, source)
+    if isinstance(data, datasets.Dataset):
+        return data
+    if isinstance(data, datasets.IterableDataset):
+        return datasets.Dataset.from_list(list(data))
+    if isinstance(data, (list, tuple)) and all(isinstance(row, dict) for row in data):
+        if not data:
+            raise UserError(f"dataset {source} has no rows; give it at least one")
+        return datasets.Dataset.from_list(list(data))
+    raise UserError(
+        f"dataset {source} is a {type(data).__name__}; give a path, a datasets.Dataset or "
+        "DatasetDict, or a list of dicts (one per row, TRL's columns)"
+    )
 
 
 def _pick_split(tables: Any, split: str, source: str) -> Any:

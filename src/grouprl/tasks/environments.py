@@ -46,6 +46,7 @@ from typing import Any
 
 from grouprl.errors import UserError
 from grouprl.messages import is_conversational
+from grouprl.tasks.live import is_live, live_object
 from grouprl.tasks.randomness import (
     STREAM_ATTRIBUTE,
     RandomStream,
@@ -233,6 +234,8 @@ def load_environment(spec: str) -> Environment:
     from grouprl.tasks.scoring import import_file
 
     where, _, attr = spec.rpartition(":")
+    if is_live(spec):
+        return environment_of(live_object(spec, "environment"), spec)
     if is_file_spec(spec):
         path = Path(where).expanduser()
         if not path.is_file():
@@ -255,8 +258,13 @@ def load_environment(spec: str) -> Environment:
         raise UserError(
             f"{where} has no class {attr!r}; classes found: {', '.join(found) or 'none'}"
         )
+    return environment_of(cls, spec)
+
+
+def environment_of(cls: Any, spec: str) -> Environment:
+    """The environment a class makes (checked: a class, with a reset, and tools or a step)."""
     if not inspect.isclass(cls):
-        raise UserError(f"--environment {spec}: {attr} is a {type(cls).__name__}, not a class")
+        raise UserError(f"environment {spec}: a {type(cls).__name__}, not a class")
     if not callable(getattr(cls, "reset", None)):
         raise UserError(
             f"environment {cls.__name__} has no reset method; define reset(self, **row) that "

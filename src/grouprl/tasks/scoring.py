@@ -43,6 +43,7 @@ from grouprl.tasks.base import (
     completion_objects,
     reward_kwargs,
 )
+from grouprl.tasks.live import is_live, live_name, live_object
 from grouprl.tasks.math_rewards import MATH_REWARDS
 from grouprl.tasks.rewards import REWARDS
 from grouprl.tasks.specs import is_file_spec
@@ -112,6 +113,8 @@ def load_reward(
     spec: str, task: Task | None = None, *, device: Any = "cpu"
 ) -> tuple[str, RewardFn]:
     """(metric name, function) for a reward spec; UserError naming the spec when it is none."""
+    if is_live(spec):
+        return live_name(spec), live_object(spec, "reward")
     if task is not None and spec in task.reward_funcs:
         return spec, task.reward_funcs[spec]
     if spec in BUILTIN_REWARDS:

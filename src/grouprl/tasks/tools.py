@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 from grouprl.errors import UserError
 from grouprl.messages import Observation, ToolRequest
 from grouprl.tasks.base import TimeLimitExceeded, time_limit
+from grouprl.tasks.live import is_live, live_name, live_object
 from grouprl.tasks.specs import is_file_spec
 
 #: Seconds a tool call may take before it returns an error observation.
@@ -84,6 +85,8 @@ def load_tool(spec: str, builtin: dict[str, Callable[..., Any]] | None = None) -
     """The tool a spec names: a task's own tool by name, path/to/tools.py:fn, or module:fn."""
     from grouprl.tasks.scoring import import_file, import_function, load_attribute
 
+    if is_live(spec):
+        return Tool(live_name(spec), live_object(spec, "tool"))
     if builtin and spec in builtin:
         return Tool(spec, builtin[spec])
     if is_file_spec(spec):

@@ -3,6 +3,7 @@ reward set and the prompt budget. One place, so both commands read data and mode
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,16 +12,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from grouprl.config.options import DataOptions, RunConfig
+from grouprl.config.options import DataOptions, ModelOptions, RunConfig
 from grouprl.errors import UserError
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models import load_model, load_tokenizer
-from grouprl.models.loading import DTYPES, context_length
+from grouprl.models.loading import DTYPES, context_length, with_pad_token
 from grouprl.models.lora import apply_lora
 from grouprl.tasks import Task, get_task
 from grouprl.tasks.chat_tools import ChatTools
 from grouprl.tasks.data import DEFAULT_MAX_NEW_TOKENS, RowFormat, dataset_task, environment_task
 from grouprl.tasks.environments import load_environment
+from grouprl.tasks.live import is_live, live_object, live_tokenizer
 from grouprl.tasks.scoring import RewardSet, build_reward_set
 from grouprl.tasks.tool_use import ToolUse
 from grouprl.tasks.tools import PlainTurns, TagTools, ToolHandler, load_tools
@@ -181,16 +183,15 @@ def load_policy(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, Any, n
     beta > 0. LoRA: the base in `base_dtype` with float32 adapters; the reference is the same
     model with its adapters off (see `grouprl.models.lora.base_model_context`), so None here.
     """
-    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    options = {"device": device, "trust_remote_code": cfg.trust_remote_code}
+    tokenizer = load_run_tokenizer(cfg)
     if cfg.lora_r is None:
-        policy = load_model(cfg.model, dtype=torch.float32, **options)
+        policy = load_run_model(cfg, torch.float32, device)
         reference = None
         if cfg.beta > 0:
-            reference = load_model(cfg.model, dtype=DTYPES[cfg.base_dtype], **options)
+            reference = load_run_model(cfg, DTYPES[cfg.base_dtype], device)
             reference.requires_grad_(False)
     else:
-        base = load_model(cfg.model, dtype=DTYPES[cfg.base_dtype], **options)
+        base = load_run_model(cfg, DTYPES[cfg.base_dtype], device)
         if cfg.gradient_checkpointing:
             checkpointing.enable(base)
         policy = apply_lora(
@@ -204,6 +205,27 @@ def load_policy(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, Any, n
     if cfg.gradient_checkpointing and cfg.lora_r is None:
         checkpointing.enable(policy)
     return policy.eval(), tokenizer, reference
+
+
+def load_run_model(
+    opts: ModelOptions, dtype: torch.dtype, device: torch.device | str, spec: str | None = None
+) -> nn.Module:
+    """The model `spec` (default: `opts.model`) names, in `dtype` on `device`: loaded, or a copy
+    of the live model a run from Python was given (the caller's object is never changed)."""
+    spec = spec or opts.model
+    if is_live(spec):
+        given = live_object(spec, "model")
+        return copy.deepcopy(given).to(device=device, dtype=dtype).eval()
+    return load_model(spec, dtype=dtype, device=device, trust_remote_code=opts.trust_remote_code)
+
+
+def load_run_tokenizer(opts: ModelOptions, spec: str | None = None) -> Any:
+    """The tokenizer of the model `spec` (default: `opts.model`) names: its own, or a copy of
+    the live one (with a pad token, as `load_tokenizer` gives every tokenizer)."""
+    spec = spec or opts.model
+    if not is_live(spec):
+        return load_tokenizer(spec, trust_remote_code=opts.trust_remote_code)
+    return with_pad_token(copy.deepcopy(live_object(live_tokenizer(spec), "tokenizer")), spec)
 
 
 def prompt_budget(opts: DataOptions, model: nn.Module, max_new_tokens: int) -> int | None:

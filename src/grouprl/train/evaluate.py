@@ -33,14 +33,21 @@ from grouprl.config.options import EvalConfig, RunConfig
 from grouprl.config.validation import validate_eval
 from grouprl.errors import UserError
 from grouprl.messages import is_conversational
-from grouprl.models import load_model, load_tokenizer
 from grouprl.models.loading import resolve_device
 from grouprl.models.precision import autocast
 from grouprl.rollout import HFRolloutEngine, Rollout, RolloutEngine, stop_token_ids
 from grouprl.tasks import RewardFn
 from grouprl.tasks.base import REWARD_TIMEOUT, TrainerState, call_reward, completion_objects
 from grouprl.tasks.scoring import RewardSet
-from grouprl.train.build import build_rewards, build_task, build_tools, prompt_budget, stop_strings
+from grouprl.train.build import (
+    build_rewards,
+    build_task,
+    build_tools,
+    load_run_model,
+    load_run_tokenizer,
+    prompt_budget,
+    stop_strings,
+)
 from grouprl.train.collect import Sampler
 from grouprl.train.parallel.fsdp import Lockstep
 from grouprl.train.prompts import HeldOut, held_out, prompt_ids, reset_prompt_ids
@@ -381,8 +388,8 @@ def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
     task = build_task(cfg)
     device = resolve_device(cfg.device)
     name = cfg.model or task.default_model
-    model = load_model(name, device=device, trust_remote_code=cfg.trust_remote_code)
-    tokenizer = load_tokenizer(name, trust_remote_code=cfg.trust_remote_code)
+    model = load_run_model(cfg, torch.float32, device, name)
+    tokenizer = load_run_tokenizer(cfg, name)
     tools = build_tools(cfg, task, tokenizer, stop_token_ids(model, tokenizer))
     rewards = build_rewards(cfg, task, device, tools)
     max_new_tokens = cfg.max_new_tokens or task.max_new_tokens

@@ -25,12 +25,17 @@ import yaml
 
 from grouprl.config.options import DataOptions, GenerateConfig
 from grouprl.errors import UserError
-from grouprl.models import load_model, load_tokenizer
 from grouprl.models.loading import resolve_device
 from grouprl.rollout import HFRolloutEngine, RolloutEngine
 from grouprl.tasks.base import TrainerState
 from grouprl.tasks.data import RowFormat, format_prompt
-from grouprl.train.build import build_rewards, build_task, stop_strings
+from grouprl.train.build import (
+    build_rewards,
+    build_task,
+    load_run_model,
+    load_run_tokenizer,
+    stop_strings,
+)
 from grouprl.train.prompts import prompt_ids
 
 
@@ -146,7 +151,7 @@ def load_generator(cfg: GenerateConfig) -> Generator:
     cfg, name = resolve_run(cfg)
     task = build_task(cfg)
     device = resolve_device(cfg.device)
-    model = load_model(name, device=device, trust_remote_code=cfg.trust_remote_code)
-    tokenizer = load_tokenizer(name, trust_remote_code=cfg.trust_remote_code)
+    model = load_run_model(cfg, torch.float32, device, name)
+    tokenizer = load_run_tokenizer(cfg, name)
     rewards = build_rewards(cfg, task, device) if cfg.rewards else None
     return Generator(cfg, name, task, HFRolloutEngine(model, tokenizer), tokenizer, rewards)

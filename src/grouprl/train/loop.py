@@ -39,10 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
 import signal
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from rich.console import Console
@@ -55,6 +58,7 @@ from grouprl.faults import fault
 from grouprl.report.doctor import diagnose
 from grouprl.train.collect import collect_batch
 from grouprl.train.evaluate import run_eval
+from grouprl.train.events import RunEvent
 from grouprl.train.parallel import distributed
 from grouprl.train.run import (
     Run,
@@ -78,38 +82,55 @@ class TrainSummary:
     final_eval: dict[str, float] | None
     interrupted: bool = False
     stopped_by: str | None = None  # "SIGINT" or "SIGTERM" when a signal stopped the run
+    policy: Any = None  # the trained policy (in eval mode), and its tokenizer
+    tokenizer: Any = None
 
 
-def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
+def train(
+    cfg: TrainConfig,
+    *,
+    console: Console | None = None,
+    callbacks: Sequence[Callable[[RunEvent], Any]] = (),
+    live: dict[str, str] | None = None,
+) -> TrainSummary:
     """Run (or resume) a training run described by `cfg`; see the module docstring.
+    `callbacks` are told of every step and evaluation (`RunEvent`); `live`: what identifies
+    each live object a run from Python was given (recorded in config.yaml).
 
     Under torchrun every rank calls this; rank 0 prints and writes the run directory."""
-    run = setup_run(cfg, console=console)
+    run = setup_run(cfg, console=console, callbacks=tuple(callbacks), live=live)
     state, finished = restore(run)
     if finished:
-        return TrainSummary(run.run_dir, state.step, state.initial_eval, None)
+        return TrainSummary(run.run_dir, state.step, state.initial_eval, None,
+                            policy=run.policy, tokenizer=run.tokenizer)  # fmt: skip
     steps, final_eval = run.cfg.steps, None
     # From the first checkpoint on, SIGINT/SIGTERM finish the current step, save and stop.
     with open_sinks(run, state), _StopFlag() as stop, _StepBar(run, state) as bar:
         save(run, state)  # a run directory always holds a checkpoint to resume from
         # what every rank agreed on (a signal that arrives later waits for the next agreement)
         stopping = run.dist.first_signal(stop.requested)
+        held_out: tuple[int, dict[str, float] | None] = (-1, None)  # the latest evaluation
         if state.initial_eval is None and stopping is None:  # else: on resume
             describe(run)
             with committed(run, state):
-                state = dataclasses.replace(state, initial_eval=evaluate_at(run, 0))
-        while state.step < steps and stopping is None:
+                held_out = (0, evaluate_at(run, 0))
+                state = dataclasses.replace(state, initial_eval=held_out[1])
+        while state.step < steps and stopping is None and not run.stop_asked:
             with committed(run, state):  # the weights are still `state`'s
                 collected = collect_batch(run.cfg, run.sampler, state.step, state.data_position)
             state, log = learn(run, state, collected)  # changes the weights in place
             with committed(run, state):
                 log_step(run, state, log, bar)
+                notify(run, "step", state.step, log.metrics)
                 if (
                     run.cfg.eval_every
                     and state.step % run.cfg.eval_every == 0
                     and state.step < steps
+                    and not run.stop_asked
                 ):
-                    evaluate_at(run, state.step)
+                    held_out = (state.step, evaluate_at(run, state.step))
+                if run.stop_asked:  # a callback ended the run after this step
+                    steps = state.step
                 if state.step % run.cfg.save_every == 0 and state.step < steps:
                     save(run, state)
                 check_nonfinite(run, state)
@@ -120,9 +141,31 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainSummary:
         if stopping is not None:
             return stopped(run, state, stopping)
         with committed(run, state):
-            final_eval = evaluate_at(run, state.step)
+            final_eval = held_out[1] if held_out[0] == state.step else evaluate_at(run, state.step)
             finish(run, state, final_eval)
-    return TrainSummary(run.run_dir, state.step, state.initial_eval, final_eval)
+    return TrainSummary(run.run_dir, state.step, state.initial_eval, final_eval,
+                        policy=run.policy, tokenizer=run.tokenizer)  # fmt: skip
+
+
+def notify(run: Run, kind: str, step: int, metrics: dict[str, float]) -> None:
+    """Tell each callback; when any (on any rank) asks the run to end after this step,
+    `run.stop_asked`. A callback that raises ends the run in one line naming it (the last step
+    is saved)."""
+    if not run.callbacks:
+        return
+    asked = []
+    event = RunEvent(kind, step, MappingProxyType(dict(metrics)), run.run_dir,
+                     lambda: asked.append(True))  # fmt: skip
+    for callback in run.callbacks:
+        try:
+            callback(event)
+        except UserError:
+            raise
+        except Exception as err:
+            name = getattr(callback, "__qualname__", type(callback).__name__)
+            raise UserError(f"callback {name} raised {type(err).__name__}: {err}") from err
+    (any_rank,) = run.dist.sum(float(bool(asked)))
+    run.stop_asked = run.stop_asked or any_rank > 0
 
 
 def log_step(run: Run, state: RunState, log: StepLog, bar: _StepBar) -> None:
@@ -164,6 +207,7 @@ def evaluate_at(run: Run, step: int) -> dict[str, float]:
     fault("eval")
     result = run_eval(run.cfg, run.policy, run.sampler, run.heldout, step, lockstep=run.lockstep)
     run.on_main(lambda: run.sinks.log_eval(step, result))
+    notify(run, "evaluation", step, result)
     line = "  ".join(f"{k} {v:.3f}" for k, v in result.items())
     run.console.print(f"step {step:>5}  held-out  {line}")
     if run.cfg.doctor and run.dist.is_main and step > 0 and "off" not in run.reported:
@@ -202,11 +246,14 @@ def finish(run: Run, state: RunState, final_eval: dict[str, float]) -> None:
 
 
 class _StepBar:
-    """A live progress bar on a terminal; elsewhere a plain line every 5% of the steps."""
+    """A live progress bar on a terminal and in Jupyter (with ipywidgets); elsewhere a plain
+    line every 5% of the steps."""
 
     def __init__(self, run: Run, state: RunState) -> None:
         self.console, self.steps = run.console, run.cfg.steps
-        self.interactive = run.cfg.progress and run.console.is_terminal
+        self.interactive = run.cfg.progress and (
+            run.console.is_terminal or (run.console.is_jupyter and _has_widgets())
+        )
         self.bar = Progress(
             TextColumn("step {task.completed}/{task.total}"),
             BarColumn(),
@@ -231,6 +278,11 @@ class _StepBar:
         self.bar.update(self.task, completed=step, info=info)
         if not self.interactive and (step % max(1, self.steps // 20) == 0 or step == self.steps):
             self.console.print(f"step {step:>5}/{self.steps}  {info}")
+
+
+def _has_widgets() -> bool:
+    """rich draws a live bar in Jupyter through ipywidgets; without it, plain lines."""
+    return importlib.util.find_spec("ipywidgets") is not None
 
 
 def _print_summary(console: Console, before: dict | None, after: dict) -> None:
@@ -271,12 +323,12 @@ class _StopFlag:
             signal.signal(signum, previous)
 
 
-def train_and_leave(cfg: TrainConfig) -> TrainSummary:
-    """`train`, then leave the torchrun job (if any): every rank together when the run ended
-    (stopped by a signal included), at once when an error ends it."""
+def train_and_leave(cfg: TrainConfig, **options: Any) -> TrainSummary:
+    """`train` (with its `options`), then leave the torchrun job (if any): every rank together
+    when the run ended (stopped by a signal included), at once when an error ends it."""
     ended = False
     try:
-        summary = train(cfg)
+        summary = train(cfg, **options)
         ended = True
     finally:
         distributed.shutdown(together=ended)

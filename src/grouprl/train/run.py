@@ -113,6 +113,9 @@ class Run:
     console: Console
     sinks: MetricSinks | NullSinks = field(default_factory=NullSinks)
     reported: set[str] = field(default_factory=set)  # the live doctor's findings already printed
+    callbacks: tuple[Callable[..., Any], ...] = ()  # told of every step and evaluation
+    live: dict[str, str] | None = None  # what identifies each live object (from Python)
+    stop_asked: bool = False  # a callback asked the run to end after the current step
 
     def warn(self, message: str) -> None:
         self.console.print(f"[yellow]warning:[/] {message}")
@@ -122,7 +125,13 @@ class Run:
         return self.dist.on_main(compute)
 
 
-def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
+def setup_run(
+    cfg: TrainConfig,
+    *,
+    console: Console | None = None,
+    callbacks: tuple[Callable[..., Any], ...] = (),
+    live: dict[str, str] | None = None,
+) -> Run:
     """Resolve and validate `cfg`, join the torchrun job (if any), pick the run directory, load
     the policy (sharded under FSDP) and build everything a step needs. Nothing is written."""
     console = console or Console(stderr=True, quiet=not distributed.is_main_process())
@@ -188,6 +197,8 @@ def setup_run(cfg: TrainConfig, *, console: Console | None = None) -> Run:
         sampler=sampler,
         heldout=heldout,
         console=console,
+        callbacks=callbacks,
+        live=live,
     )
 
 
@@ -258,7 +269,7 @@ def _replay_logs(run: Run, state: RunState) -> None:
 
 def _write_config(run: Run) -> None:
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomically(run.run_dir / "config.yaml", to_yaml(run.cfg))
+    _write_atomically(run.run_dir / "config.yaml", to_yaml(run.cfg, live=run.live))
 
 
 @contextlib.contextmanager

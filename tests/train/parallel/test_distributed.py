@@ -157,3 +157,18 @@ def test_a_write_that_fails_on_rank_0_ends_every_rank_with_one_line(tmp_path):
     assert len(errors) == 1 and "cannot write" in errors[0], done.stderr[-3000:]
     kept = tmp_path / "run/checkpoints" / ("step_000000" if "checkpoint" in spec else "step_000001")
     assert (kept / "manifest.json").is_file()
+
+
+def test_every_rank_identifies_live_objects_alike(tmp_path):
+    """A run from Python records what identifies its live objects; under torchrun every rank
+    must compute the same (a partial bound to an object, whose repr holds its address, too)."""
+    done = torchrun(Path(__file__).with_name("identity_worker.py"), tmp_path / "ids.json",
+                    cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = json.loads((tmp_path / "ids.json").read_text())
+    assert len(ranks) == 2 and ranks[0] == ranks[1]
+    assert " at 0x" not in ranks[0]["partial"] and "source sha256:" in ranks[0]["function"]
+    assert (
+        ranks[0]["model"].startswith("LlamaForCausalLM")
+        and "parameters sha256:" in ranks[0]["model"]
+    )
