@@ -240,7 +240,7 @@ class _Live:
             if trainer.tokenizer is None:
                 raise UserError("a loaded model needs its tokenizer: pass tokenizer= too")
             live.specs["model"] = live.add("live:model", model, model_identity)
-            live.objects[live_tokenizer("live:model")] = trainer.tokenizer
+            live.add(live_tokenizer("live:model"), trainer.tokenizer, tokenizer_identity)
         elif model is not None:
             live.specs["model"] = str(model)
         for name, key in (("train_dataset", "dataset"), ("eval_dataset", "eval_dataset")):
@@ -340,6 +340,16 @@ def model_identity(model: Any) -> str:
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(dtype=_byte()).numpy())
     where = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
     return f"{type(model).__name__} {where} parameters sha256:{digest.hexdigest()[:16]}"
+
+
+def tokenizer_identity(tokenizer: Any) -> str:
+    """What identifies a tokenizer: its class, name or path, and the sha256 of its vocabulary,
+    special tokens and chat template."""
+    what = [sorted(tokenizer.get_vocab().items()), tokenizer.special_tokens_map,
+            getattr(tokenizer, "chat_template", None)]  # fmt: skip
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+    where = getattr(tokenizer, "name_or_path", "")
+    return f"{type(tokenizer).__name__} {where} vocabulary sha256:{digest[:16]}"
 
 
 def _byte() -> Any:
