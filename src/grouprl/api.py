@@ -84,8 +84,9 @@ class Trainer:
       with an `eval_dataset`, since it cannot be held out from).
     - `rewards`: functions or specs, as a list (weight 1 each) or a mapping to weights.
     - `tools`: functions or specs; `environment`: a class or a spec.
-    - `callbacks`: functions called with a `RunEvent` after every step and evaluation (or
-      objects with `on_step`/`on_evaluate`); `event.stop()` ends the run after that step.
+    - `callbacks`: functions called with a `RunEvent` after every step, evaluation and
+      checkpoint (or objects with `on_step`/`on_evaluate`/`on_save`); `event.stop()` ends the
+      run after that step.
     - `resume`: a run directory to continue, given the same objects.
 
     Nothing passed in is changed: the run trains copies. After `train()`, `model` and
@@ -417,15 +418,19 @@ def _peft_default_targets(model: Any) -> list[str] | None:
     return list(known[kind]) if kind in known else None
 
 
+_METHODS = {"step": "on_step", "evaluation": "on_evaluate", "save": "on_save"}
+
+
 def _callback(callback: Any) -> Callable[[Any], Any]:
-    """A function of a `RunEvent`: the callback itself, or its on_step/on_evaluate methods."""
-    if not hasattr(callback, "on_step") and not hasattr(callback, "on_evaluate"):
+    """A function of a `RunEvent`: the callback itself, or its on_step/on_evaluate/on_save
+    methods."""
+    if not any(hasattr(callback, name) for name in _METHODS.values()):
         if not callable(callback):
             raise UserError(f"a callback must be callable, not a {type(callback).__name__}")
         return callback
 
     def call(event: Any) -> Any:
-        method = getattr(callback, "on_step" if event.kind == "step" else "on_evaluate", None)
+        method = getattr(callback, _METHODS[event.kind], None)
         return None if method is None else method(event)
 
     call.__qualname__ = type(callback).__qualname__

@@ -236,3 +236,34 @@ def test_mlflow_with_no_settings_logs_to_a_local_store_and_resumes_into_it(
     loss = {m["step"]: m["loss"] for m in _jsonl(run / "metrics.jsonl")}
     assert sorted((m.step, m.value) for m in history) == sorted(loss.items())  # each step once
     assert client.get_run(record["id"]).info.status == "FINISHED"
+
+
+def test_trl_names_rename_grouprls_metrics_for_trl_dashboards():
+    from grouprl.report.sinks import trl_names
+
+    metrics = {"reward_mean": 0.5, "reward_std": 0.25, "reward_right": 0.75,
+               "reward_right_spread": 0.1, "reward_fmt": 0.25, "frac_zero_std": 0.5,
+               "completion_len_mean": 7.0, "completion_len_max": 9.0, "truncated_frac": 0.125,
+               "clip_frac_low": 0.0625, "clip_frac_high": 0.125, "entropy": 1.5, "lr": 1e-6,
+               "loss": 0.3}  # fmt: skip
+    assert trl_names(metrics) == {
+        "reward": 0.5, "reward_std": 0.25, "rewards/fmt/mean": 0.25, "rewards/right/mean": 0.75,
+        "frac_reward_zero_std": 0.5, "completions/mean_length": 7.0,
+        "completions/max_length": 9.0, "completions/clipped_ratio": 0.125,
+        "clip_ratio/low_mean": 0.0625, "clip_ratio/high_mean": 0.125,
+        "clip_ratio/region_mean": 0.1875, "entropy": 1.5, "learning_rate": 1e-6,
+    }  # fmt: skip
+
+
+def test_trl_metrics_reach_the_trackers_and_not_the_jsonl(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "1", "--prompts-per-step", "4", "--group-size", "2",
+                 "--eval-size", "2", "--eval-samples", "1", "--no-progress",
+                 "--report-to", "tensorboard", "--trl-metrics", "--output-dir", str(run)]) == 0  # fmt: skip
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/reward", "train/rewards/correct/mean", "train/reward_mean"} <= tags
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert "reward" not in first and "reward_mean" in first

@@ -21,7 +21,7 @@ Algo = Literal["grpo", "gspo", "dr_grpo", "dapo", "gdpo"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 Precision = Literal["fp32", "bf16"]
 Strategy = Literal["ddp", "fsdp"]
-LRSchedule = Literal["constant", "cosine"]
+LRSchedule = Literal["constant", "linear", "cosine"]
 RatioLevel = Literal["token", "sequence", "sequence_token"]  # grouprl.core.RATIO_LEVELS
 LossAgg = Literal[  # grouprl.core.AGGREGATIONS
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
@@ -76,6 +76,9 @@ class ModelOptions:
     base_dtype: Dtype = "fp32"
     """dtype of frozen weights: the base model under LoRA and the reference model. Trainable
     weights and the optimizer stay fp32; bf16/fp16 forwards make the trainer recompute old_logp."""
+    chat_template_kwargs: dict[str, bool | int | float | str] | None = None
+    """Variables for the tokenizer's chat template wherever it renders (prompts, tool turns,
+    reward models), e.g. --chat-template-kwargs enable_thinking False for Qwen3."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,8 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     lr: float = 5e-5
     """Peak learning rate (AdamW)."""
     lr_schedule: LRSchedule = "constant"
-    """Learning-rate shape after warm-up."""
+    """Learning-rate shape after warm-up: constant, a linear decay to 0 after the last step (as
+    transformers' "linear"), or a cosine decay to 0 at the last step."""
     warmup_steps: int = 5
     """Linear warm-up steps from 0 to lr."""
     weight_decay: float = 0.0
@@ -292,6 +296,10 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     written whatever this says."""
     run_name: str | None = None
     """The run's name in the trackers. None: the run directory's name."""
+    trl_metrics: bool = False
+    """Also send the trackers each step's metrics under TRL's GRPOTrainer names (reward,
+    rewards/NAME/mean, completions/mean_length, clip_ratio/..., frac_reward_zero_std, ...), for
+    dashboards made for TRL; metrics.jsonl keeps grouprl's names. grouprl.trl turns it on."""
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ LIVE_KEY = "live"
 RESUMABLE_FIELDS = (
     "steps", "eval_every", "eval_size", "eval_samples", "save_every", "keep_last",
     "log_samples", "log_ratios", "log_ratios_every", "doctor", "threads", "progress",
-    "reward_timeout", "tool_timeout", "device", "strategy", "report_to", "run_name",
+    "reward_timeout", "tool_timeout", "device", "strategy", "report_to", "run_name", "trl_metrics",
 )  # fmt: skip
 
 Config = TypeVar("Config")

@@ -15,6 +15,7 @@ same code path as a user's model. Code from a model repository runs only with
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -294,6 +295,20 @@ def with_pad_token(tokenizer: Any, spec: Any) -> Any:
             raise UserError(f"the tokenizer of {spec} has neither a pad nor an EOS token; add one")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def with_template_variables(tokenizer: Any, variables: dict[str, Any] | None) -> Any:
+    """`tokenizer`, its `apply_chat_template` given `variables` (e.g. enable_thinking=False)
+    on every call, before the caller's own keywords (which win). The saved tokenizer is
+    unchanged: the variables belong to the run, not to the model."""
+    if variables:
+        render = functools.partial(_render, tokenizer.apply_chat_template, dict(variables))
+        tokenizer.apply_chat_template = functools.update_wrapper(render, _render)
+    return tokenizer
+
+
+def _render(render: Any, variables: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    return render(*args, **{**variables, **kwargs})
 
 
 def context_length(model: torch.nn.Module) -> int | None:

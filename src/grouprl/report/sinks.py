@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,14 @@ class MetricSinks:
     """metrics.jsonl, eval.jsonl, samples.jsonl and ratios.jsonl in a run directory, mirrored to
     the trackers `--report-to` names (see `grouprl.report.trackers`)."""
 
-    def __init__(self, run_dir: Path, trackers: Trackers | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        trackers: Trackers | None = None,
+        aliases: Callable[[dict[str, float]], dict[str, float]] | None = None,
+    ):
         self.run_dir = Path(run_dir)
+        self.aliases = aliases  # more names for the trackers (TRL's): the JSONL keeps grouprl's
         self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl")
         self.evals = JsonlWriter(self.run_dir / "eval.jsonl")
         self.samples = JsonlWriter(self.run_dir / "samples.jsonl")
@@ -77,7 +84,8 @@ class MetricSinks:
         fault("log")
         self.metrics.write({"step": step, **metrics})
         if self.trackers is not None:
-            self.trackers.log("train", step, metrics)
+            extra = self.aliases(metrics) if self.aliases is not None else {}
+            self.trackers.log("train", step, {**metrics, **extra})
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """The evaluation, and to the trackers the completions sampled since the last one."""
@@ -103,6 +111,34 @@ class MetricSinks:
             writer.close()
         if self.trackers is not None:
             self.trackers.close(ok)
+
+
+#: grouprl's step metrics under the names TRL's GRPOTrainer logs them (its dashboards' keys).
+TRL_NAMES = {
+    "reward_mean": "reward",
+    "reward_std": "reward_std",
+    "frac_zero_std": "frac_reward_zero_std",
+    "completion_len_mean": "completions/mean_length",
+    "completion_len_max": "completions/max_length",
+    "truncated_frac": "completions/clipped_ratio",
+    "clip_frac_low": "clip_ratio/low_mean",
+    "clip_frac_high": "clip_ratio/high_mean",
+    "entropy": "entropy",
+    "kl": "kl",
+    "lr": "learning_rate",
+}
+
+
+def trl_names(metrics: dict[str, float]) -> dict[str, float]:
+    """The step's metrics under TRL's names: the table's, each reward's mean as
+    rewards/NAME/mean, and clip_ratio/region_mean (the clipped share, both sides)."""
+    named = {TRL_NAMES[k]: v for k, v in metrics.items() if k in TRL_NAMES}
+    rewards = {k.removeprefix("reward_") for k in metrics if k.startswith("reward_")}
+    for name in sorted(rewards - {"mean", "std"} - {r for r in rewards if r.endswith("_spread")}):
+        named[f"rewards/{name}/mean"] = metrics[f"reward_{name}"]
+    if "clip_frac_low" in metrics and "clip_frac_high" in metrics:
+        named["clip_ratio/region_mean"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+    return named
 
 
 class NullSinks:

@@ -16,7 +16,7 @@ from grouprl.config.options import DataOptions, ModelOptions, RunConfig
 from grouprl.errors import UserError
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models import load_model, load_tokenizer
-from grouprl.models.loading import DTYPES, context_length, with_pad_token
+from grouprl.models.loading import DTYPES, context_length, with_pad_token, with_template_variables
 from grouprl.models.lora import apply_lora
 from grouprl.tasks import Task, get_task
 from grouprl.tasks.chat_tools import ChatTools
@@ -221,11 +221,15 @@ def load_run_model(
 
 def load_run_tokenizer(opts: ModelOptions, spec: str | None = None) -> Any:
     """The tokenizer of the model `spec` (default: `opts.model`) names: its own, or a copy of
-    the live one (with a pad token, as `load_tokenizer` gives every tokenizer)."""
+    the live one (with a pad token, as `load_tokenizer` gives every tokenizer), rendering chat
+    templates with `--chat-template-kwargs`."""
     spec = spec or opts.model
     if not is_live(spec):
-        return load_tokenizer(spec, trust_remote_code=opts.trust_remote_code)
-    return with_pad_token(copy.deepcopy(live_object(live_tokenizer(spec), "tokenizer")), spec)
+        tokenizer = load_tokenizer(spec, trust_remote_code=opts.trust_remote_code)
+    else:
+        given = copy.deepcopy(live_object(live_tokenizer(spec), "tokenizer"))
+        tokenizer = with_pad_token(given, spec)
+    return with_template_variables(tokenizer, opts.chat_template_kwargs)
 
 
 def prompt_budget(opts: DataOptions, model: nn.Module, max_new_tokens: int) -> int | None:

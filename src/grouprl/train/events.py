@@ -9,8 +9,9 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class RunEvent:
-    """What a callback is told after each step ("step") and each held-out evaluation
-    ("evaluation"): the step, its metrics (read-only) and the run directory. `stop()` asks the
+    """What a callback is told after each step ("step"), each held-out evaluation
+    ("evaluation") and each checkpoint written ("save", no metrics): the step, its metrics
+    (read-only) and the run directory. `stop()` asks the
     run to end after this step, as if `--steps` had been this step: it saves, evaluates and
     writes final/ as a finished run does."""
 

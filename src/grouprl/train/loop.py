@@ -133,10 +133,12 @@ def train(
                     steps = state.step
                 if state.step % run.cfg.save_every == 0 and state.step < steps:
                     save(run, state)
+                    notify(run, "save", state.step, {})
                 check_nonfinite(run, state)
             stopping = run.dist.first_signal(stop.requested)  # all stop together
         with committed(run, state):
             save(run, state)
+            notify(run, "save", state.step, {})
         stopping = run.dist.first_signal(stop.requested)  # one arriving during the save counts too
         if stopping is not None:
             return stopped(run, state, stopping)

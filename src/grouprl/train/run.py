@@ -42,7 +42,7 @@ from grouprl.models.loading import resolve_device
 from grouprl.models.lora import save_final
 from grouprl.report import MetricSinks, plot_run
 from grouprl.report.runs import FINAL_MARKER, finished_at
-from grouprl.report.sinks import NullSinks, truncate_jsonl
+from grouprl.report.sinks import NullSinks, trl_names, truncate_jsonl
 from grouprl.report.trackers import Trackers
 from grouprl.rollout import stop_token_ids
 from grouprl.tasks import Task
@@ -295,7 +295,8 @@ def open_sinks(run: Run, state: RunState) -> Iterator[None]:
             if run.cfg.resume is None:  # nothing ran: leave the directory free for the next try
                 (run.run_dir / "config.yaml").unlink(missing_ok=True)
             raise
-        run.sinks = MetricSinks(run.run_dir, trackers)
+        aliases = trl_names if run.cfg.trl_metrics else None
+        run.sinks = MetricSinks(run.run_dir, trackers, aliases=aliases)
 
     run.on_main(open_on_main)
     ok = False
@@ -375,11 +376,15 @@ def evaluation_rows(
 
 
 def lr_factor(cfg: RunConfig, step: int) -> float:
-    """Linear warm-up to 1, then constant or a cosine decay to 0 at the last step."""
+    """Linear warm-up to 1, then constant, a linear decay (1 at the end of warm-up, 1/(steps -
+    warmup_steps) at the last step, 0 after it: transformers' get_linear_schedule_with_warmup
+    after its warm-up) or a cosine decay to 0 at the last step."""
     if step < cfg.warmup_steps:
         return (step + 1) / (cfg.warmup_steps + 1)
     if cfg.lr_schedule == "constant":
         return 1.0
+    if cfg.lr_schedule == "linear":
+        return max(0.0, (cfg.steps - step) / max(1, cfg.steps - cfg.warmup_steps))
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
