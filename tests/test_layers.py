@@ -21,7 +21,8 @@ LAYERS = {
     "config": 3,
     "train": 4, "sft": 4,
     "api": 5,
-    "cli": 6, "__main__": 7,
+    "trl": 6,
+    "cli": 7, "__main__": 8,
 }  # fmt: skip
 
 

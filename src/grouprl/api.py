@@ -152,6 +152,12 @@ class Trainer:
         from grouprl.config.parsing import resume_config
 
         same = {k: v for k, v in changes.items() if k not in live.specs}
+        given = same.pop("output_dir", None)
+        if given is not None and Path(given).resolve() != Path(self.resume).resolve():
+            raise UserError(
+                f"resume={self.resume} continues that run in its own directory; drop "
+                f"output_dir={given} (or make it the same)"
+            )
         cfg, recorded = resume_config(Path(self.resume), same)
         for spec, identity in live.identities.items():
             if recorded.get(spec) != identity:
@@ -391,7 +397,9 @@ def _lora_options(lora: Any, model: Any) -> dict[str, Any]:
                 "it takes r, lora_alpha, lora_dropout and target_modules"
             )
     targets = lora.target_modules
-    if targets is None:
+    if targets == "all-linear":  # peft's: every linear layer but the output head, as grouprl's
+        targets = None
+    elif targets is None:
         targets = _peft_default_targets(model)
     elif isinstance(targets, str):
         raise UserError("LoraConfig(target_modules=...) as a regex is not supported; list names")

@@ -1,0 +1,23 @@
+"""TRL's `GRPOTrainer` on grouprl: a script written for TRL runs after changing one import.
+
+    from grouprl.trl import GRPOConfig, GRPOTrainer       # was: from trl import ...
+
+    trainer = GRPOTrainer(model=..., reward_funcs=[...], args=GRPOConfig(...),
+                          train_dataset=..., peft_config=LoraConfig(...))
+    trainer.train()
+
+`GRPOConfig` has every field of TRL 1.16's, with TRL's defaults (a test holds it to the installed
+TRL's); `trl` need not be installed. Each field is mapped onto grouprl's options (`FIELDS` says
+which; the README's table says how), refused in one line when set to what grouprl does not
+implement, or, when it concerns only TRL's plumbing (hub pushing, dataloader workers, ...),
+listed in one warning; none is ignored silently. The run is `grouprl.Trainer`'s with the mapped
+options (the same to the bit), so it has grouprl's run directory, exact resume, evaluations and
+plots; the trackers also get TRL's metric names.
+
+`config` holds the table and the mapping, `trainer` the trainer, `callbacks` TRL's callbacks.
+"""
+
+from grouprl.trl.config import FIELDS, GRPOConfig, options_from
+from grouprl.trl.trainer import GRPOTrainer
+
+__all__ = ["FIELDS", "GRPOConfig", "GRPOTrainer", "options_from"]
