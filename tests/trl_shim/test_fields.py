@@ -98,8 +98,7 @@ def test_trls_objective_by_name():
     for loss in ("cispo", "sapo", "luspo", "vespo"):
         with pytest.raises(UserError, match=f"loss_type='{loss}'"):
             options_from(GRPOConfig(loss_type=loss), rows=8)
-    with pytest.raises(UserError, match="use_bias_correction_kl=False"):
-        options_from(GRPOConfig(beta=0.04), rows=8)
+    assert options_from(GRPOConfig(beta=0.04), rows=8)["kl_ratio_weighted"] is True
     with pytest.raises(UserError, match="per-process"):
         options_from(GRPOConfig(loss_type="bnpo"), world=2, rows=8)
 

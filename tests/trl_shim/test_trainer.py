@@ -41,7 +41,7 @@ def _args(output_dir, **changes) -> GRPOConfig:
     settings = dict(output_dir=str(output_dir), per_device_train_batch_size=4,
                     num_generations=4, steps_per_generation=2, num_iterations=2, max_steps=8,
                     max_completion_length=10, learning_rate=1e-3, beta=0.04,
-                    use_bias_correction_kl=False, loss_type="grpo", epsilon_high=0.28,
+                    loss_type="grpo", epsilon_high=0.28,
                     reward_weights=[1.0, 0.5], save_steps=4, bf16=False,
                     gradient_checkpointing=False, disable_tqdm=True)  # fmt: skip
     return GRPOConfig(**{**settings, **changes})

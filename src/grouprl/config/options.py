@@ -241,6 +241,10 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Weight of the KL penalty to the reference (initial) policy. None: preset."""
     kl_estimator: KLEstimator = "k3"
     """KL estimator for the penalty (k3 is the GRPO paper's)."""
+    kl_ratio_weighted: bool = False
+    """Multiply each token's KL term by its importance ratio, gradient included (DeepSeek-V3.2's
+    unbiased KL estimate; TRL's use_bias_correction_kl). It changes the KL gradient even
+    on-policy, where the ratio is 1 but differentiable."""
     loss_agg: LossAgg | None = None
     """How per-token losses are averaged; sets the implicit length weighting. None: preset."""
     norm_len: int | None = None

@@ -190,6 +190,7 @@ def loss_options(cfg: RunConfig) -> LossOptions:
         dual_clip=cfg.dual_clip,
         beta=cfg.beta,
         kl_estimator=cfg.kl_estimator,
+        kl_ratio_weighted=cfg.kl_ratio_weighted,
         agg=cfg.loss_agg,
         norm_len=cfg.norm_len,
     )

@@ -231,6 +231,7 @@ class LossOptions:
     dual_clip: float | None = None
     beta: float = 0.0
     kl_estimator: str = "k3"  # KL_ESTIMATORS
+    kl_ratio_weighted: bool = False  # KL_it times the importance ratio r_it
     agg: str = "seq_mean_token_mean"  # AGGREGATIONS
     norm_len: int | None = None  # the constant of seq_mean_token_sum_norm
 
@@ -382,14 +383,14 @@ def policy_loss(
 
     with r_it = exp(log_ratio(level)) (log-ratio clamped to ±MAX_LOG_RATIO before exp, as verl
     does), the dual clip of ``clipped_objective`` when set, KL_it = kl_penalty(logp, ref_logp)
-    added when ``beta > 0``; then ``aggregate(l, mask, mode=agg, ...)``.
+    added when ``beta > 0`` (times r_it with ``kl_ratio_weighted``: DeepSeek-V3.2's unbiased KL
+    estimate, arXiv 2512.02556); then ``aggregate(l, mask, mode=agg, ...)``.
 
     The settings (level, clip range, dual clip, beta, KL estimator, aggregation, norm_len) are a
     `LossOptions`, given as ``options`` or as its fields by keyword (``level="sequence"``).
     Defaults: GRPO's token ratio and seq_mean_token_mean; GSPO is level="sequence" (or
-    "sequence_token") with its clip range, e.g. 3e-4 / 4e-4. Gradients flow to ``logp`` only:
-    old_logp, ref_logp and advantages are constants. Padded positions never influence loss,
-    gradient or diagnostics.
+    "sequence_token") with its clip range, e.g. 3e-4 / 4e-4. Gradients flow to ``logp`` only
+    (old_logp, ref_logp, advantages are constants); padding never touches loss or diagnostics.
     """
     if options is not None and settings:
         raise TypeError("give the loss settings as options= or as keywords, not both")
@@ -414,7 +415,8 @@ def policy_loss(
         ref_logp = torch.where(mask, ref_logp.detach(), 0.0)  # (N, T)
         kl_tok = kl_penalty(torch.where(mask, logp, 0.0), ref_logp, estimator=opts.kl_estimator)
         if opts.beta > 0:
-            per_token = per_token + opts.beta * kl_tok
+            weight = ratio if opts.kl_ratio_weighted else 1.0  # x * 1.0 is x, to the bit
+            per_token = per_token + opts.beta * kl_tok * weight
     loss = aggregate(
         per_token, mask, mode=opts.agg, norm_len=opts.norm_len, num_tokens=num_tokens,
         num_seqs=num_seqs,

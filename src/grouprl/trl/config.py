@@ -363,11 +363,6 @@ def _objective(args: Any, world: int) -> dict[str, Any]:
                       "sum_then_normalize or normalize_then_sum")  # fmt: skip
     if args.delta is not None and args.delta <= 1:
         raise refusal("delta", args.delta, "the two-sided clip's bound must be > 1")
-    if args.beta and args.use_bias_correction_kl:
-        raise UserError(
-            f"GRPOConfig(beta={args.beta}, use_bias_correction_kl=True): grouprl does not weight "
-            "the KL term by the importance ratio; set use_bias_correction_kl=False"
-        )
     return {
         "loss_agg": _AGGREGATIONS[loss],
         "norm_len": args.max_completion_length if loss == "dr_grpo" else None,
@@ -377,6 +372,7 @@ def _objective(args: Any, world: int) -> dict[str, Any]:
         "dual_clip": args.delta,
         "beta": float(args.beta),
         "kl_estimator": "k3",
+        "kl_ratio_weighted": bool(args.use_bias_correction_kl),
         "epochs": args.num_iterations,
         "adv_estimator": "gdpo" if aggregation == "normalize_then_sum" else "grpo",
         "adv_scale": None if aggregation == "normalize_then_sum" else scale,
