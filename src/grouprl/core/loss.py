@@ -29,12 +29,16 @@ from dataclasses import dataclass
 import torch
 
 from ._registry import choose
+from .objectives import (
+    MAX_LOG_RATIO,
+    OBJECTIVES,
+    cispo_objective,
+    gmpo_objective,
+    sapo_objective,
+    vespo_objective,
+)
 
 Tensor = torch.Tensor
-
-# exp(20) ≈ 4.9e8 stays finite in float32 and far outside any clip range; an overflowed ratio
-# would turn the zero gradient of a clipped token into inf · 0 = NaN (verl clamps the same way).
-MAX_LOG_RATIO = 20.0
 
 
 # --- importance-ratio levels: (token log-ratio, logp, mask), each (N, T) -> (N, T) log-ratio ---
@@ -209,6 +213,40 @@ def clipped_objective(
     return torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
 
 
+def _objective(
+    opts: "LossOptions", ratio: Tensor, logp: Tensor, token_log_ratio: Tensor, adv: Tensor,
+    mask: Tensor,
+) -> Tensor:  # fmt: skip
+    if opts.objective == "cispo":
+        return cispo_objective(ratio, logp, adv, cap=opts.cispo_cap)
+    if opts.objective == "sapo":
+        return sapo_objective(ratio, adv, tau_pos=opts.sapo_tau_pos, tau_neg=opts.sapo_tau_neg)
+    if opts.objective == "gmpo":
+        return gmpo_objective(token_log_ratio, adv, mask, clip_low=opts.clip_low,
+                              clip_high=opts.clip_high)  # fmt: skip
+    if opts.objective == "vespo":
+        return vespo_objective(token_log_ratio, logp, adv, mask, k_pos=opts.vespo_k_pos,
+                               lambda_pos=opts.vespo_lambda_pos, k_neg=opts.vespo_k_neg,
+                               lambda_neg=opts.vespo_lambda_neg)  # fmt: skip
+    return clipped_objective(
+        ratio, adv, clip_low=opts.clip_low, clip_high=opts.clip_high, dual_clip=opts.dual_clip
+    )
+
+
+def _bounded(opts: "LossOptions", ratio: Tensor, adv: Tensor) -> tuple[Tensor, Tensor]:
+    """The tokens the objective's bound acted on, (below, above): the clip's, CISPO's cap (above,
+    whatever Â's sign), GMPO's log-space clip (on token ratios), none for SAPO's or VESPO's."""
+    if opts.objective == "cispo":
+        return torch.zeros_like(ratio, dtype=torch.bool), ratio > opts.cispo_cap
+    if opts.objective in ("sapo", "vespo"):
+        none = torch.zeros_like(ratio, dtype=torch.bool)
+        return none, none
+    if opts.objective == "gmpo":  # the token log-ratios the log-space clip cut
+        log_ratio = ratio.log()
+        return (adv < 0) & (log_ratio < -opts.clip_low), (adv > 0) & (log_ratio > opts.clip_high)
+    return (adv < 0) & (ratio < 1 - opts.clip_low), (adv > 0) & (ratio > 1 + opts.clip_high)
+
+
 def mean_over(total: Tensor | float, count: Tensor | float) -> Tensor | float:
     """`total / count`, NaN where `count` is 0: the one definition of a metric over nothing (a
     mean over no token, no row, no update is undefined, and is logged as null), for the loss's
@@ -232,6 +270,14 @@ class LossOptions:
     beta: float = 0.0
     kl_estimator: str = "k3"  # KL_ESTIMATORS
     kl_ratio_weighted: bool = False  # KL_it times the importance ratio r_it
+    objective: str = "clip"  # OBJECTIVES
+    cispo_cap: float = 5.0  # CISPO's cap on the detached weight
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature where Â > 0
+    sapo_tau_neg: float = 1.05  # and where Â <= 0
+    vespo_k_pos: float = 2.0  # VESPO's gamma shape and rate where Â >= 0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0  # and where Â < 0
+    vespo_lambda_neg: float = 2.0
     agg: str = "seq_mean_token_mean"  # AGGREGATIONS
     norm_len: int | None = None  # the constant of seq_mean_token_sum_norm
 
@@ -241,6 +287,7 @@ class LossOptions:
         choose(RATIO_LEVELS, self.level, "ratio level")
         choose(KL_ESTIMATORS, self.kl_estimator, "KL estimator")
         choose(AGGREGATIONS, self.agg, "loss aggregation")
+        choose(dict.fromkeys(OBJECTIVES), self.objective, "objective")
         rules = (
             (0 <= self.clip_low < 1, f"clip_low must lie in [0, 1): the ratio's lower bound is "
              f"1 - clip_low; got {self.clip_low}"),
@@ -248,6 +295,15 @@ class LossOptions:
             (self.dual_clip is None or self.dual_clip > 1,
              f"dual_clip must be > 1 (or unset; verl's default is 3); got {self.dual_clip}"),
             (self.beta >= 0, f"beta must be >= 0; got {self.beta}"),
+            (self.cispo_cap > 0, f"cispo_cap must be > 0; got {self.cispo_cap}"),
+            (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0,
+             f"SAPO's temperatures must be > 0; got {self.sapo_tau_pos}, {self.sapo_tau_neg}"),
+            (min(self.vespo_lambda_pos, self.vespo_lambda_neg) > 0
+             and min(self.vespo_k_pos, self.vespo_k_neg) >= 0,
+             "VESPO's rates (lambda) must be > 0 and its shapes (k) >= 0"),
+            (self.objective not in ("gmpo", "vespo") or self.level == "token",
+             f"{self.objective} builds its own sequence weight from token ratios: it needs "
+             f"ratio level 'token'; got {self.level!r}"),
             (self.agg != "seq_mean_token_sum_norm" or (self.norm_len or 0) > 0,
              "loss aggregation 'seq_mean_token_sum_norm' needs norm_len > 0 (e.g. "
              f"max_new_tokens); got {self.norm_len}"),
@@ -268,8 +324,8 @@ class LossStats:
     """
 
     tokens: Tensor  # valid tokens
-    clipped_low: Tensor  # valid tokens with Â < 0 and r < 1 − clip_low
-    clipped_high: Tensor  # valid tokens with Â > 0 and r > 1 + clip_high
+    clipped_low: Tensor  # valid tokens the lower bound acted on (the clip: Â < 0, r < 1 − ε_low)
+    clipped_high: Tensor  # and the upper (the clip: Â > 0, r > 1 + ε_high; CISPO: r > cap)
     ratio_sum: Tensor  # Σ r over valid tokens (r at the chosen level)
     approx_kl_sum: Tensor  # Σ k3 estimate of KL[π_old‖π_θ] (token level)
     kl_sum: Tensor  # Σ KL estimate against the reference (0 without one)
@@ -325,7 +381,8 @@ class PolicyLoss:
 
     @property
     def clip_frac_low(self) -> Tensor:
-        """Share of valid tokens with Â < 0 and r < 1 − clip_low."""
+        """Share of valid tokens the objective's lower bound acted on (the clip: Â < 0 and
+        r < 1 − clip_low)."""
         return self._mean(self.stats.clipped_low)
 
     @property
@@ -375,6 +432,7 @@ def policy_loss(
     ref_logp: Tensor | None = None,  # (N, T)
     num_tokens: int | Tensor | None = None,
     num_seqs: int | Tensor | None = None,
+    token_weight: Tensor | None = None,  # (N, T) constant
     **settings,
 ) -> PolicyLoss:
     """GRPO / GSPO loss −J(θ) (arXiv 2402.03300 eq. 3; arXiv 2507.18071), per token
@@ -386,7 +444,8 @@ def policy_loss(
     added when ``beta > 0`` (times r_it with ``kl_ratio_weighted``: DeepSeek-V3.2's unbiased KL
     estimate, arXiv 2512.02556); then ``aggregate(l, mask, mode=agg, ...)``.
 
-    The settings (level, clip range, dual clip, beta, KL estimator, aggregation, norm_len) are a
+    ``objective`` replaces the clipped term (OBJECTIVES: CISPO, SAPO); ``token_weight`` (N, T)
+    multiplies l_it before aggregation, the denominators unchanged. The settings are a
     `LossOptions`, given as ``options`` or as its fields by keyword (``level="sequence"``).
     Defaults: GRPO's token ratio and seq_mean_token_mean; GSPO is level="sequence" (or
     "sequence_token") with its clip range, e.g. 3e-4 / 4e-4. Gradients flow to ``logp`` only
@@ -407,10 +466,10 @@ def policy_loss(
     adv = torch.where(mask, advantages.detach()[:, None], 0.0)  # (N, T)
     ratio = log_ratio(logp, old_logp, mask, level=opts.level)
     ratio = ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # (N, T)
-    objective = clipped_objective(
-        ratio, adv, clip_low=opts.clip_low, clip_high=opts.clip_high, dual_clip=opts.dual_clip
-    )
-    per_token = -objective  # (N, T)
+    token_lr = torch.where(mask, logp - old_logp, 0.0)  # (N, T) log ρ_t, for GMPO and VESPO
+    per_token = -_objective(opts, ratio, torch.where(mask, logp, 0.0), token_lr, adv, mask)
+    if token_weight is not None:  # the denominators stay the mask's
+        per_token = per_token * torch.where(mask, token_weight.detach(), 0.0)
     if ref_logp is not None:
         ref_logp = torch.where(mask, ref_logp.detach(), 0.0)  # (N, T)
         kl_tok = kl_penalty(torch.where(mask, logp, 0.0), ref_logp, estimator=opts.kl_estimator)
@@ -421,30 +480,38 @@ def policy_loss(
         per_token, mask, mode=opts.agg, norm_len=opts.norm_len, num_tokens=num_tokens,
         num_seqs=num_seqs,
     )  # fmt: skip
-
+    kl = None if ref_logp is None else kl_tok.detach()
     with torch.no_grad():
-
-        def total(x: Tensor) -> Tensor:  # over valid tokens
-            return torch.where(mask, x, 0.0).sum()
-
-        def highest(x: Tensor) -> Tensor:  # −inf without a valid token (the extra −inf keeps
-            # an empty N·T = 0 batch reducible)
-            filled = torch.where(mask, x, -torch.inf).flatten()
-            return torch.cat([filled, x.new_full((1,), -torch.inf)]).amax()
-
-        ratio = ratio.detach()
-        new_logp = torch.where(mask, logp.detach(), 0.0)  # (N, T)
-        stats = LossStats(
-            tokens=mask.sum().to(ratio.dtype),
-            clipped_low=total(((adv < 0) & (ratio < 1 - opts.clip_low)).to(ratio.dtype)),
-            clipped_high=total(((adv > 0) & (ratio > 1 + opts.clip_high)).to(ratio.dtype)),
-            ratio_sum=total(ratio),
-            approx_kl_sum=total(kl_penalty(old_logp, new_logp, estimator="k3")),
-            kl_sum=ratio.new_zeros(()) if ref_logp is None else total(kl_tok.detach()),
-            ratio_max=highest(ratio),
-            neg_ratio_min=highest(-ratio),
-        )
+        stats = _stats(opts, mask, ratio.detach(), adv, old_logp, logp.detach(), kl)
     return PolicyLoss(loss=loss, stats=stats, has_kl=ref_logp is not None)
+
+
+def _stats(
+    opts: LossOptions, mask: Tensor, ratio: Tensor, adv: Tensor, old_logp: Tensor,
+    new_logp: Tensor, kl_tok: Tensor | None,
+) -> LossStats:  # fmt: skip
+    """What the loss saw, over its valid tokens (all (N, T), detached)."""
+
+    def total(x: Tensor) -> Tensor:  # over valid tokens
+        return torch.where(mask, x, 0.0).sum()
+
+    def highest(x: Tensor) -> Tensor:  # −inf without a valid token (the extra −inf keeps an
+        # empty N·T = 0 batch reducible)
+        filled = torch.where(mask, x, -torch.inf).flatten()
+        return torch.cat([filled, x.new_full((1,), -torch.inf)]).amax()
+
+    below, above = _bounded(opts, ratio, adv)
+    new_logp = torch.where(mask, new_logp, 0.0)  # (N, T)
+    return LossStats(
+        tokens=mask.sum().to(ratio.dtype),
+        clipped_low=total(below.to(ratio.dtype)),
+        clipped_high=total(above.to(ratio.dtype)),
+        ratio_sum=total(ratio),
+        approx_kl_sum=total(kl_penalty(old_logp, new_logp, estimator="k3")),
+        kl_sum=ratio.new_zeros(()) if kl_tok is None else total(kl_tok),
+        ratio_max=highest(ratio),
+        neg_ratio_min=highest(-ratio),
+    )
 
 
 def _check_same_shape(**tensors: Tensor | None) -> None:
