@@ -95,9 +95,26 @@ def test_trls_objective_by_name():
     assert (o["loss_agg"], o["clip_low"], o["clip_high"], o["dual_clip"], o["ratio_level"],
             o["adv_scale"], o["beta"], o["lr_schedule"], o["warmup_steps"]) == (
         "seq_mean_token_mean", 0.1, 0.28, 1.5, "sequence", "none", 0.04, "cosine", 5)  # fmt: skip
-    for loss in ("cispo", "sapo", "luspo", "vespo"):
-        with pytest.raises(UserError, match=f"loss_type='{loss}'"):
-            options_from(GRPOConfig(loss_type=loss), rows=8)
+    cispo = options_from(GRPOConfig(loss_type="cispo", epsilon_high=5.0), rows=8)
+    assert (cispo["objective"], cispo["cispo_cap"], cispo["loss_agg"]) == ("cispo", 5.0,
+                                                                           "token_mean")  # fmt: skip
+    assert "clip_high" not in cispo  # no clip range bounds CISPO: its cap does
+    # TRL's CISPO with epsilon_high unset caps at epsilon, 0.2, as TRL does
+    assert options_from(GRPOConfig(loss_type="cispo"), rows=8)["cispo_cap"] == 0.2
+    sapo = options_from(GRPOConfig(loss_type="sapo", sapo_temperature_neg=2.0), rows=8)
+    assert (sapo["objective"], sapo["sapo_tau_pos"], sapo["sapo_tau_neg"], sapo["loss_agg"]) == (
+        "sapo", 1.0, 2.0, "seq_mean_token_mean")  # fmt: skip
+    luspo = options_from(GRPOConfig(loss_type="luspo", importance_sampling_level="sequence"),
+                         rows=8)  # fmt: skip
+    assert (luspo["objective"], luspo["ratio_level"], luspo["loss_agg"]) == (
+        "clip", "sequence", "seq_mean_token_sum")  # fmt: skip
+    with pytest.warns(UserWarning, match="expects importance_sampling_level='sequence'"):
+        options_from(GRPOConfig(loss_type="luspo"), rows=8)
+    vespo = options_from(GRPOConfig(loss_type="vespo", vespo_k_neg=4.0), rows=8)
+    assert (vespo["objective"], vespo["vespo_k_neg"], vespo["loss_agg"]) == ("vespo", 4.0,
+                                                                             "token_mean")  # fmt: skip
+    with pytest.raises(UserError, match="loss_type='ppo'"):
+        options_from(GRPOConfig(loss_type="ppo"), rows=8)
     assert options_from(GRPOConfig(beta=0.04), rows=8)["kl_ratio_weighted"] is True
     with pytest.raises(UserError, match="per-process"):
         options_from(GRPOConfig(loss_type="bnpo"), world=2, rows=8)

@@ -17,7 +17,8 @@ from typing import Literal
 # Choices: every named option's values, once (tests/config/test_config.py checks that the core
 # registries and the presets have exactly these names)
 
-Algo = Literal["grpo", "gspo", "dr_grpo", "dapo", "gdpo"]
+Algo = Literal["grpo", "gspo", "dr_grpo", "dapo", "gdpo", "cispo", "sapo", "gmpo", "luspo", "vespo"]
+Objective = Literal["clip", "cispo", "sapo", "gmpo", "vespo"]  # grouprl.core.OBJECTIVES
 Dtype = Literal["fp32", "bf16", "fp16"]
 Precision = Literal["fp32", "bf16"]
 Strategy = Literal["ddp", "fsdp"]
@@ -229,6 +230,24 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     float rounding. Ignored when beta > 0 (the KL term has a gradient): every group is trained."""
 
     # ----- objective -----
+    objective: Objective | None = None
+    """The per-token term maximised: PPO's clip (GRPO, GSPO, Dr. GRPO, DAPO, LUSPO), CISPO's
+    capped-weight REINFORCE, SAPO's soft gate, GMPO's geometric mean, VESPO's gamma weight.
+    None: preset (--algo cispo, sapo, gmpo, vespo set their own; clip otherwise)."""
+    cispo_cap: float | None = None
+    """CISPO: the cap on the detached importance weight (TRL's epsilon_high). None: 5.0."""
+    sapo_tau_pos: float | None = None
+    """SAPO: the gate's temperature where the advantage is > 0. None: 1.0."""
+    sapo_tau_neg: float | None = None
+    """SAPO: the gate's temperature where the advantage is <= 0. None: 1.05."""
+    vespo_k_pos: float | None = None
+    """VESPO: the gamma weight's shape k where the advantage is >= 0. None: 2."""
+    vespo_lambda_pos: float | None = None
+    """VESPO: its rate lambda where the advantage is >= 0. None: 3."""
+    vespo_k_neg: float | None = None
+    """VESPO: k where the advantage is < 0. None: 3."""
+    vespo_lambda_neg: float | None = None
+    """VESPO: lambda where the advantage is < 0. None: 2."""
     ratio_level: RatioLevel | None = None
     """Importance ratio: per token (GRPO), per sequence (GSPO), or GSPO-token. None: preset."""
     clip_low: float | None = None
@@ -366,6 +385,7 @@ class RunConfig(TrainConfig):
     """
 
     ratio_level: RatioLevel = field(kw_only=True)
+    objective: Objective = field(kw_only=True)
     clip_low: float = field(kw_only=True)
     clip_high: float = field(kw_only=True)
     beta: float = field(kw_only=True)

@@ -34,6 +34,7 @@ class Preset:
     mask_truncated: bool = False
     overlong_penalty: bool = False
     adv_estimator: str = "grpo"
+    objective: str = "clip"
 
 
 PRESETS: dict[str, Preset] = {
@@ -63,7 +64,64 @@ PRESETS: dict[str, Preset] = {
     "gdpo": Preset(
         "token", 0.2, 0.2, "seq_mean_token_mean", "group", 0.0, minibatches=1, adv_estimator="gdpo"
     ),
+    # The newer objectives, each with GSPO's 4 minibatches: with one on-policy update every
+    # ratio is 1 and each of them is GRPO's gradient, so their differences need off-policy steps.
+    # CISPO (MiniMax-M1, arXiv 2506.13585): capped-weight REINFORCE, token mean (TRL's loss).
+    "cispo": Preset(
+        "token", 0.2, 0.2, "token_mean", "group", 0.0, minibatches=4, objective="cispo"
+    ),
+    # SAPO (arXiv 2511.20347): the soft gate, aggregated as TRL does (GRPO's sequence mean).
+    "sapo": Preset(
+        "token", 0.2, 0.2, "seq_mean_token_mean", "group", 0.0, minibatches=4, objective="sapo"
+    ),
+    # GMPO (arXiv 2507.20673): the geometric mean, clipped in log space at the paper's +-0.4.
+    "gmpo": Preset(
+        "token", 0.4, 0.4, "seq_mean_token_mean", "group", 0.0, minibatches=4, objective="gmpo"
+    ),
+    # LUSPO (arXiv 2602.05261): GSPO's sequence ratio and clip, each sequence's token losses
+    # summed (so its weight grows with its length), then averaged over sequences (TRL's).
+    "luspo": Preset("sequence", 3e-4, 4e-4, "seq_mean_token_sum", "group", 0.0, minibatches=4),
+    # VESPO (arXiv 2602.10693): the gamma weight of the sequence's ratio, token mean (TRL's).
+    "vespo": Preset(
+        "token", 0.2, 0.2, "token_mean", "group", 0.0, minibatches=4, objective="vespo"
+    ),
 }
+
+#: Each objective's own knobs (the others' are refused in one line) and their defaults, which
+#: are grouprl.core.LossOptions'.
+KNOBS = {
+    "cispo": {"cispo_cap": 5.0},
+    "sapo": {"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05},
+    "vespo": {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
+              "vespo_lambda_neg": 2.0},
+}  # fmt: skip
+#: The objectives the clip range does not bound (CISPO's bound is its cap).
+UNCLIPPED = ("cispo", "sapo", "vespo")
+
+
+def _objective_knobs(cfg: TrainConfig, values: dict[str, Any]) -> None:
+    """The objective's own knobs filled with their defaults; a knob of another objective, or a
+    clip range for one the clip does not bound, is one line. (A resumed run's saved config holds
+    the preset's clip range: that one is no choice of the user's.)"""
+    objective = values["objective"]
+    for owner, knobs in KNOBS.items():
+        for name, default in knobs.items():
+            if owner == objective:
+                values[name] = default if values[name] is None else values[name]
+            elif values[name] is not None:
+                raise UserError(
+                    f"invalid config: --{name.replace('_', '-')} is a knob of --objective "
+                    f"{owner}; this run's objective is {objective}"
+                )
+    preset = PRESETS[cfg.algo]
+    for name in ("clip_low", "clip_high", "dual_clip"):
+        given = getattr(cfg, name)
+        if objective in UNCLIPPED and given is not None and given != getattr(preset, name, None):
+            raise UserError(
+                f"invalid config: --{name.replace('_', '-')} does not apply to --objective "
+                f"{objective}, which no clip range bounds"
+                + ("; its bound is --cispo-cap" if objective == "cispo" else "")
+            )
 
 
 def local_paths_absolute(cfg: Any) -> Any:
@@ -121,6 +179,7 @@ def resolve(
     for name, value in dataclasses.asdict(PRESETS[cfg.algo]).items():
         if values[name] is None:
             values[name] = value
+    _objective_knobs(cfg, values)
     if values["max_new_tokens"] is None:
         values["max_new_tokens"] = task_max_new_tokens
     if values["model"] is None:

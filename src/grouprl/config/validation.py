@@ -178,6 +178,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _warn_dubious(cfg)
 
 
+_KNOBS = ("cispo_cap", "sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos",
+          "vespo_k_neg", "vespo_lambda_neg")  # fmt: skip
+
+
 def loss_options(cfg: RunConfig) -> LossOptions:
     """The objective `grouprl.core.policy_loss` computes, from a run's config (raises
     ValueError, as `LossOptions` does, for settings the loss cannot take)."""
@@ -191,6 +195,8 @@ def loss_options(cfg: RunConfig) -> LossOptions:
         beta=cfg.beta,
         kl_estimator=cfg.kl_estimator,
         kl_ratio_weighted=cfg.kl_ratio_weighted,
+        objective=cfg.objective,
+        **{name: value for name in _KNOBS if (value := getattr(cfg, name)) is not None},
         agg=cfg.loss_agg,
         norm_len=cfg.norm_len,
     )

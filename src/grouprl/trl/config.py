@@ -181,12 +181,12 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "epsilon": (0.2, MAPPED),
     "delta": (None, MAPPED),
     "epsilon_high": (None, MAPPED),
-    "sapo_temperature_neg": (1.05, REFUSED),
-    "sapo_temperature_pos": (1.0, REFUSED),
-    "vespo_k_pos": (2.0, REFUSED),
-    "vespo_lambda_pos": (3.0, REFUSED),
-    "vespo_k_neg": (3.0, REFUSED),
-    "vespo_lambda_neg": (2.0, REFUSED),
+    "sapo_temperature_neg": (1.05, MAPPED),
+    "sapo_temperature_pos": (1.0, MAPPED),
+    "vespo_k_pos": (2.0, MAPPED),
+    "vespo_lambda_pos": (3.0, MAPPED),
+    "vespo_k_neg": (3.0, MAPPED),
+    "vespo_lambda_neg": (2.0, MAPPED),
     "importance_sampling_level": ("token", MAPPED),
     "reward_weights": (None, MAPPED),
     "multi_objective_aggregation": ("sum_then_normalize", MAPPED),
@@ -241,7 +241,11 @@ GRPOConfig.__doc__ = (
 
 #: TRL's loss_type -> grouprl's loss aggregation (TRL's other losses are other objectives).
 _AGGREGATIONS = {"dapo": "token_mean", "bnpo": "token_mean", "grpo": "seq_mean_token_mean",
-                 "dr_grpo": "seq_mean_token_sum_norm"}  # fmt: skip
+                 "dr_grpo": "seq_mean_token_sum_norm", "cispo": "token_mean",
+                 "sapo": "seq_mean_token_mean", "luspo": "seq_mean_token_sum",
+                 "vespo": "token_mean"}  # fmt: skip
+#: TRL's losses that are not the clipped surrogate: grouprl's objective of the same name.
+_OBJECTIVES = ("cispo", "sapo", "vespo")
 _SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant",
               "constant_with_warmup": "constant"}  # fmt: skip
 _OPTIMIZERS = {"adamw_torch", "adamw_torch_fused"}
@@ -346,7 +350,12 @@ def _steps(args: Any, prompts_per_step: int, per_step: int, rows: int | None) ->
 def _objective(args: Any, world: int) -> dict[str, Any]:
     loss = args.loss_type
     if loss not in _AGGREGATIONS:
-        raise refusal("loss_type", loss, "grouprl implements dapo, bnpo, grpo and dr_grpo")
+        raise refusal("loss_type", loss, f"grouprl implements {', '.join(_AGGREGATIONS)}")
+    if loss == "luspo" and args.importance_sampling_level != "sequence":
+        warnings.warn("loss_type='luspo' expects importance_sampling_level='sequence' (as TRL "
+                      "warns)", UserWarning, stacklevel=4)  # fmt: skip
+    if loss in _OBJECTIVES and args.delta is not None:
+        raise refusal("delta", args.delta, f"TRL's {loss} loss has no two-sided clip")
     if loss == "bnpo" and world > 1:
         raise refusal("loss_type", loss,
                       "a per-process token mean; grouprl's token mean is over every process "
@@ -363,13 +372,16 @@ def _objective(args: Any, world: int) -> dict[str, Any]:
                       "sum_then_normalize or normalize_then_sum")  # fmt: skip
     if args.delta is not None and args.delta <= 1:
         raise refusal("delta", args.delta, "the two-sided clip's bound must be > 1")
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    bound = {"objective": "clip", "clip_low": args.epsilon, "clip_high": high,
+             "dual_clip": args.delta}  # fmt: skip
+    if loss in _OBJECTIVES:  # no clip range; TRL's knobs instead
+        bound = {"objective": loss, **_knobs(args, loss, high)}
     return {
+        **bound,
         "loss_agg": _AGGREGATIONS[loss],
         "norm_len": args.max_completion_length if loss == "dr_grpo" else None,
         "ratio_level": args.importance_sampling_level,
-        "clip_low": args.epsilon,
-        "clip_high": args.epsilon if args.epsilon_high is None else args.epsilon_high,
-        "dual_clip": args.delta,
         "beta": float(args.beta),
         "kl_estimator": "k3",
         "kl_ratio_weighted": bool(args.use_bias_correction_kl),
@@ -382,6 +394,18 @@ def _objective(args: Any, world: int) -> dict[str, Any]:
         "dynamic_sampling": False,
         "overlong_penalty": False,
     }
+
+
+def _knobs(args: Any, loss: str, epsilon_high: float) -> dict[str, float]:
+    """TRL's CISPO caps at epsilon_high as an absolute weight (epsilon when unset: 0.2, as TRL;
+    5.0 is its recommendation); SAPO's and VESPO's fields are grouprl's knobs."""
+    if loss == "cispo":
+        return {"cispo_cap": float(epsilon_high)}
+    if loss == "sapo":
+        return {"sapo_tau_pos": float(args.sapo_temperature_pos),
+                "sapo_tau_neg": float(args.sapo_temperature_neg)}  # fmt: skip
+    names = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+    return {name: float(getattr(args, name)) for name in names}
 
 
 def _optimizer(args: Any, steps: int, per_step: int) -> dict[str, Any]:

@@ -1,0 +1,77 @@
+"""Each objective reaches the loss through the trainer: one update of `grouprl train`'s step, on
+a sampled batch, calls core's policy_loss with that objective, and the gradient it gets at the
+log-probs is the gradient of core's function on the same batch (recomputed here); the knobs of
+another objective, or a clip range for one no clip bounds, are one line."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from grouprl.config import TrainConfig, resolve
+from grouprl.config.validation import loss_options
+from grouprl.core import policy_loss
+from grouprl.errors import UserError
+from grouprl.models import load_model, load_tokenizer
+from grouprl.rollout import sample_groups
+from grouprl.tasks import get_task
+from grouprl.train import step as train_step
+from grouprl.train import update as train_update
+from grouprl.train.batch import Batch
+from grouprl.train.parallel.distributed import SINGLE
+
+
+@pytest.fixture(scope="module")
+def policy_and_batch():
+    policy = load_model("builtin:arith").eval()
+    rows = get_task("arithmetic").train[:4]
+    rollout = sample_groups(policy, load_tokenizer("builtin:arith"), [r["prompt"] for r in rows],
+                            group_size=4, max_new_tokens=20, seed=5)  # fmt: skip
+    rewards = torch.tensor([1, 0, 0, 1, 1, 1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 0.0])
+    return policy, Batch(rollout, list(rows), rewards, {"correct": rewards}, rewards >= 1)
+
+
+@pytest.mark.parametrize(("algo", "objective"), [("cispo", "cispo"), ("sapo", "sapo"),
+                         ("gmpo", "gmpo"), ("luspo", "clip"), ("vespo", "vespo")])  # fmt: skip
+def test_an_update_trains_cores_objective(policy_and_batch, algo, objective, monkeypatch):
+    policy, batch = policy_and_batch
+    cfg = resolve(TrainConfig(algo=algo, prompts_per_step=4, group_size=4, lr=1e-2),
+                  task_max_new_tokens=20)  # fmt: skip
+    seen = []
+    original = train_update.policy_loss
+
+    def spy(logp, old_logp, advantages, mask, **kwargs):
+        logp.register_hook(lambda grad: seen.append((logp.detach(), old_logp, advantages, mask,
+                                                     kwargs, grad)))  # fmt: skip
+        return original(logp, old_logp, advantages, mask, **kwargs)
+
+    monkeypatch.setattr(train_update, "policy_loss", spy)
+    model = copy.deepcopy(policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    advantages = train_step.batch_advantages(cfg, batch, SINGLE)
+    train_update.update(cfg, model, optimizer, batch, advantages, None)
+    assert len(seen) == cfg.minibatches == 4  # the last ones off-policy
+    for logp, old, adv, mask, kwargs, grad in seen:
+        assert kwargs["options"] == loss_options(cfg) and kwargs["options"].objective == objective
+        x = logp.clone().requires_grad_(True)
+        policy_loss(x, old, adv, mask, **kwargs).loss.backward()
+        assert torch.equal(x.grad, grad)
+    last_logp, last_old, *_ = seen[-1]
+    assert not torch.equal(last_logp, last_old)  # the last minibatch was off-policy
+
+
+def test_knobs_of_another_objective_are_one_line():
+    def run(**options):
+        return resolve(TrainConfig(**options), task_max_new_tokens=8)
+
+    assert run(algo="sapo").sapo_tau_neg == 1.05 and run(algo="sapo").cispo_cap is None
+    assert run(algo="cispo", cispo_cap=3.0).cispo_cap == 3.0
+    with pytest.raises(UserError, match="--sapo-tau-pos is a knob of --objective sapo"):
+        run(algo="grpo", sapo_tau_pos=2.0)
+    with pytest.raises(UserError, match="--clip-high does not apply to --objective cispo"):
+        run(algo="cispo", clip_high=0.3)
+    with pytest.raises(UserError, match="needs ratio level 'token'"):
+        run(algo="vespo", ratio_level="sequence")
+    assert run(algo="grpo", objective="sapo").objective == "sapo"  # any preset, any objective
