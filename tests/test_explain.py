@@ -64,13 +64,14 @@ def test_clipping_example(data):
     )
 
 
-def test_run_prints_three_tables(capsys):
+def test_run_prints_four_tables(capsys):
     assert run() == 0
     out = capsys.readouterr().out
     for text in (
         "1. Group-relative",
         "2. GSPO",
         "3. Where the clip binds",
+        "4. The gradient each token keeps",
         "e^200 ≈ 7.2e86",
         "1.105",
     ):
@@ -83,3 +84,21 @@ def test_run_prints_three_tables(capsys):
 def test_run_json_prints_one_object_with_all_numbers(capsys, data):
     assert run(as_json=True) == 0
     assert json.loads(capsys.readouterr().out) == data
+
+
+def test_objectives_example(data):
+    """Token ratios 2.0 and 0.5; per unit of ∇log π: the clip keeps r·Â unless it binds (token 1
+    at Â > 0, token 2 at Â < 0); CISPO keeps min(r, 5)·Â everywhere; SAPO keeps
+    4σ(x)(1 − σ(x))·r·Â with x = τ(r − 1), τ = 1 for Â > 0 and 1.05 otherwise."""
+    slopes = data["objectives"]["slopes"]
+    assert slopes["clip"] == {"A=+1": [0.0, 0.5], "A=-1": [-2.0, 0.0]}
+    assert slopes["cispo"] == {"A=+1": [2.0, 0.5], "A=-1": [-2.0, -0.5]}
+
+    def gate(x):
+        s = 1 / (1 + math.exp(-x))
+        return 4 * s * (1 - s)
+
+    expected = {"A=+1": [gate(1.0) * 2, gate(-0.5) * 0.5],
+                "A=-1": [-gate(1.05) * 2, -gate(-0.525) * 0.5]}  # fmt: skip
+    for sign, values in expected.items():  # a few float64 operations: 1e-14 is ample
+        assert slopes["sapo"][sign] == pytest.approx(values, rel=1e-14)

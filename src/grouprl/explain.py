@@ -5,6 +5,8 @@
    length, while the product of 2000 token ratios is e^200 (kept in log space: no overflow).
 3. Where the clip binds: token ratios 2.0 and 0.5 are clipped by a token-level clip (ε = 0.2);
    their geometric mean, GSPO's sequence ratio 1.0, is not.
+4. The same two tokens under CISPO and SAPO: the gradient each token keeps, per unit of
+   ∇log π. The clip stops one token each way; CISPO's capped weight and SAPO's gate stop none.
 """
 
 import math
@@ -15,7 +17,14 @@ from rich.console import Console
 from rich.padding import Padding
 from rich.table import Table
 
-from grouprl.core import clipped_objective, group_advantages, log_ratio, policy_loss
+from grouprl.core import (
+    cispo_objective,
+    clipped_objective,
+    group_advantages,
+    log_ratio,
+    policy_loss,
+    sapo_objective,
+)
 
 EPSILON = 0.2  # the clip range of example 3
 SIGNS = {"A=+1": 1.0, "A=-1": -1.0}
@@ -115,12 +124,38 @@ def _clipping_example() -> dict:
     return data
 
 
+def _term(name: str, ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    if name == "cispo":
+        return cispo_objective(ratio, logp, adv, cap=5.0)
+    if name == "sapo":
+        return sapo_objective(ratio, adv, tau_pos=1.0, tau_neg=1.05)
+    return clipped_objective(ratio, adv, clip_low=EPSILON, clip_high=EPSILON)
+
+
+def _objectives_example() -> dict:
+    """d(term)/d(log π) of each token under the clip (ε = 0.2), CISPO (cap 5) and SAPO (τ 1 and
+    1.05), by autograd through grouprl.core's functions."""
+    old_p, new_p = [0.20, 0.50], [0.40, 0.25]
+    old_logp = torch.tensor(old_p, dtype=torch.float64).log()
+    slopes: dict = {}
+    for name in ("clip", "cispo", "sapo"):
+        for sign, a in SIGNS.items():
+            logp = torch.tensor(new_p, dtype=torch.float64).log().requires_grad_(True)
+            ratio, adv = (logp - old_logp).exp(), torch.full((2,), a, dtype=torch.float64)
+            term = _term(name, ratio, logp, adv)
+            (grad,) = torch.autograd.grad(term.sum(), logp)
+            slopes.setdefault(name, {})[sign] = grad.tolist()
+    return {"old_probs": old_p, "new_probs": new_p, "epsilon": EPSILON, "cispo_cap": 5.0,
+            "sapo_tau": [1.0, 1.05], "slopes": slopes}  # fmt: skip
+
+
 def worked_examples() -> dict:
-    """All numbers of the three examples (what ``grouprl explain --json`` prints)."""
+    """All numbers of the four examples (what ``grouprl explain --json`` prints)."""
     return {
         "advantages": _advantages_example(),
         "sequence_ratio": _sequence_ratio_example(),
         "clipping": _clipping_example(),
+        "objectives": _objectives_example(),
     }
 
 
@@ -139,8 +174,24 @@ def _table(title: str, columns: list[str]) -> Table:
     return table
 
 
+def _objectives_table(obj: dict) -> tuple[Table, list[str]]:
+    table = _table(
+        "4. The gradient each token keeps, per unit of ∇log π: clip, CISPO, SAPO",
+        ["", "ratio r", "clip Â=+1", "Â=-1", "CISPO +1", "-1", "SAPO +1", "-1"],
+    )
+    for i, (old, new) in enumerate(zip(obj["old_probs"], obj["new_probs"], strict=True)):
+        slopes = [obj["slopes"][n][s][i] for n in ("clip", "cispo", "sapo") for s in SIGNS]
+        table.add_row(f"token {i + 1}", _num(new / old, 2), *(_num(x, 2) for x in slopes))
+    notes = [
+        f"The clip (ε = {obj['epsilon']:g}) stops token 1 when Â > 0 and token 2 when Â < 0.",
+        f"CISPO: sg(min(r, {obj['cispo_cap']:g}))·Â·log π: every token keeps r·Â.",
+        "SAPO: σ(τ(r−1))·4/τ·Â: slope Â at r = 1, fading away from it, never 0.",
+    ]
+    return table, notes
+
+
 def render(data: dict, console: Console) -> None:
-    """The three examples as tables, each with its notes."""
+    """The four examples as tables, each with its notes."""
     adv = data["advantages"]
     t1 = _table(
         "1. Group-relative advantages (GRPO): Â_i = (R_i − mean R) / std R",
@@ -205,8 +256,9 @@ def render(data: dict, console: Console) -> None:
         f"[{1 - eps:g}, {1 + eps:g}]: not clipped.",
     ]
 
-    console.print("GRPO and GSPO in three worked examples (every number computed by grouprl.core)")
-    for table, notes in ((t1, notes1), (t2, notes2), (t3, notes3)):
+    t4, notes4 = _objectives_table(data["objectives"])
+    console.print("GRPO and GSPO in four worked examples (every number computed by grouprl.core)")
+    for table, notes in ((t1, notes1), (t2, notes2), (t3, notes3), (t4, notes4)):
         console.print()
         console.print(table)
         for note in notes:

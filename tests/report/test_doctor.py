@@ -63,6 +63,21 @@ CASES = {
         {"config": {"algo": "gspo", "minibatches": 4, "ratio_level": "sequence"}},
         {("clip_fraction", "warning")},
     ),
+    "cispo_capping": (  # CISPO's cap acting on 10% of the tokens: its own band (5%)
+        dict(clip_frac_low=lambda s: 0.0, clip_frac_high=lambda s: 0.10),
+        {"config": {"algo": "cispo", "objective": "cispo", "minibatches": 4}},
+        {("clip_fraction", "warning")},
+    ),
+    "cispo_capping_rarely": (  # 3%: under CISPO's band (and far under the clip's 20%)
+        dict(clip_frac_low=lambda s: 0.0, clip_frac_high=lambda s: 0.03),
+        {"config": {"algo": "cispo", "objective": "cispo", "minibatches": 4}},
+        set(),
+    ),
+    "sapo_no_bound": (  # SAPO's gate bounds nothing: whatever is logged, nothing to read
+        dict(clip_frac_low=lambda s: 0.45, clip_frac_high=lambda s: 0.45),
+        {"config": {"algo": "sapo", "objective": "sapo", "minibatches": 4}},
+        set(),
+    ),
     "clipping_on_policy": (  # the same numbers with one update per rollout: not checked
         dict(clip_frac_low=lambda s: 0.45, clip_frac_high=lambda s: 0.45),
         {},

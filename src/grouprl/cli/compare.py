@@ -21,7 +21,8 @@ class CompareArgs:
     (report.md, figures/). Every other flag is a `grouprl train` flag, given to every run."""
 
     algos: str = "grpo,gspo"
-    """Comma-separated presets to compare: grpo, gspo, dr_grpo, dapo, gdpo."""
+    """Comma-separated presets to compare: grpo, gspo, dr_grpo, dapo, gdpo, cispo, sapo, gmpo,
+    luspo, vespo."""
     seeds: int = 1
     """Seeds per algorithm: --seed, --seed + 1, ... (the spread over seeds decides the verdict)."""
     output_dir: Path | None = None

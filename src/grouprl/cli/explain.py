@@ -23,7 +23,7 @@ def run(argv: list[str]) -> int:
 
 
 def show(as_json: bool = False) -> int:
-    """Print the three worked examples as tables, or as one JSON object; returns the exit code."""
+    """Print the four worked examples as tables, or as one JSON object; returns the exit code."""
     from rich.console import Console
 
     from grouprl.explain import render, worked_examples

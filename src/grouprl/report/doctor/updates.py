@@ -25,6 +25,11 @@ TOKEN_CLIP_WARN = 0.2
 #: of 0.58 early and then clips almost nothing. Above 0.75, most of each off-policy minibatch
 #: is clipped away.
 SEQUENCE_CLIP_WARN = 0.75
+#: CISPO bounds no ratio; it caps the weight, at 5 by default (a token 5x likelier than when it
+#: was sampled, within one rollout's updates). Past 5% of the tokens so, the updates move far.
+CISPO_CAP_WARN = 0.05
+#: SAPO's gate and VESPO's weight bound nothing, so they have no clipped share to read.
+UNBOUNDED = ("sapo", "vespo")
 
 # ----- KL, ratio and gradient blow-ups ----------------------------------------------------------
 #: approx KL(old || new) per token after an update, as a window median: PPO implementations
@@ -56,9 +61,13 @@ def check_clipping(run: RunLog) -> list[Finding]:
     _, high = finite_series(run, "clip_frac_high")
     if len(low) < MIN_STEPS or len(high) != len(low):
         return []
+    objective = run.config.get("objective") or "clip"
+    if objective in UNBOUNDED:
+        return []
     total = [a + b for a, b in zip(low, high, strict=True)]
     sequence = run.config.get("ratio_level") == "sequence"
     limit = SEQUENCE_CLIP_WARN if sequence else TOKEN_CLIP_WARN
+    limit = CISPO_CAP_WARN if objective == "cispo" else limit
     w = max(MIN_UPDATE_WINDOW, window_size(len(total)))
     if len(total) < w:
         return []
@@ -67,6 +76,17 @@ def check_clipping(run: RunLog) -> list[Finding]:
     if medians[worst] <= limit:
         return []
     unit = "sequences" if sequence else "tokens"
+    if objective == "cispo":
+        return [
+            Finding(
+                "clip_fraction",
+                "warning",
+                "many tokens' weights hit CISPO's cap: each update moves far from the sampler",
+                f"capped share {medians[worst]:.2f} (median of steps {steps[worst]}-"
+                f"{steps[worst + w - 1]}; usual: below {limit})",
+                "lower --lr, or use fewer --minibatches (fewer off-policy updates per rollout)",
+            )
+        ]
     return [
         Finding(
             "clip_fraction",
