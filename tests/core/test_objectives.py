@@ -1,4 +1,4 @@
-"""CISPO, SAPO, GMPO and VESPO in `policy_loss`: hand-worked numbers, float64 gradients against
+"""CISPO, SAPO, GMPO, LUSPO and VESPO in `policy_loss`: hand-worked numbers, float64 gradients against
 each formula's derivative, and parity with independent transcriptions of TRL 1.16's and verl
 0.9.1's computations (written here, not imported); and the per-token weight.
 
@@ -16,6 +16,11 @@ SAPO, τ+ = 1, τ− = 1.05, sequence mean of token means: the term σ(τ(r − 
 GMPO, log-clip ±0.4: row 1 (s = +1) keeps min(log r, clamp) = [.4, 0, ln .5], row 2 (s = −1)
 keeps [ln 1.5, −.4]; r_i = exp(mean); loss = −(r_1 − r_2)/2. Only the tokens whose own log-ratio
 was kept carry a gradient: −Â_i·r_i/(2|y_i|).
+
+LUSPO, GSPO's clip (3e-4 / 4e-4) on sequence ratios s = [exp(mean(ln 2, 0, ln .5)),
+exp(mean(ln 1.5, ln .5))] = [1, √.75], each sequence's token losses summed, then the mean over
+sequences: row 2 is clipped (s < 1 − 3e-4 with Â < 0: its term is −(1 − 3e-4), no gradient), so
+loss = (−3·1 + 2·(1 − 3e-4))/2 and row 1's tokens get −(3·s/3)/2 = −1/2 each.
 
 VESPO (k, λ = 2, 3 for Â ≥ 0; 3, 2 otherwise): log w = [ln 2 + ln .5, ln 1.5 + ln .5] = [0, ln .75],
 φ = [1, e^(2 − 1.5)·.75³]; loss = −(1/5)[φ_1·Σ ln p_1 − φ_2·Σ ln p_2]; ∂loss/∂log π = −φ_i·Â_i/5.
@@ -89,6 +94,13 @@ def test_gmpo_by_hand():
     close(grad, [[0.0, -r1 / 6, -r1 / 6], [r2 / 4, 0.0, 0.0]])
 
 
+def test_luspo_by_hand():
+    out, grad = example(level="sequence", clip_low=3e-4, clip_high=4e-4, agg="seq_mean_token_sum")
+    close(out.loss, (-3 + 2 * (1 - 3e-4)) / 2)
+    close(grad, [[-0.5, -0.5, -0.5], [0.0, 0.0, 0.0]])
+    assert out.stats.clipped_low == 2  # row 2's two tokens, by its one sequence ratio
+
+
 def test_vespo_by_hand():
     out, grad = example(objective="vespo", agg="token_mean")
     phi2 = math.exp(2 - 1.5) * 0.75**3
@@ -150,6 +162,14 @@ def test_gradients_are_each_formulas_derivative(seed):
                          agg="seq_mean_token_mean")  # fmt: skip
     close(g, torch.where(mask, -a * ratio * kept / (count * mask.shape[0]), 0.0), 1e-13)
 
+    seq = (torch.where(mask, lr, 0.0).sum(-1, keepdim=True) / count).exp()  # GSPO's s_i
+    inside = (seq >= 1 - 3e-4) & (seq <= 1 + 4e-4)
+    kept = inside | ((a > 0) & (seq < 1)) | ((a < 0) & (seq > 1))  # min keeps s·Â itself
+    _, g = loss_and_grad(logp, old, adv, mask, level="sequence", clip_low=3e-4, clip_high=4e-4,
+                         agg="seq_mean_token_sum")  # fmt: skip
+    # d/d log π_t of −(1/N)·|y_i|·s_i·Â_i = −Â_i·s_i/N on every token of an unclipped sequence
+    close(g, torch.where(mask & kept, -a * seq / mask.shape[0], 0.0), 1e-13)
+
     log_w = torch.where(mask, lr, 0.0).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
     k, lam = torch.where(a >= 0, 2.0, 3.0), torch.where(a >= 0, 3.0, 2.0)
     phi = (lam + k * log_w - lam * log_w.exp()).exp()
@@ -167,6 +187,12 @@ def trl_loss(loss_type, logp, old, adv, mask, epsilon_high=5.0):
     log_ratio = logp - old
     coef_1 = torch.exp(log_ratio)
     advantages = adv.unsqueeze(1)
+    if loss_type == "luspo":  # sequence-level importance weights, GSPO's clip (eps 3e-4/4e-4)
+        seq = (log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)
+        coef = torch.exp(seq.unsqueeze(-1))
+        clipped = torch.clamp(coef, 1 - 3e-4, 1 + 4e-4)
+        per_token_loss = -torch.min(coef * advantages, clipped * advantages)
+        return (per_token_loss * maskf).sum(-1).mean()
     if loss_type == "cispo":
         clamped = torch.clamp(coef_1, max=epsilon_high).detach()
         per_token_loss = -clamped * advantages * logp
@@ -204,13 +230,17 @@ def verl_geo_mean(logp, old, adv, mask, low=0.4, high=0.4):
 
 
 @pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize(("objective", "agg"), [("cispo", "token_mean"), ("vespo", "token_mean"),
-                                                ("sapo", "seq_mean_token_mean")])  # fmt: skip
-def test_parity_with_trl(seed, objective, agg):
+@pytest.mark.parametrize(("loss_type", "settings"), [
+    ("cispo", dict(objective="cispo", agg="token_mean")),
+    ("vespo", dict(objective="vespo", agg="token_mean")),
+    ("sapo", dict(objective="sapo", agg="seq_mean_token_mean")),
+    ("luspo", dict(level="sequence", clip_low=3e-4, clip_high=4e-4, agg="seq_mean_token_sum")),
+])  # fmt: skip
+def test_parity_with_trl(seed, loss_type, settings):
     logp, old, adv, mask = random_batch(seed)
-    ours, g_ours = loss_and_grad(logp, old, adv, mask, objective=objective, agg=agg)
+    ours, g_ours = loss_and_grad(logp, old, adv, mask, **settings)
     x = logp.clone().requires_grad_(True)
-    theirs = trl_loss(objective, x, old, adv, mask)
+    theirs = trl_loss(loss_type, x, old, adv, mask)
     theirs.backward()
     close(ours.loss, theirs, 1e-13)
     close(g_ours, torch.where(mask, x.grad, 0.0), 1e-13)
