@@ -69,6 +69,15 @@ def test_runs_that_differ_in_more_than_the_algorithm_are_not_pooled(tmp_path):
 
 
 @pytest.mark.numerics
+def test_where_a_run_logged_to_is_no_difference(tmp_path):
+    """A run resumed with other trackers (report_to), or named or logged otherwise, is the same
+    experiment: its seeds pool."""
+    runs = _runs(tmp_path, {("grpo", 0): 0.6}, grpo={"report_to": ["tensorboard"]})
+    runs += _runs(tmp_path / "b", {("grpo", 1): 0.7}, grpo={"report_to": [], "run_name": "x"})
+    assert [(a.label, len(a.runs)) for a in compare_runs(runs).algos] == [("grpo", 2)]
+
+
+@pytest.mark.numerics
 def test_ratio_bins_hold_equal_counts_and_the_percentiles(tmp_path):
     run = make_run(tmp_path / "r")
     short = [(10, 0.01 * (i + 1)) for i in range(MIN_BIN)]  # |log ratio| 0.01 ... 0.20

@@ -29,7 +29,7 @@ MIN_BIN = 20
 INCIDENTAL = {
     "seed", "output_dir", "device", "threads", "progress", "eval_every", "save_every",
     "keep_last", "log_samples", "log_ratios", "log_ratios_every", "doctor", "reward_timeout",
-    "strategy", "steps",
+    "strategy", "steps", "report_to", "run_name", "trl_metrics", "tool_timeout",
 }  # fmt: skip
 #: The ratio spread is read as this percentile of |log ratio| in a bin.
 RATIO_PERCENTILE = 0.9
