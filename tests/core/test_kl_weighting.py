@@ -9,6 +9,8 @@ import torch
 
 from grouprl.core import policy_loss
 
+pytestmark = pytest.mark.numerics
+
 
 def gradient(logp: float, old: float, ref: float, weighted: bool, level: str = "token"):
     x = torch.tensor([[logp]], dtype=torch.float64, requires_grad=True)

@@ -36,6 +36,7 @@ import torch
 from grouprl.core import LossOptions, policy_loss
 
 F64 = torch.float64
+pytestmark = pytest.mark.numerics
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
 ADV = torch.tensor([1.0, -1.0], dtype=F64)
 NEW = [[0.4, 0.2, 0.1], [0.3, 0.1, 0.5]]  # the last is padding

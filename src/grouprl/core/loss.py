@@ -444,8 +444,8 @@ def policy_loss(
     added when ``beta > 0`` (times r_it with ``kl_ratio_weighted``: DeepSeek-V3.2's unbiased KL
     estimate, arXiv 2512.02556); then ``aggregate(l, mask, mode=agg, ...)``.
 
-    ``objective`` replaces the clipped term (OBJECTIVES: CISPO, SAPO); ``token_weight`` (N, T)
-    multiplies l_it before aggregation, the denominators unchanged. The settings are a
+    ``objective`` replaces the clipped term (OBJECTIVES); ``token_weight`` (N, T) multiplies
+    that term (not β·KL), the denominators unchanged. The settings are a
     `LossOptions`, given as ``options`` or as its fields by keyword (``level="sequence"``).
     Defaults: GRPO's token ratio and seq_mean_token_mean; GSPO is level="sequence" (or
     "sequence_token") with its clip range, e.g. 3e-4 / 4e-4. Gradients flow to ``logp`` only
