@@ -2,8 +2,9 @@
 
 Imports torch and the standard library only: no models, configs, I/O or torch.distributed, so
 the trainer, the distributed code and the tests all call the same few functions. See
-advantages.py (group-relative advantages), loss.py (ratios, KL, aggregation, the clipped loss)
-and shaping.py (DAPO's overlong penalty) for the formulas and their papers.
+advantages.py (group-relative advantages), loss.py (ratios, KL, aggregation, the clipped loss),
+objectives.py (CISPO, SAPO, GMPO, VESPO) and shaping.py (DAPO's overlong penalty) for the
+formulas and their papers.
 """
 
 from .advantages import (
