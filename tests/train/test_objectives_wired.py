@@ -62,6 +62,39 @@ def test_an_update_trains_cores_objective(policy_and_batch, algo, objective, mon
     assert not torch.equal(last_logp, last_old)  # the last minibatch was off-policy
 
 
+@pytest.mark.parametrize(("algo", "flags", "expected"), [
+    ("cispo", ["--cispo-cap", "3"], {"objective": "cispo", "cispo_cap": 3.0}),
+    ("sapo", ["--sapo-tau-neg", "2"], {"objective": "sapo", "sapo_tau_neg": 2.0}),
+    ("gmpo", [], {"objective": "gmpo", "clip_low": 0.4, "clip_high": 0.4}),
+    ("luspo", [], {"objective": "clip", "agg": "seq_mean_token_sum", "level": "sequence"}),
+    ("vespo", ["--vespo-k-neg", "4"], {"objective": "vespo", "vespo_k_neg": 4.0}),
+])  # fmt: skip
+def test_the_command_line_trains_cores_objective(algo, flags, expected, tmp_path, monkeypatch):
+    """`grouprl train --algo X --steps 1`: every update of the step calls core's loss with the
+    flags' objective and knobs, and core's function on the same inputs gives its gradient."""
+    from grouprl.cli import main
+
+    seen = []
+    original = train_update.policy_loss
+
+    def spy(logp, old_logp, advantages, mask, **kwargs):
+        logp.register_hook(lambda grad: seen.append((logp.detach(), old_logp, advantages, mask,
+                                                     kwargs, grad)))  # fmt: skip
+        return original(logp, old_logp, advantages, mask, **kwargs)
+
+    monkeypatch.setattr(train_update, "policy_loss", spy)
+    assert main(["train", "--algo", algo, *flags, "--steps", "1", "--prompts-per-step", "4",
+                 "--group-size", "4", "--eval-size", "2", "--eval-samples", "1", "--no-progress",
+                 "--report-to", "none", "--output-dir", str(tmp_path / "run")]) == 0  # fmt: skip
+    assert seen
+    for logp, old, adv, mask, kwargs, grad in seen:
+        options = kwargs["options"]
+        assert {k: getattr(options, k) for k in expected} == expected
+        x = logp.clone().requires_grad_(True)
+        policy_loss(x, old, adv, mask, **kwargs).loss.backward()
+        assert torch.equal(x.grad, grad)
+
+
 def test_knobs_of_another_objective_are_one_line():
     def run(**options):
         return resolve(TrainConfig(**options), task_max_new_tokens=8)
