@@ -214,23 +214,27 @@ def clipped_objective(
 
 
 def _objective(
-    opts: "LossOptions", ratio: Tensor, logp: Tensor, token_log_ratio: Tensor, adv: Tensor,
+    opts: "LossOptions", ratio: Tensor, logp: Tensor, old_logp: Tensor, adv: Tensor,
     mask: Tensor,
 ) -> Tensor:  # fmt: skip
-    if opts.objective == "cispo":
-        return cispo_objective(ratio, logp, adv, cap=opts.cispo_cap)
+    """The term maximised per token; `old_logp` and `adv` are 0 at padding already, and what an
+    objective needs beyond the ratio (masked log π, token log-ratios) is made for it alone."""
+    if opts.objective == "clip":
+        return clipped_objective(
+            ratio, adv, clip_low=opts.clip_low, clip_high=opts.clip_high, dual_clip=opts.dual_clip
+        )
     if opts.objective == "sapo":
         return sapo_objective(ratio, adv, tau_pos=opts.sapo_tau_pos, tau_neg=opts.sapo_tau_neg)
+    valid = torch.where(mask, logp, 0.0)  # (N, T)
+    if opts.objective == "cispo":
+        return cispo_objective(ratio, valid, adv, cap=opts.cispo_cap)
+    token_log_ratio = valid - old_logp  # (N, T), 0 at padding
     if opts.objective == "gmpo":
         return gmpo_objective(token_log_ratio, adv, mask, clip_low=opts.clip_low,
                               clip_high=opts.clip_high)  # fmt: skip
-    if opts.objective == "vespo":
-        return vespo_objective(token_log_ratio, logp, adv, mask, k_pos=opts.vespo_k_pos,
-                               lambda_pos=opts.vespo_lambda_pos, k_neg=opts.vespo_k_neg,
-                               lambda_neg=opts.vespo_lambda_neg)  # fmt: skip
-    return clipped_objective(
-        ratio, adv, clip_low=opts.clip_low, clip_high=opts.clip_high, dual_clip=opts.dual_clip
-    )
+    return vespo_objective(token_log_ratio, valid, adv, mask, k_pos=opts.vespo_k_pos,
+                           lambda_pos=opts.vespo_lambda_pos, k_neg=opts.vespo_k_neg,
+                           lambda_neg=opts.vespo_lambda_neg)  # fmt: skip
 
 
 def _bounded(opts: "LossOptions", ratio: Tensor, adv: Tensor) -> tuple[Tensor, Tensor]:
@@ -466,8 +470,7 @@ def policy_loss(
     adv = torch.where(mask, advantages.detach()[:, None], 0.0)  # (N, T)
     ratio = log_ratio(logp, old_logp, mask, level=opts.level)
     ratio = ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # (N, T)
-    token_lr = torch.where(mask, logp - old_logp, 0.0)  # (N, T) log ρ_t, for GMPO and VESPO
-    per_token = -_objective(opts, ratio, torch.where(mask, logp, 0.0), token_lr, adv, mask)
+    per_token = -_objective(opts, ratio, logp, old_logp, adv, mask)  # (N, T)
     if token_weight is not None:  # the denominators stay the mask's
         per_token = per_token * torch.where(mask, token_weight.detach(), 0.0)
     if ref_logp is not None:

@@ -39,9 +39,9 @@ def sapo_objective(
 
         σ(τ·(r − 1)) · (4/τ) · Â,    τ = tau_pos where Â > 0, else tau_neg
 
-    (so its slope in r is Â at r = 1, as the unclipped surrogate's, and it fades smoothly away
-    from 1 instead of stopping at a hard bound). TRL 1.16 and verl 0.9.1 compute the same gate;
-    the defaults are TRL's (1.0 and 1.05).
+    (so its slope in r is Â at r = 1, as the unclipped surrogate's, and it fades smoothly as r
+    leaves 1 instead of stopping at a hard bound). TRL 1.16 and verl 0.9.1 compute the same
+    gate; the defaults are TRL's (1.0 and 1.05).
     """
     tau = torch.where(advantages > 0, *advantages.new_tensor([tau_pos, tau_neg]))  # Â's dtype
     return torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * advantages
