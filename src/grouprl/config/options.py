@@ -19,6 +19,13 @@ from typing import Literal
 
 Algo = Literal["grpo", "gspo", "dr_grpo", "dapo", "gdpo", "cispo", "sapo", "gmpo", "luspo", "vespo"]
 Objective = Literal["clip", "cispo", "sapo", "gmpo", "vespo"]  # grouprl.core.OBJECTIVES
+#: Each objective's own knobs (grouprl.core.LossOptions fields, with its defaults); a knob of
+#: another objective is refused.
+KNOBS = {
+    "cispo": ("cispo_cap",),
+    "sapo": ("sapo_tau_pos", "sapo_tau_neg"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+}
 Dtype = Literal["fp32", "bf16", "fp16"]
 Precision = Literal["fp32", "bf16"]
 Strategy = Literal["ddp", "fsdp"]

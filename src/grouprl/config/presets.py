@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grouprl.config.options import RunConfig, TrainConfig
+from grouprl.config.options import KNOBS, RunConfig, TrainConfig
 from grouprl.config.validation import report_targets, validate
 from grouprl.errors import UserError
 from grouprl.tasks.specs import absolute_spec
@@ -87,14 +87,6 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-#: Each objective's own knobs (the others' are refused in one line) and their defaults, which
-#: are grouprl.core.LossOptions'.
-KNOBS = {
-    "cispo": {"cispo_cap": 5.0},
-    "sapo": {"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05},
-    "vespo": {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
-              "vespo_lambda_neg": 2.0},
-}  # fmt: skip
 #: The objectives the clip range does not bound (CISPO's bound is its cap).
 UNCLIPPED = ("cispo", "sapo", "vespo")
 
@@ -103,11 +95,14 @@ def _objective_knobs(cfg: TrainConfig, values: dict[str, Any]) -> None:
     """The objective's own knobs filled with their defaults; a knob of another objective, or a
     clip range for one the clip does not bound, is one line. (A resumed run's saved config holds
     the preset's clip range: that one is no choice of the user's.)"""
-    objective = values["objective"]
+    from grouprl.core import LossOptions
+
+    objective, defaults = values["objective"], LossOptions()
     for owner, knobs in KNOBS.items():
-        for name, default in knobs.items():
+        for name in knobs:
             if owner == objective:
-                values[name] = default if values[name] is None else values[name]
+                given = values[name]
+                values[name] = getattr(defaults, name) if given is None else given
             elif values[name] is not None:
                 raise UserError(
                     f"invalid config: --{name.replace('_', '-')} is a knob of --objective "

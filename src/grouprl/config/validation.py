@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from grouprl.config.options import TRACKERS, DataOptions, EvalConfig, RunConfig
+from grouprl.config.options import KNOBS, TRACKERS, DataOptions, EvalConfig, RunConfig
 from grouprl.errors import UserError
 
 if TYPE_CHECKING:  # core imports torch: only when a run is validated
@@ -178,10 +178,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _warn_dubious(cfg)
 
 
-_KNOBS = ("cispo_cap", "sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos",
-          "vespo_k_neg", "vespo_lambda_neg")  # fmt: skip
-
-
 def loss_options(cfg: RunConfig) -> LossOptions:
     """The objective `grouprl.core.policy_loss` computes, from a run's config (raises
     ValueError, as `LossOptions` does, for settings the loss cannot take)."""
@@ -196,7 +192,12 @@ def loss_options(cfg: RunConfig) -> LossOptions:
         kl_estimator=cfg.kl_estimator,
         kl_ratio_weighted=cfg.kl_ratio_weighted,
         objective=cfg.objective,
-        **{name: value for name in _KNOBS if (value := getattr(cfg, name)) is not None},
+        **{
+            name: value
+            for names in KNOBS.values()
+            for name in names
+            if (value := getattr(cfg, name)) is not None
+        },
         agg=cfg.loss_agg,
         norm_len=cfg.norm_len,
     )
