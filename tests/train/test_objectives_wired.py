@@ -33,31 +33,45 @@ def policy_and_batch():
     return policy, Batch(rollout, list(rows), rewards, {"correct": rewards}, rewards >= 1)
 
 
-@pytest.mark.parametrize(("algo", "objective"), [("cispo", "cispo"), ("sapo", "sapo"),
-                         ("gmpo", "gmpo"), ("luspo", "clip"), ("vespo", "vespo")])  # fmt: skip
-def test_an_update_trains_cores_objective(policy_and_batch, algo, objective, monkeypatch):
-    policy, batch = policy_and_batch
-    cfg = resolve(TrainConfig(algo=algo, prompts_per_step=4, group_size=4, lr=1e-2),
-                  task_max_new_tokens=20)  # fmt: skip
-    seen = []
+@pytest.fixture
+def seen(monkeypatch):
+    """Every call of the trainer's policy_loss: its inputs, options and the gradient it gave
+    the log-probs."""
+    calls = []
     original = train_update.policy_loss
 
     def spy(logp, old_logp, advantages, mask, **kwargs):
-        logp.register_hook(lambda grad: seen.append((logp.detach(), old_logp, advantages, mask,
-                                                     kwargs, grad)))  # fmt: skip
+        logp.register_hook(lambda grad: calls.append((logp.detach(), old_logp, advantages, mask,
+                                                      kwargs, grad)))  # fmt: skip
         return original(logp, old_logp, advantages, mask, **kwargs)
 
     monkeypatch.setattr(train_update, "policy_loss", spy)
+    return calls
+
+
+def recomputed(call) -> torch.Tensor:
+    """core's gradient at the call's inputs."""
+    logp, old, adv, mask, kwargs, _ = call
+    x = logp.clone().requires_grad_(True)
+    policy_loss(x, old, adv, mask, **kwargs).loss.backward()
+    return x.grad
+
+
+@pytest.mark.parametrize(("algo", "objective"), [("cispo", "cispo"), ("sapo", "sapo"),
+                         ("gmpo", "gmpo"), ("luspo", "clip"), ("vespo", "vespo")])  # fmt: skip
+def test_an_update_trains_cores_objective(policy_and_batch, algo, objective, seen):
+    policy, batch = policy_and_batch
+    cfg = resolve(TrainConfig(algo=algo, prompts_per_step=4, group_size=4, lr=1e-2),
+                  task_max_new_tokens=20)  # fmt: skip
     model = copy.deepcopy(policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     advantages = train_step.batch_advantages(cfg, batch, SINGLE)
     train_update.update(cfg, model, optimizer, batch, advantages, None)
     assert len(seen) == cfg.minibatches == 4  # the last ones off-policy
-    for logp, old, adv, mask, kwargs, grad in seen:
-        assert kwargs["options"] == loss_options(cfg) and kwargs["options"].objective == objective
-        x = logp.clone().requires_grad_(True)
-        policy_loss(x, old, adv, mask, **kwargs).loss.backward()
-        assert torch.equal(x.grad, grad)
+    for call in seen:
+        options = call[4]["options"]
+        assert options == loss_options(cfg) and options.objective == objective
+        assert torch.equal(recomputed(call), call[5])
     last_logp, last_old, *_ = seen[-1]
     assert not torch.equal(last_logp, last_old)  # the last minibatch was off-policy
 
@@ -69,30 +83,19 @@ def test_an_update_trains_cores_objective(policy_and_batch, algo, objective, mon
     ("luspo", [], {"objective": "clip", "agg": "seq_mean_token_sum", "level": "sequence"}),
     ("vespo", ["--vespo-k-neg", "4"], {"objective": "vespo", "vespo_k_neg": 4.0}),
 ])  # fmt: skip
-def test_the_command_line_trains_cores_objective(algo, flags, expected, tmp_path, monkeypatch):
+def test_the_command_line_trains_cores_objective(algo, flags, expected, tmp_path, seen):
     """`grouprl train --algo X --steps 1`: every update of the step calls core's loss with the
     flags' objective and knobs, and core's function on the same inputs gives its gradient."""
     from grouprl.cli import main
 
-    seen = []
-    original = train_update.policy_loss
-
-    def spy(logp, old_logp, advantages, mask, **kwargs):
-        logp.register_hook(lambda grad: seen.append((logp.detach(), old_logp, advantages, mask,
-                                                     kwargs, grad)))  # fmt: skip
-        return original(logp, old_logp, advantages, mask, **kwargs)
-
-    monkeypatch.setattr(train_update, "policy_loss", spy)
     assert main(["train", "--algo", algo, *flags, "--steps", "1", "--prompts-per-step", "4",
                  "--group-size", "4", "--eval-size", "2", "--eval-samples", "1", "--no-progress",
                  "--report-to", "none", "--output-dir", str(tmp_path / "run")]) == 0  # fmt: skip
     assert seen
-    for logp, old, adv, mask, kwargs, grad in seen:
-        options = kwargs["options"]
+    for call in seen:
+        options = call[4]["options"]
         assert {k: getattr(options, k) for k in expected} == expected
-        x = logp.clone().requires_grad_(True)
-        policy_loss(x, old, adv, mask, **kwargs).loss.backward()
-        assert torch.equal(x.grad, grad)
+        assert torch.equal(recomputed(call), call[5])
 
 
 def test_knobs_of_another_objective_are_one_line():
