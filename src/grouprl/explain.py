@@ -125,10 +125,11 @@ def _clipping_example() -> dict:
 
 
 def _term(name: str, ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """The objective's term with core's defaults (CISPO cap 5; SAPO τ 1 and 1.05)."""
     if name == "cispo":
-        return cispo_objective(ratio, logp, adv, cap=5.0)
+        return cispo_objective(ratio, logp, adv)
     if name == "sapo":
-        return sapo_objective(ratio, adv, tau_pos=1.0, tau_neg=1.05)
+        return sapo_objective(ratio, adv)
     return clipped_objective(ratio, adv, clip_low=EPSILON, clip_high=EPSILON)
 
 

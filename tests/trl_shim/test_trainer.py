@@ -126,3 +126,12 @@ def test_a_second_run_into_the_same_output_dir_is_one_line(model_dir, tmp_path):
         again.train()
     out = again.train(resume_from_checkpoint=True)  # a finished run: nothing more to do
     assert out.global_step == 4
+
+
+def test_a_datasetdict_is_one_line_naming_its_splits(model_dir, tmp_path):
+    from datasets import DatasetDict
+
+    splits = DatasetDict({"train": Dataset.from_list(ROWS), "test": Dataset.from_list(ROWS)})
+    with pytest.raises(UserError, match=r"DatasetDict of splits \(train, test\); give one"):
+        GRPOTrainer(model=model_dir, reward_funcs=right, train_dataset=splits,
+                    args=_args(tmp_path / "run"))  # fmt: skip

@@ -45,6 +45,11 @@ class GRPOTrainer:
             raise UserError(
                 "GRPOTrainer: a dict of environments or of eval datasets is not supported; give one"
             )
+        if isinstance(train_dataset, Mapping):  # a DatasetDict: TRL takes one split
+            raise UserError(
+                f"train_dataset is a {type(train_dataset).__name__} of splits "
+                f"({', '.join(map(str, train_dataset))}); give one, e.g. dataset['train']"
+            )
         if reward_funcs is None and environment_factory is None:
             raise UserError("GRPOTrainer: give reward_funcs, or an environment_factory whose "
                             "environment scores itself (get_reward)")  # fmt: skip
