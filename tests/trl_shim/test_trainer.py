@@ -72,6 +72,9 @@ def test_the_shim_runs_the_python_apis_run_with_the_mapped_options(model_dir, tm
                     lora=lora, **options).train()  # fmt: skip
     ours, theirs = _record(tmp_path / "shim"), _record(tmp_path / "api")
     assert len(ours[0]) == 2 and ours == theirs
+    # TRL's state, without callbacks too: two steps' logs (4 optimizer steps each) and 2 evals
+    steps = [h["step"] for h in shim.state.log_history if "reward" in h]
+    assert steps == [4, 8] and shim.state.global_step == 8
 
 
 class Recorder(TrainerCallback):

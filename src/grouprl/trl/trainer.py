@@ -60,7 +60,7 @@ class GRPOTrainer:
         self.peft_config, self.tools = peft_config, tools
         self.environment_factory = environment_factory
         self.callback_handlers = list(callbacks or [])
-        self.state = None
+        self.state: Any = None  # TRL's TrainerState (log_history, global_step) once training
         self.result: TrainResult | None = None
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rows = len(train_dataset) if hasattr(train_dataset, "__len__") else None
@@ -87,13 +87,12 @@ class GRPOTrainer:
             from grouprl.models import load_tokenizer
 
             tokenizer = load_tokenizer(model.name_or_path)
-        hooks = TRLCallbacks(self, self.callback_handlers) if self.callback_handlers else None
-        self._hooks = hooks
+        self._hooks = TRLCallbacks(self, self.callback_handlers)  # keeps self.state, as TRL does
         return Trainer(
             model=model, tokenizer=tokenizer, train_dataset=self.train_dataset,
             eval_dataset=self.eval_dataset, rewards=self._rewards(), tools=self.tools,
             environment=self.environment_factory, lora=self.peft_config,
-            callbacks=[] if hooks is None else [hooks], resume=resume, **self.options,
+            callbacks=[self._hooks], resume=resume, **self.options,
         )  # fmt: skip
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **unsupported: Any) -> Any:
@@ -110,12 +109,10 @@ class GRPOTrainer:
                 "trainer.train(resume_from_checkpoint=True), or choose another output_dir"
             )
         trainer = self._grouprl(None if not run_dir else Path(run_dir))
-        if self._hooks is not None:
-            self._hooks.begin()
+        self._hooks.begin()
         self.result = trainer.train()
         self.model, self.processing_class = trainer.model, trainer.tokenizer
-        if self._hooks is not None:
-            self._hooks.end()
+        self._hooks.end()
         from transformers.trainer_utils import TrainOutput
 
         per_step = self.options["minibatches"] * self.options["epochs"]
