@@ -1,4 +1,5 @@
-"""The package's layers: core ← rollout, models, tasks, report ← config ← train, sft ← api ← cli.
+"""The package's layers: core, sandbox ← rollout, models, tasks, report ← config ← train, sft ← api
+← trl ← cli.
 
 No module imports from a layer above its own, modules of one middle layer do not import each
 other's packages, and there is no import cycle inside a package either (a cycle is where a
@@ -16,7 +17,7 @@ ROOT = Path(grouprl.__file__).parent
 #: layers. errors, faults and messages are shared helpers everyone may use.
 LAYERS = {
     "errors": 0, "faults": 0, "messages": 0, "quiet": 0,
-    "core": 1,
+    "core": 1, "sandbox": 1,
     "rollout": 2, "models": 2, "tasks": 2, "report": 2, "explain": 2,
     "config": 3,
     "train": 4, "sft": 4,

@@ -1,6 +1,6 @@
-"""Nothing derived from model output, or read from a run directory's data files, is evaluated,
-executed or unpickled. (A reward file named with --rewards and --trust-remote-code run code by
-design; that is the user's choice, documented in the README.)"""
+"""Model output is executed only inside the sandbox; nothing read from a run directory's data
+files is evaluated, executed or unpickled. (A reward file named with --rewards and
+--trust-remote-code run code by design; that is the user's choice, documented in the README.)"""
 
 from __future__ import annotations
 
@@ -13,10 +13,15 @@ import pytest
 import torch
 
 import grouprl
+from grouprl.sandbox.runtime import runtime
+from grouprl.tasks.code_rewards import code, code_all
 from grouprl.tasks.math_rewards import accuracy, think_format
 from grouprl.tasks.rewards import correct, format_
 
 SRC = Path(grouprl.__file__).parent
+#: The one file that executes code: the sandbox's harness, which runs only inside the sandbox
+#: (grouprl reads it as text and hands it to the sandboxed interpreter; it is never imported).
+HARNESS = SRC / "sandbox" / "harness.py"
 PAYLOADS = [
     "__import__('os').system('echo pwned')",
     "().__class__.__bases__[0].__subclasses__()",
@@ -27,13 +32,15 @@ PAYLOADS = [
 
 
 def test_the_source_never_evaluates_executes_or_unpickles():
+    """Outside the sandbox's harness, no eval/exec/compile; nowhere unpickling."""
     banned_calls = {"eval", "exec", "compile", "__import__"}
     banned_modules = {"pickle", "marshal", "shelve", "dill", "cloudpickle"}
     for path in SRC.rglob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))
+        calls = banned_calls - {"exec", "compile"} if path == HARNESS else banned_calls
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                assert node.func.id not in banned_calls, f"{path}:{node.lineno}"
+                assert node.func.id not in calls, f"{path}:{node.lineno}"
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 name = f"{getattr(node.func.value, 'id', '')}.{node.func.attr}"
                 assert name not in ("torch.load", "yaml.load", "yaml.unsafe_load"), (
@@ -79,6 +86,55 @@ def test_hostile_completions_never_reach_eval_or_exec(monkeypatch):
     markers = ("echo pwned", "__subclasses__", "/etc/passwd", "x=1", '"1+1"', "__import__(")
     leaked = [s for s in seen if any(m in s for m in markers)]
     assert not leaked, leaked
+
+
+def test_the_harness_is_never_imported():
+    """No module imports the harness: it is text passed to the sandboxed interpreter."""
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            assert not any(n.endswith("sandbox.harness") for n in names), f"{path}:{node.lineno}"
+
+
+def test_code_rewards_run_model_output_only_in_the_sandbox(monkeypatch):
+    """The code rewards on hostile completions: nothing of them reaches eval/exec/compile in
+    this process, and every process started is bwrap with every namespace unshared."""
+    import subprocess
+
+    seen: list[str] = []
+    started: list[list[str]] = []
+    real_popen = subprocess.Popen
+
+    def spy(real):
+        def call(source, *args, **kwargs):
+            if isinstance(source, str):
+                seen.append(source)
+            return real(source, *args, **kwargs)
+
+        return call
+
+    class Watched(real_popen):
+        def __init__(self, args, *rest, **kwargs):
+            started.append(list(args))
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch.setattr(builtins, "eval", spy(builtins.eval))
+    monkeypatch.setattr(builtins, "exec", spy(builtins.exec))
+    monkeypatch.setattr(builtins, "compile", spy(builtins.compile))
+    monkeypatch.setattr(subprocess, "Popen", Watched)
+    payloads = [f"```python\n{p}\n```" for p in PAYLOADS] + PAYLOADS
+    tests = [["assert f(1) == 1"]] * len(payloads)
+    for fn in (code, code_all):
+        scores = fn(payloads, test_list=tests)
+        assert all(s == 0.0 for s in scores)
+    markers = ("echo pwned", "__subclasses__", "/etc/passwd", "x=1", '"1+1"')
+    assert not [s for s in seen if any(m in s for m in markers)]
+    bwrap = str(runtime().bwrap)
+    assert started and all(a[0] == bwrap and "--unshare-all" in a for a in started), started
 
 
 def test_nothing_read_from_a_run_directory_is_unpickled(tmp_path, monkeypatch):

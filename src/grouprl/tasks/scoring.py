@@ -3,7 +3,7 @@
 `--rewards NAME WEIGHT ...` names each reward in one of these ways, tried in this order:
 
 - a reward of the task (`correct`, `format` for the arithmetic task);
-- a built-in reward: `correct`, `format`, `accuracy`, `think_format`;
+- a built-in reward: `correct`, `format`, `accuracy`, `think_format`, `code`, `code_all`;
 - a file and a function in it, `path/to/rewards.py:my_reward`;
 - an importable module and a function in it, `my_package.rewards:my_reward`;
 - a local directory holding an `AutoModelForSequenceClassification` (a reward model): it scores
@@ -43,13 +43,14 @@ from grouprl.tasks.base import (
     completion_objects,
     reward_kwargs,
 )
+from grouprl.tasks.code_rewards import CODE_REWARDS
 from grouprl.tasks.live import is_live, live_name, live_object
 from grouprl.tasks.math_rewards import MATH_REWARDS
 from grouprl.tasks.rewards import REWARDS
 from grouprl.tasks.specs import is_file_spec
 
 #: Rewards any task can name.
-BUILTIN_REWARDS: dict[str, RewardFn] = {**REWARDS, **MATH_REWARDS}
+BUILTIN_REWARDS: dict[str, RewardFn] = {**REWARDS, **MATH_REWARDS, **CODE_REWARDS}
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,15 @@ class RewardSet:
                     f"reward {r.name!r} needs a column {missing[0]!r}, which the rows of {where} "
                     f"lack (they have: {', '.join(row)}){hint}"
                 )
+
+    def check_rows(self, rows: Sequence[dict], where: str) -> None:
+        """A reward that reads the whole dataset before a run (`fn.check_rows(rows, where)`,
+        e.g. the code rewards: is there a row with tests, can the sandbox run here) says
+        what is wrong in one UserError line."""
+        for r in self.rewards:
+            check = getattr(r.fn, "check_rows", None)
+            if callable(check):
+                check(rows, where)
 
     def score(
         self,

@@ -154,6 +154,7 @@ def build_rewards(
         )
     rewards = build_reward_set(weights, task, pass_reward=opts.pass_reward, device=device)
     rewards.check_columns(task.train[0], task.name)
+    rewards.check_rows(task.train, task.name)
     return rewards
 
 

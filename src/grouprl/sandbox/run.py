@@ -1,0 +1,297 @@
+"""Running one program against its tests in one sandbox, and reading the verdicts back."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import math
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from grouprl.sandbox.runtime import UIDS, Unavailable, command, runtime
+
+HARNESS = (Path(__file__).with_name("harness.py")).read_text(encoding="utf-8")
+#: Tests one sandbox runs (one worker process each, forked before the tests are read); a row
+#: with more is checked in several sandboxes.
+TESTS_PER_SANDBOX = 32
+#: Ways a test (or a whole program) fails besides a wrong answer, as `code_errors/KIND` counts.
+KINDS = ("syntax", "error", "timeout", "memory", "output", "wall", "not_plain", "format",
+         "decode", "no_code", "sandbox")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one test of a program may use. CPU time decides a timeout (so a verdict does not
+    depend on the machine's load); the wall clock is a backstop, counted apart (`wall`)."""
+
+    cpu_seconds: float = 2.0
+    wall_seconds: float | None = None  # None: 3 x cpu_seconds + 1
+    memory_mb: int = 512  # address space
+    processes: int = 16  # at once, besides one worker per test
+    open_files: int = 64
+    file_mb: int = 8  # largest file written
+    scratch_mb: int = 16  # the private /tmp, all files together
+    output_kb: int = 1024  # stdout per test (stdin/stdout cases)
+
+    @property
+    def wall(self) -> float:
+        return self.wall_seconds if self.wall_seconds is not None else 3 * self.cpu_seconds + 1
+
+    def wire(self) -> dict:
+        return {
+            "cpu": self.cpu_seconds,
+            "wall": self.wall,
+            "memory": self.memory_mb << 20,
+            "processes": self.processes,
+            "open_files": self.open_files,
+            "file_size": self.file_mb << 20,
+            "output": self.output_kb << 10,
+        }
+
+
+@dataclass(frozen=True)
+class Tests:
+    """A program's tests in one of three formats: stdin/stdout cases (`cases` holds (input,
+    expected output) pairs), assert statements (MBPP's `test_list`, with `setup` run first),
+    or a checker (HumanEval's `test` defining `check(candidate)`, called with `entry_point`)."""
+
+    kind: Literal["stdio", "assert", "check"]
+    cases: tuple = ()
+    setup: str = ""
+    entry_point: str | None = None
+
+    @classmethod
+    def stdio(cls, cases: Sequence[tuple[str, str]]) -> Tests:
+        return cls("stdio", tuple((str(i), str(o)) for i, o in cases))
+
+    @classmethod
+    def asserts(cls, statements: Sequence[str], setup: str = "") -> Tests:
+        return cls("assert", tuple(str(s) for s in statements), setup or "")
+
+    @classmethod
+    def checker(cls, test: str, entry_point: str) -> Tests:
+        return cls("check", (str(test),), "", str(entry_point))
+
+    def key(self) -> str:
+        return json.dumps([self.kind, self.cases, self.setup, self.entry_point])
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One verdict per test: passed, the failure's kind (None when it passed, "wrong" for a
+    wrong answer), the CPU seconds it took."""
+
+    passed: tuple[bool, ...]
+    kinds: tuple[str | None, ...]
+    cpu_seconds: tuple[float, ...] = field(default=(), compare=False)
+
+    @property
+    def fraction(self) -> float:
+        return sum(self.passed) / len(self.passed) if self.passed else 0.0
+
+    @classmethod
+    def failed(cls, kind: str, n: int) -> Verdict:
+        return cls((False,) * n, (kind,) * n, (0.0,) * n)
+
+
+def _frame(obj: dict) -> bytes:
+    data = json.dumps(obj).encode()
+    return b"%010d" % len(data) + data
+
+
+def _frames(data: bytes, nonce: str) -> list[dict]:
+    """The harness's frames, up to the first that is malformed or lacks the nonce."""
+    out, at = [], 0
+    while at + 10 <= len(data):
+        try:
+            n = int(data[at : at + 10])
+            frame = json.loads(data[at + 10 : at + 10 + n])
+        except ValueError:
+            break
+        if not isinstance(frame, dict) or frame.get("nonce") != nonce:
+            break
+        out.append(frame)
+        at += 10 + n
+    return out
+
+
+def _communicate(proc: subprocess.Popen, data: bytes, deadline: float, cap: int) -> tuple:
+    """Write `data`, read stdout (up to `cap` bytes) and stderr (64 KiB) until the process
+    ends or `deadline` (then it is killed). (stdout, stderr, timed out)."""
+    out, err, view = bytearray(), bytearray(), memoryview(data)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, out)
+    sel.register(proc.stderr, selectors.EVENT_READ, err)
+    sel.register(proc.stdin, selectors.EVENT_WRITE)
+    timed_out = False
+    try:
+        while len(sel.get_map()):
+            events = sel.select(max(0.0, deadline - time.monotonic()))
+            if not events:
+                timed_out = True
+                break
+            for key, _ in events:
+                if key.fileobj is proc.stdin:
+                    try:
+                        view = view[os.write(proc.stdin.fileno(), view[: 1 << 16]) :]
+                    except BrokenPipeError:
+                        view = view[:0]
+                    if not view:
+                        sel.unregister(proc.stdin)
+                        proc.stdin.close()
+                    continue
+                chunk = os.read(key.fileobj.fileno(), 1 << 16)
+                buf = key.data
+                if not chunk or len(buf) > (cap if buf is out else 1 << 16):
+                    sel.unregister(key.fileobj)
+                    continue
+                buf += chunk
+    finally:
+        sel.close()
+        if timed_out or (proc.poll() is None and len(out) > cap):
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            stream.close()
+    return bytes(out), bytes(err), timed_out
+
+
+_LIVE: set[subprocess.Popen] = set()  # sandboxes running now (killed if the caller is stopped)
+
+
+def kill_all() -> None:
+    """Kill every sandbox this process is running (a reward call that was stopped)."""
+    for proc in list(_LIVE):
+        with contextlib.suppress(OSError):
+            proc.send_signal(signal.SIGKILL)
+
+
+def _sandbox(program: str, tests: Tests, limits: Limits) -> tuple[list[dict], str]:
+    """One sandbox: `program` against up to TESTS_PER_SANDBOX of `tests`. The harness's
+    verdict frames, and the kind of failure of the tests it sent none for."""
+    rt = runtime()
+    n = len(tests.cases)
+    stdio = tests.kind == "stdio"
+    wire = limits.wire()
+    first = {"program": program, "setup": tests.setup, "tests": n, "limits": wire, "stdio": stdio}
+    nonce = secrets.token_hex(16)
+    second = {
+        "nonce": nonce,
+        "kind": tests.kind,
+        "tests": [c[0] for c in tests.cases] if stdio else list(tests.cases),
+        "entry": tests.entry_point,
+    }
+    args = command(rt, HARNESS, limits.scratch_mb << 20)
+    uid = UIDS.take() if rt.as_root else None
+    user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    cap = n * (wire["output"] * 4 // 3 + 4096) + 65536
+    deadline = time.monotonic() + n * (limits.wall + 1) + 10
+    try:
+        try:
+            proc = subprocess.Popen(
+                args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                close_fds=True, start_new_session=True, **user,
+            )  # fmt: skip
+        except OSError as err:
+            raise Unavailable(f"cannot start {args[0]}: {err}") from None
+        _LIVE.add(proc)
+        try:
+            out, err, timed_out = _communicate(proc, _frame(first) + _frame(second), deadline, cap)
+        finally:
+            _LIVE.discard(proc)
+    finally:
+        if uid is not None:
+            UIDS.give(uid)
+    frames = _frames(out, nonce)
+    if not frames and proc.returncode != 0 and err.startswith(b"bwrap:"):
+        raise Unavailable(err.decode(errors="replace").strip().splitlines()[-1])
+    return frames, "wall" if timed_out else "sandbox"
+
+
+def run_tests(program: str, tests: Tests, limits: Limits) -> Verdict:
+    frames, missing = _sandbox(program, tests, limits)
+    n = len(tests.cases)
+    if frames and "syntax" in frames[0]:
+        return Verdict.failed("syntax", n)
+    return _verdict(tests, frames, n, missing)
+
+
+def _verdict(tests: Tests, frames: list[dict], n: int, missing: str) -> Verdict:
+    passed, kinds, cpu = [False] * n, [missing] * n, [0.0] * n
+    for frame in frames:
+        i = frame.get("index")
+        if not isinstance(i, int) or not 0 <= i < n:
+            continue
+        kind, cpu[i] = frame.get("kind"), float(frame.get("cpu") or 0.0)
+        if tests.kind == "stdio" and kind is None:
+            kind = _compare(base64.b64decode(frame.get("stdout") or ""), tests.cases[i][1])
+        elif kind is None and frame.get("passed") is not True:
+            kind = "wrong"
+        passed[i], kinds[i] = kind is None, kind
+    return Verdict(tuple(passed), tuple(kinds), tuple(cpu))
+
+
+def _compare(output: bytes, expected: str) -> str | None:
+    """None when `output` is `expected` line by line (each line stripped, trailing blank lines
+    ignored: open-r1's comparison, without its pass for missing lines); else the kind."""
+    try:
+        text = output.decode("utf-8")
+    except UnicodeDecodeError:
+        return "decode"
+    got = [line.strip() for line in text.strip().splitlines()]
+    want = [line.strip() for line in str(expected).strip().splitlines()]
+    return None if got == want else "wrong"
+
+
+def check(program: str, tests: Tests, limits: Limits | None = None) -> Verdict:
+    """Run `program` against `tests` in the sandbox: one verdict per test. Raises
+    `Unavailable` when the sandbox cannot run here (never runs the program unsandboxed)."""
+    limits = limits or Limits()
+    if not tests.cases:
+        return Verdict((), ())
+    parts = []
+    for start in range(0, len(tests.cases), TESTS_PER_SANDBOX):
+        chunk = Tests(tests.kind, tests.cases[start : start + TESTS_PER_SANDBOX], tests.setup,
+                      tests.entry_point)  # fmt: skip
+        parts.append(run_tests(program, chunk, limits))
+    return Verdict(
+        sum((p.passed for p in parts), ()),
+        sum((p.kinds for p in parts), ()),
+        sum((p.cpu_seconds for p in parts), ()),
+    )
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A program run once on an input: its stdout (None unless it exited 0 within its limits),
+    the failure kind (None when it exited 0), the CPU seconds."""
+
+    stdout: str | None
+    kind: str | None
+    cpu_seconds: float
+
+
+def run(program: str, stdin: str = "", limits: Limits | None = None) -> Ran:
+    """Run `program` once in the sandbox with `stdin`; its output comes back."""
+    frames, missing = _sandbox(program, Tests("stdio", ((stdin, ""),)), limits or Limits())
+    if not frames:
+        return Ran(None, missing, math.nan)
+    frame = frames[0]
+    if "syntax" in frame:
+        return Ran(None, "syntax", 0.0)
+    kind, cpu = frame.get("kind"), float(frame.get("cpu") or 0.0)
+    if kind is not None:
+        return Ran(None, kind, cpu)
+    try:
+        return Ran(base64.b64decode(frame.get("stdout") or "").decode("utf-8"), None, cpu)
+    except UnicodeDecodeError:
+        return Ran(None, "decode", cpu)

@@ -1,0 +1,46 @@
+"""Helpers for the sandbox's tests: completions wrapping a program, and the host's view of
+what sandboxes left running."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from grouprl import sandbox
+from grouprl.sandbox.runtime import UID_BASE, UID_COUNT
+
+#: Text only the harness's command line holds: its processes (and forks) show it on the host.
+MARKER = b"Wire format, both ways"
+
+if sandbox.available() is not None:  # a Linux machine without user namespaces, or no bwrap
+    pytest.skip(f"the sandbox cannot run here: {sandbox.available()}", allow_module_level=True)
+
+
+def fenced(program: str) -> str:
+    """A completion whose last ```python block is `program`."""
+    return f"Here is my solution.\n```python\n{program}\n```\n"
+
+
+def sandbox_processes() -> list[tuple[int, int, bytes]]:
+    """(pid, real uid, command line) of every host process a sandbox started: run as a sandbox
+    uid, or carrying the harness's command line."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+        if UID_BASE <= uid < UID_BASE + UID_COUNT or MARKER in cmdline:
+            found.append((int(entry.name), uid, cmdline[:80]))
+    return [p for p in found if p[0] != os.getpid()]
+
+
+def status_field(pid: int, name: str) -> str:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return next(line for line in text.splitlines() if line.startswith(name + ":")).split()[1]
