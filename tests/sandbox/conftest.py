@@ -12,7 +12,7 @@ from grouprl import sandbox
 from grouprl.sandbox.runtime import UID_BASE, UID_COUNT
 
 #: Text only the harness's command line holds: its processes (and forks) show it on the host.
-MARKER = b"Wire format, both ways"
+MARKER = b"The program that runs inside the sandbox, as its process 1"
 
 if sandbox.available() is not None:  # a Linux machine without user namespaces, or no bwrap
     pytest.skip(f"the sandbox cannot run here: {sandbox.available()}", allow_module_level=True)

@@ -10,11 +10,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from tests.sandbox.conftest import fenced
 
 from grouprl import sandbox
 from grouprl.errors import UserError
 from grouprl.tasks.code_rewards import code, code_all, code_reward, extract_program
-from tests.sandbox.conftest import fenced
 
 ADD_CASES = {"language": "python", "test_cases": [
     {"input": "1 2\n", "output": "3\n"}, {"input": "10 -4", "output": "6"},
@@ -137,7 +137,7 @@ def test_more_tests_than_one_sandbox_holds_are_all_run():
 
 
 def test_a_dataset_without_tests_is_refused_in_one_line():
-    with pytest.raises(UserError, match="no row of data.jsonl has tests"):
+    with pytest.raises(UserError, match=r"no row of data\.jsonl has tests"):
         code.check_rows([{"prompt": "x"}, {"prompt": "y", "test_list": None}], "data.jsonl")
     code.check_rows([{"prompt": "x"}, {"prompt": "y", "test_list": MBPP}], "data.jsonl")
 

@@ -1,7 +1,8 @@
 """The program that runs inside the sandbox, as its process 1: it runs a model's program against
 its tests and reports one verdict per test. Never imported by grouprl: `grouprl.sandbox` reads
 this file as text and hands it to the sandboxed interpreter (`python -I -S -c`). Standard
-library only.
+library only, and only modules that import in well under a millisecond (no json, re, enum,
+signal or selectors): start-up is most of a short program's check.
 
 Why the verdicts cannot be forged. The model's program never runs in this process: each test
 gets a worker forked *before* the tests are read (so no worker's memory holds a test or an
@@ -15,32 +16,37 @@ by exact type), so a returned object cannot lie in `__eq__`, and nothing the pro
 (exiting early, patching `assert`'s helpers, printing) reaches the checking code. Each verdict
 goes out with a nonce the workers never saw.
 
-Wire format, both ways: frames of 10 ASCII digits (the length) then that many bytes of JSON.
-In: {"program", "setup", "tests": count, "limits"}; then {"nonce", "kind", "tests"}. Out: one
-frame per test, {"nonce", "index", "passed", "kind", "cpu", "stdout"} (stdout base64, stdin/
-stdout cases only), or a single {"nonce", "syntax": message}.
+Wire format. In (from the trainer): two messages of text fields, each a 10-digit count, then
+per field a 10-digit byte length and the UTF-8 bytes:
+  program, setup, test count, "1" for stdin/stdout cases, then the limits (cpu, wall, memory,
+  processes, open_files, file_size, output); and, after the workers are forked,
+  nonce, kind ("stdio", "assert", "check"), entry point, then one field per test.
+Out (to the trainer): one line per test, tab-separated: nonce, index, passed (1/0/-), failure
+kind (or -), CPU seconds, the stdout as hex (stdin/stdout cases; else -); or a single line
+"nonce syntax". Between this process and a worker: marshal frames of plain data, checked by
+exact type on arrival here.
 """
 
-import base64
 import builtins
-import contextlib
 import ctypes
-import json
+import marshal
 import math
 import os
 import resource
-import selectors
-import signal
+import select
 import sys
 import time
 
 HEADER = 10
 MAX_DEPTH = 64
-PLAIN = (type(None), bool, int, float, str)
+PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))
+CONTAINERS = frozenset((list, tuple, set, frozenset, dict))
+SIGKILL, SIGXCPU = 9, 24  # Linux's numbers (the signal module would import enum: 7 ms)
+LIMIT_NAMES = ("cpu", "wall", "memory", "processes", "open_files", "file_size", "output")
 
 
 # ---------------------------------------------------------------------------------------------
-# Frames and plain data
+# Messages and plain data
 
 
 def read_exactly(fd, n):
@@ -54,53 +60,45 @@ def read_exactly(fd, n):
     return b"".join(chunks)
 
 
-def read_frame(fd):
-    return json.loads(read_exactly(fd, int(read_exactly(fd, HEADER))))
+def read_fields(fd):
+    """A message of the trainer's: its text fields."""
+    count = int(read_exactly(fd, HEADER))
+    return [read_exactly(fd, int(read_exactly(fd, HEADER))).decode() for _ in range(count)]
 
 
-def write_frame(fd, obj):
-    data = json.dumps(obj).encode()
-    data = b"%010d" % len(data) + data
+def write_all(fd, data):
     while data:
         data = data[os.write(fd, data) :]
 
 
-class NotPlain(Exception):
-    """A value that is not plain data (or nests too deep) cannot cross between processes."""
-
-
-def encode(x, depth=0):
-    """Plain data as JSON with tagged containers; exact types only (no subclasses)."""
-    if depth > MAX_DEPTH:
-        raise NotPlain("nested too deep")
+def check_plain(x, depth=0):
+    """`x` itself when it is plain data by exact type (no subclass, no code object), nested at
+    most MAX_DEPTH deep; else NotPlain."""
     t = type(x)
     if t in PLAIN:
         return x
-    if t in (list, tuple, set, frozenset):
-        items = sorted(x, key=repr) if t in (set, frozenset) else x
-        return [t.__name__, [encode(i, depth + 1) for i in items]]
-    if t is dict:
-        return ["dict", [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in x.items()]]
-    if t is bytes:
-        return ["bytes", x.hex()]
-    if t is complex:
-        return ["complex", [x.real, x.imag]]
-    raise NotPlain(t.__name__)
+    if t not in CONTAINERS or depth > MAX_DEPTH:
+        raise NotPlain(t.__name__ if depth <= MAX_DEPTH else "nested too deep")
+    for item in x.items() if t is dict else x:
+        if t is dict:
+            check_plain(item[0], depth + 1)
+            check_plain(item[1], depth + 1)
+        else:
+            check_plain(item, depth + 1)
+    return x
 
 
-def decode(x):
-    if not isinstance(x, list):
-        return x
-    tag, value = x
-    if tag == "dict":
-        return {decode(k): decode(v) for k, v in value}
-    if tag == "bytes":
-        return bytes.fromhex(value)
-    if tag == "complex":
-        return complex(*value)
-    return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](
-        decode(i) for i in value
-    )
+def send(fd, obj):
+    data = marshal.dumps(obj)
+    write_all(fd, b"%010d" % len(data) + data)
+
+
+def receive(fd):
+    return marshal.loads(read_exactly(fd, int(read_exactly(fd, HEADER))))
+
+
+class NotPlain(Exception):
+    """A value that is not plain data (or nests too deep) cannot cross between processes."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,8 +125,10 @@ def start_worker(code, setup, limits, stdio):
         keep = {0, 1, 2, ctl_r, out_w}
         for fd in os.listdir("/proc/self/fd"):  # everything else: the trainer's channel included
             if int(fd) not in keep:
-                with contextlib.suppress(OSError):
+                try:  # noqa: SIM105 (contextlib costs 5 ms to import)
                     os.close(int(fd))
+                except OSError:
+                    pass
         os.setsid()
         cpu = max(1, math.ceil(limits["cpu"]))
         for name, value in (
@@ -175,25 +175,24 @@ def run_server(code, setup, rfd, wfd):
     try:
         exec(setup, namespace)
         exec(code, namespace)
-        reply = ["ready", [k for k, v in namespace.items() if callable(v) and k[:2] != "__"]]
+        reply = ("ready", [k for k, v in namespace.items() if callable(v) and k[:2] != "__"])
     except MemoryError:
-        reply = ["memory"]
-    except BaseException as err:
-        reply = ["raise", type(err).__name__]
-    write_frame(wfd, reply)
+        reply = ("memory",)
+    except BaseException:
+        reply = ("raise",)
+    send(wfd, reply)
     while True:
-        name, args, kwargs = read_frame(rfd)
+        name, args, kwargs = receive(rfd)
         try:
-            args, kwargs = decode(args), decode(kwargs)
             result = namespace[name](*args, **kwargs)
-            reply = ["ok", encode(result), encode(args)]
+            reply = ("ok", check_plain(result), check_plain(args))
         except NotPlain as err:
-            reply = ["notplain", str(err)]
+            reply = ("notplain", str(err))
         except MemoryError:
-            reply = ["memory"]
-        except BaseException as err:
-            reply = ["raise", type(err).__name__]
-        write_frame(wfd, reply)
+            reply = ("memory",)
+        except BaseException:
+            reply = ("raise",)
+        send(wfd, reply)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,103 +219,119 @@ class Worker:
         self.deadline = time.monotonic() + self.limits["wall"]
         os.write(self.ctl, b"g")
 
-    def wait_readable(self, fd):
-        """Wait until `fd` can be read; Failed("wall") at the deadline."""
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            if not sel.select(max(0.0, self.deadline - time.monotonic())):
-                raise Failed("wall")
+    def wait(self, poll):
+        """The ready (fd, events) of `poll`; Failed("wall") at the deadline."""
+        events = poll.poll(max(0.0, self.deadline - time.monotonic()) * 1000)
+        if not events:
+            raise Failed("wall")
+        return events
 
     def call(self, name, args, kwargs):
         try:
-            write_frame(self.ctl, [name, encode(list(args)), encode(kwargs)])
-        except NotPlain as err:
+            send(self.ctl, (name, check_plain(args), check_plain(kwargs)))
+        except (NotPlain, ValueError) as err:
             raise Failed("not_plain") from err
         except OSError:
             raise Failed("error") from None
         reply = self.reply()
         if reply[0] != "ok":
             raise Failed({"raise": "error", "notplain": "not_plain"}.get(reply[0], reply[0]))
-        for old, new in zip(args, decode(reply[2])):  # arguments the function changed in place
+        for old, new in zip(args, reply[2]):  # arguments the function changed in place
             if type(old) is list:
                 old[:] = new
             elif type(old) in (dict, set):
                 old.clear()
                 old.update(new)
-        return decode(reply[1])
+        return reply[1]
 
     def reply(self):
-        self.wait_readable(self.out)
+        """The worker's next message, checked to be plain data."""
+        poll = select.poll()
+        poll.register(self.out, select.POLLIN)
+        self.wait(poll)
         try:
-            return read_frame(self.out)
-        except (EOFError, ValueError):
+            reply = check_plain(receive(self.out))
+        except (EOFError, ValueError, TypeError, NotPlain):
             raise Failed("error") from None
+        if type(reply) is not tuple or not reply or type(reply[0]) is not str:
+            raise Failed("error")
+        if reply[0] == "ok" and (len(reply) != 3 or type(reply[2]) is not tuple):
+            raise Failed("error")
+        return reply
 
     def stdio(self, data, cap):
         """Feed `data` and collect the output (at most `cap` bytes) until the worker exits
         (what its leftover children print after that does not count)."""
-        chunks, size = [], 0
+        chunks = []
         data = memoryview(data)
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.out, selectors.EVENT_READ)
-            sel.register(self.pidfd, selectors.EVENT_READ)
-            if data:
-                sel.register(self.stdin, selectors.EVENT_WRITE)
-            else:
-                os.close(self.stdin)
-            exited = False
-            while not exited:
-                events = sel.select(max(0.0, self.deadline - time.monotonic()))
-                if not events:
-                    raise Failed("wall")
-                for key, _ in events:
-                    if key.fd == self.pidfd:
-                        exited = True
-                        os.set_blocking(self.out, False)
-                    elif key.fd == self.out:
-                        size += self.drain(chunks, cap - size, sel)
-                    else:
-                        try:
-                            data = data[os.write(self.stdin, data[: 1 << 16]) :]
-                        except BrokenPipeError:
-                            data = data[:0]
-                        if not data:
-                            sel.unregister(self.stdin)
-                            os.close(self.stdin)
-            self.drain(chunks, cap - size, sel)
+        poll = select.poll()
+        poll.register(self.out, select.POLLIN)
+        poll.register(self.pidfd, select.POLLIN)
+        if data:
+            poll.register(self.stdin, select.POLLOUT)
+        else:
+            os.close(self.stdin)
+        exited = False
+        while not exited:
+            for fd, _ in self.wait(poll):
+                if fd == self.pidfd:
+                    exited = True
+                elif fd == self.out:
+                    self.drain(chunks, cap, poll, once=True)
+                elif fd == self.stdin:
+                    try:
+                        data = data[os.write(self.stdin, data[: 1 << 16]) :]
+                    except BrokenPipeError:
+                        data = data[:0]
+                    if not data:
+                        poll.unregister(self.stdin)
+                        os.close(self.stdin)
+        os.set_blocking(self.out, False)
+        self.drain(chunks, cap, poll, once=False)
         return b"".join(chunks)
 
-    def drain(self, chunks, room, sel):
-        """Read what the output pipe holds (one read while the worker runs, all of it after);
-        Failed("output") past `room` bytes. The bytes read."""
-        got = 0
+    def drain(self, chunks, cap, poll, once):
+        """Read what the output pipe holds (one read `once`, else all of it); Failed("output")
+        past `cap` bytes in all."""
         while True:
             try:
                 chunk = os.read(self.out, 1 << 16)
             except BlockingIOError:
-                return got
+                return
             if not chunk:
-                if self.out in sel.get_map():
-                    sel.unregister(self.out)
-                return got
-            got += len(chunk)
-            if got > room:
-                raise Failed("output")
+                try:  # noqa: SIM105
+                    poll.unregister(self.out)
+                except KeyError:  # already at its end
+                    pass
+                return
             chunks.append(chunk)
-            if os.get_blocking(self.out):
-                return got
+            if sum(map(len, chunks)) > cap:
+                raise Failed("output")
+            if once:
+                return
 
     def finish(self, wait=False):
         """Kill the worker and what it started in its session (after it ends by itself, up to
         the deadline, with `wait`); its CPU seconds and exit status."""
         if wait and self.deadline is not None:
-            with contextlib.suppress(Failed):
-                self.wait_readable(self.pidfd)
+            poll = select.poll()
+            poll.register(self.pidfd, select.POLLIN)
+            try:  # noqa: SIM105
+                self.wait(poll)
+            except Failed:
+                pass
         for target in (-self.pid, self.pid):
-            with contextlib.suppress(OSError):
-                os.kill(target, signal.SIGKILL)
+            try:  # noqa: SIM105
+                os.kill(target, SIGKILL)
+            except OSError:
+                pass
         _, status, usage = os.wait4(self.pid, 0)
+        os.close(self.pidfd)
         return usage.ru_utime + usage.ru_stime, status
+
+
+def timed_out(cpu, status, limits):
+    return cpu > limits["cpu"] or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == SIGXCPU)
 
 
 def judge_stdio(worker, test, limits):
@@ -327,13 +342,13 @@ def judge_stdio(worker, test, limits):
     except Failed as failed:
         kind = failed.kind
     cpu, status = worker.finish(wait=kind is None)
-    if cpu > limits["cpu"] or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU):
+    if timed_out(cpu, status, limits):
         kind = "timeout"
     elif kind is None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == MEMORY_STATUS:
         kind = "memory"
     elif kind is None and status != 0:
         kind = "error"
-    return {"passed": None, "kind": kind, "cpu": cpu, "stdout": base64.b64encode(out).decode()}
+    return None, kind, cpu, out.hex() if kind is None else "-"
 
 
 def judge_call(worker, kind, test, setup, entry_point, limits):
@@ -360,9 +375,9 @@ def judge_call(worker, kind, test, setup, entry_point, limits):
     except Exception:
         failure = "error"
     cpu, status = worker.finish()
-    if cpu > limits["cpu"] or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU):
+    if timed_out(cpu, status, limits):
         failure = "timeout"
-    return {"passed": failure is None, "kind": failure, "cpu": cpu}
+    return failure is None, failure, cpu, "-"
 
 
 def proxy(worker, name):
@@ -373,40 +388,44 @@ def proxy(worker, name):
     return call
 
 
+def report(nonce, index, passed, kind, cpu, out):
+    mark = "-" if passed is None else str(int(passed))
+    write_all(1, f"{nonce}\t{index}\t{mark}\t{kind or '-'}\t{cpu!r}\t{out}\n".encode())
+
+
 def serve():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no worker reads this process's memory or fds
-    job = read_frame(0)
-    limits = job["limits"]
-    count = job["tests"]
+    program, setup, count, stdio, *numbers = read_fields(0)
+    limits = dict(zip(LIMIT_NAMES, map(float, numbers)))
+    for name in LIMIT_NAMES[2:]:
+        limits[name] = int(limits[name])
+    count, stdio = int(count), stdio == "1"
     resource.setrlimit(resource.RLIMIT_NPROC, (count + limits["processes"],) * 2)
-    stdio = job["stdio"]
     try:
-        code = compile(job["program"], "<program>", "exec")
-        setup = compile(job["setup"], "<setup>", "exec")
+        code = compile(program, "<program>", "exec")
+        setup = compile(setup, "<setup>", "exec")
         error = None
     except (SyntaxError, ValueError, MemoryError, RecursionError) as err:
-        error = f"{type(err).__name__}: {err}"[:500]
+        error = err
     workers = [] if error else [start_worker(code, setup, limits, stdio) for _ in range(count)]
-    del job
-    tests = read_frame(0)  # only now: no worker's memory holds them
-    nonce = tests["nonce"]
+    del program
+    nonce, kind, entry, *tests = read_fields(0)  # only now: no worker's memory holds them
     if error:
-        write_frame(1, {"nonce": nonce, "syntax": error})
+        write_all(1, f"{nonce}\tsyntax\n".encode())
         return
-    for index, (handles, test) in enumerate(zip(workers, tests["tests"])):
+    for index, (handles, test) in enumerate(zip(workers, tests)):
         worker = Worker(handles, limits)
         if stdio:
-            verdict = judge_stdio(worker, test, limits)
-        else:
-            try:
-                compiled = compile(test, "<test>", "exec")
-            except (SyntaxError, ValueError, MemoryError, RecursionError):
-                worker.finish()
-                write_frame(1, {"nonce": nonce, "index": index, "passed": False, "kind": "format"})
-                continue
-            verdict = judge_call(worker, tests["kind"], compiled, setup, tests["entry"], limits)
-        write_frame(1, {"nonce": nonce, "index": index, **verdict})
+            report(nonce, index, *judge_stdio(worker, test, limits))
+            continue
+        try:
+            compiled = compile(test, "<test>", "exec")
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            worker.finish()
+            report(nonce, index, False, "format", 0.0, "-")
+            continue
+        report(nonce, index, *judge_call(worker, kind, compiled, setup, entry, limits))
 
 
 serve()

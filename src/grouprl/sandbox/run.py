@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import math
@@ -103,24 +102,24 @@ class Verdict:
         return cls((False,) * n, (kind,) * n, (0.0,) * n)
 
 
-def _frame(obj: dict) -> bytes:
-    data = json.dumps(obj).encode()
-    return b"%010d" % len(data) + data
+def _message(fields: Sequence[object]) -> bytes:
+    """Text fields as the harness reads them: a 10-digit count, then each field's 10-digit
+    byte length and UTF-8 bytes."""
+    parts = [b"%010d" % len(fields)]
+    for value in fields:
+        data = str(value).encode("utf-8", "surrogatepass")
+        parts += [b"%010d" % len(data), data]
+    return b"".join(parts)
 
 
-def _frames(data: bytes, nonce: str) -> list[dict]:
-    """The harness's frames, up to the first that is malformed or lacks the nonce."""
-    out, at = [], 0
-    while at + 10 <= len(data):
-        try:
-            n = int(data[at : at + 10])
-            frame = json.loads(data[at + 10 : at + 10 + n])
-        except ValueError:
+def _lines(data: bytes, nonce: str) -> list[list[str]]:
+    """The harness's verdict lines (fields after the nonce), up to the first without it."""
+    out = []
+    for line in data.split(b"\n"):
+        fields = line.decode("ascii", "replace").split("\t")
+        if fields[0] != nonce:
             break
-        if not isinstance(frame, dict) or frame.get("nonce") != nonce:
-            break
-        out.append(frame)
-        at += 10 + n
+        out.append(fields[1:])
     return out
 
 
@@ -175,25 +174,21 @@ def kill_all() -> None:
             proc.send_signal(signal.SIGKILL)
 
 
-def _sandbox(program: str, tests: Tests, limits: Limits) -> tuple[list[dict], str]:
+def _sandbox(program: str, tests: Tests, limits: Limits) -> tuple[list[list[str]], str]:
     """One sandbox: `program` against up to TESTS_PER_SANDBOX of `tests`. The harness's
-    verdict frames, and the kind of failure of the tests it sent none for."""
+    verdict lines, and the kind of failure of the tests it sent none for."""
     rt = runtime()
     n = len(tests.cases)
     stdio = tests.kind == "stdio"
     wire = limits.wire()
-    first = {"program": program, "setup": tests.setup, "tests": n, "limits": wire, "stdio": stdio}
+    first = [program, tests.setup, n, int(stdio), *wire.values()]
     nonce = secrets.token_hex(16)
-    second = {
-        "nonce": nonce,
-        "kind": tests.kind,
-        "tests": [c[0] for c in tests.cases] if stdio else list(tests.cases),
-        "entry": tests.entry_point,
-    }
+    cases = [c[0] for c in tests.cases] if stdio else list(tests.cases)
+    second = [nonce, tests.kind, tests.entry_point or "", *cases]
     args = command(rt, HARNESS, limits.scratch_mb << 20)
     uid = UIDS.take() if rt.as_root else None
     user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
-    cap = n * (wire["output"] * 4 // 3 + 4096) + 65536
+    cap = n * (wire["output"] * 2 + 4096) + 65536
     deadline = time.monotonic() + n * (limits.wall + 1) + 10
     try:
         try:
@@ -205,36 +200,36 @@ def _sandbox(program: str, tests: Tests, limits: Limits) -> tuple[list[dict], st
             raise Unavailable(f"cannot start {args[0]}: {err}") from None
         _LIVE.add(proc)
         try:
-            out, err, timed_out = _communicate(proc, _frame(first) + _frame(second), deadline, cap)
+            data = _message(first) + _message(second)
+            out, err, timed_out = _communicate(proc, data, deadline, cap)
         finally:
             _LIVE.discard(proc)
     finally:
         if uid is not None:
             UIDS.give(uid)
-    frames = _frames(out, nonce)
-    if not frames and proc.returncode != 0 and err.startswith(b"bwrap:"):
+    lines = _lines(out, nonce)
+    if not lines and proc.returncode != 0 and err.startswith(b"bwrap:"):
         raise Unavailable(err.decode(errors="replace").strip().splitlines()[-1])
-    return frames, "wall" if timed_out else "sandbox"
+    return lines, "wall" if timed_out else "sandbox"
 
 
 def run_tests(program: str, tests: Tests, limits: Limits) -> Verdict:
-    frames, missing = _sandbox(program, tests, limits)
+    lines, missing = _sandbox(program, tests, limits)
     n = len(tests.cases)
-    if frames and "syntax" in frames[0]:
+    if lines and lines[0] == ["syntax"]:
         return Verdict.failed("syntax", n)
-    return _verdict(tests, frames, n, missing)
-
-
-def _verdict(tests: Tests, frames: list[dict], n: int, missing: str) -> Verdict:
     passed, kinds, cpu = [False] * n, [missing] * n, [0.0] * n
-    for frame in frames:
-        i = frame.get("index")
-        if not isinstance(i, int) or not 0 <= i < n:
-            continue
-        kind, cpu[i] = frame.get("kind"), float(frame.get("cpu") or 0.0)
+    for fields in lines:
+        try:
+            index, mark, kind, seconds, out = fields
+            i = int(index)
+            cpu[i] = float(seconds)
+        except (ValueError, IndexError):
+            break
+        kind = None if kind == "-" else kind
         if tests.kind == "stdio" and kind is None:
-            kind = _compare(base64.b64decode(frame.get("stdout") or ""), tests.cases[i][1])
-        elif kind is None and frame.get("passed") is not True:
+            kind = _compare(bytes.fromhex(out), tests.cases[i][1])
+        elif kind is None and mark != "1":
             kind = "wrong"
         passed[i], kinds[i] = kind is None, kind
     return Verdict(tuple(passed), tuple(kinds), tuple(cpu))
@@ -282,16 +277,15 @@ class Ran:
 
 def run(program: str, stdin: str = "", limits: Limits | None = None) -> Ran:
     """Run `program` once in the sandbox with `stdin`; its output comes back."""
-    frames, missing = _sandbox(program, Tests("stdio", ((stdin, ""),)), limits or Limits())
-    if not frames:
+    lines, missing = _sandbox(program, Tests("stdio", ((stdin, ""),)), limits or Limits())
+    if not lines:
         return Ran(None, missing, math.nan)
-    frame = frames[0]
-    if "syntax" in frame:
+    if lines[0] == ["syntax"]:
         return Ran(None, "syntax", 0.0)
-    kind, cpu = frame.get("kind"), float(frame.get("cpu") or 0.0)
-    if kind is not None:
-        return Ran(None, kind, cpu)
+    _, _, kind, seconds, out = lines[0]
+    if kind != "-":
+        return Ran(None, kind, float(seconds))
     try:
-        return Ran(base64.b64decode(frame.get("stdout") or "").decode("utf-8"), None, cpu)
+        return Ran(bytes.fromhex(out).decode("utf-8"), None, float(seconds))
     except UnicodeDecodeError:
-        return Ran(None, "decode", cpu)
+        return Ran(None, "decode", float(seconds))
