@@ -38,13 +38,18 @@ def jobs(n: int, tests: int) -> list[tuple[str, list[str]]]:
 
 
 def sandboxed(program: str, asserts: list[str]) -> bool:
-    return check(program, sandbox.Tests.asserts(asserts)).fraction == 1.0  # uncached
+    verdict = check(program, sandbox.Tests.asserts(asserts))  # uncached
+    if verdict.fraction != 1.0:
+        print(f"a check failed: {verdict}", file=sys.stderr)
+    return verdict.fraction == 1.0
 
 
 def floor(flags: list[str]):
     def run(program: str, asserts: list[str]) -> bool:
         source = program + "\n" + "\n".join(asserts)
         done = subprocess.run([sys.executable, *flags, "-c", source], capture_output=True)
+        if done.returncode != 0:
+            print(f"the floor failed: {done.stderr[-300:]!r}", file=sys.stderr)
         return done.returncode == 0
 
     return run

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import grouprl
+from grouprl.sandbox import slots
 from grouprl.sandbox.runtime import runtime
 from grouprl.tasks.code_rewards import code, code_all
 from grouprl.tasks.math_rewards import accuracy, think_format
@@ -126,6 +127,7 @@ def test_code_rewards_run_model_output_only_in_the_sandbox(monkeypatch):
     monkeypatch.setattr(builtins, "exec", spy(builtins.exec))
     monkeypatch.setattr(builtins, "compile", spy(builtins.compile))
     monkeypatch.setattr(subprocess, "Popen", Watched)
+    slots.close_all()  # so that the sandboxes the rewards use are started here, and watched
     payloads = [f"```python\n{p}\n```" for p in PAYLOADS] + PAYLOADS
     tests = [["assert f(1) == 1"]] * len(payloads)
     for fn in (code, code_all):

@@ -4,11 +4,13 @@ what sandboxes left running."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from grouprl import sandbox
+from grouprl.sandbox import slots
 from grouprl.sandbox.runtime import UID_BASE, UID_COUNT
 
 #: Text only the harness's command line holds: its processes (and forks) show it on the host.
@@ -23,9 +25,22 @@ def fenced(program: str) -> str:
     return f"Here is my solution.\n```python\n{program}\n```\n"
 
 
-def sandbox_processes() -> list[tuple[int, int, bytes]]:
-    """(pid, real uid, command line) of every host process a sandbox started: run as a sandbox
-    uid, or carrying the harness's command line."""
+def sandbox_processes(settle: float = 2.0) -> list[tuple[int, int, bytes]]:
+    """(pid, real uid, command line) of every host process a sandbox started, run as a sandbox
+    uid or carrying the harness's command line, except the sandboxes kept running between
+    programs (each slot's bwrap and its harness, process 1 inside); processes a killed sandbox
+    held get `settle` seconds to end."""
+    deadline = time.monotonic() + settle
+    while True:
+        found = all_sandbox_processes(kept_too=False)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)
+
+
+def all_sandbox_processes(kept_too: bool = True) -> list[tuple[int, int, bytes]]:
+    """Every host process of a sandbox now (with `kept_too`, the kept sandboxes' own)."""
+    kept = set() if kept_too else {slot.proc.pid for slot in slots._IDLE}
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -35,7 +50,10 @@ def sandbox_processes() -> list[tuple[int, int, bytes]]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        uid, parent = int(fields["Uid"].split()[0]), int(fields["PPid"])
+        if int(entry.name) in kept or parent in kept:
+            continue
         if UID_BASE <= uid < UID_BASE + UID_COUNT or MARKER in cmdline:
             found.append((int(entry.name), uid, cmdline[:80]))
     return [p for p in found if p[0] != os.getpid()]

@@ -18,9 +18,15 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.sandbox.conftest import fenced, sandbox_processes, status_field
+from tests.sandbox.conftest import (
+    all_sandbox_processes,
+    fenced,
+    sandbox_processes,
+    status_field,
+)
 
 from grouprl import sandbox
+from grouprl.sandbox import slots
 from grouprl.tasks.code_rewards import code_reward
 
 LIMITS = sandbox.Limits(cpu_seconds=1.0, wall_seconds=4.0, processes=8, memory_mb=256,
@@ -61,7 +67,7 @@ def uid_and_limits_hold() -> None:
 
     def watch():
         while not done.is_set():
-            for pid, uid, _ in sandbox_processes():
+            for pid, uid, _ in all_sandbox_processes():
                 with contextlib.suppress(OSError, StopIteration):
                     seen.append((uid, status_field(pid, "CapEff"), status_field(pid, "Uid")))
             time.sleep(0.01)
@@ -179,9 +185,9 @@ def test_killing_its_parent_or_its_process_group_changes_nothing():
         "        os.kill(target, signal.SIGKILL)\n    except OSError:\n        pass\n"
         "try:\n    os.killpg(0, signal.SIGKILL)\nexcept OSError:\n    pass"
     )
-    # the harness is process 1 of the namespace, which no signal from inside kills: it saw its
-    # worker die and said so
-    assert logged["code_errors/error"] == 1.0
+    # its parent (the fork of the harness checking this program) dies with its verdicts: counted
+    # as `sandbox`; process 1 of the namespace, which no signal from inside kills, cleans up
+    assert logged["code_errors/sandbox"] == 1.0
 
 
 # --- resources -----------------------------------------------------------------------------------
@@ -286,3 +292,66 @@ def test_the_trainer_is_unaffected():
     contained("import os\nos.chdir('/')\nos.environ['X'] = '1'\nprint('bye')")
     assert (os.getcwd(), dict(os.environ), resource.getrlimit(resource.RLIMIT_NPROC),
             os.getuid()) == before  # fmt: skip
+
+
+# --- one program after another in a kept sandbox ------------------------------------------------
+
+SCAN_MEMORY = """def scan():
+    import gc, re
+    pattern = re.compile(rb"tok-[0-9a-f]{16}")
+    try:  # every readable mapping (a worker is not dumpable: this is refused)
+        with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+            for line in maps.read().splitlines():
+                span, perms = line.split()[:2]
+                start, end = (int(x, 16) for x in span.split("-"))
+                if "r" not in perms or end - start > 1 << 26:
+                    continue
+                try:
+                    mem.seek(start)
+                    found = pattern.search(mem.read(end - start))
+                except (OSError, ValueError, OverflowError):
+                    continue
+                if found:
+                    return found.group().decode()
+    except OSError:
+        pass
+    for obj in gc.get_objects():  # every object the interpreter tracks, and their strings
+        for value in (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()):
+            if isinstance(value, (str, bytes)):
+                found = pattern.search(value.encode() if isinstance(value, str) else value)
+                if found:
+                    return found.group().decode()
+    return "none"
+"""
+
+
+def test_no_program_finds_tests_in_its_memory():
+    """The tests of this program and of the one before it in the same sandbox are in no memory
+    the program can read: its worker was forked before the tests were read, from a process that
+    never reads a request at all."""
+    slots.close_all()  # then one new sandbox, kept for both programs
+    earlier, own = (f"tok-{secrets.token_hex(8)}" for _ in range(2))
+    first = sandbox.check("def f():\n    return 1", sandbox.Tests.asserts([f"assert f() != {earlier!r}"]),
+                          LIMITS)  # fmt: skip
+    assert first.passed == (True,) and len(slots._IDLE) == 1
+    program = SCAN_MEMORY + "def f():\n    return scan()"
+    verdict = sandbox.check(program, sandbox.Tests.asserts([f"assert f() in ({earlier!r}, {own!r})"]),
+                            LIMITS)  # fmt: skip
+    assert verdict.kinds == ("wrong",) and len(slots._IDLE) == 1
+    assert sandbox.run(SCAN_MEMORY + "print(scan())", limits=LIMITS).stdout == "none\n"
+    planted = sandbox.run(SCAN_MEMORY + f"X = {own!r}\nprint(scan())", limits=LIMITS)
+    assert planted.stdout == own + "\n"  # the scan finds what is there
+
+
+def test_nothing_of_one_program_is_there_for_the_next():
+    """A daemon and a file left by one program are gone when the next runs in the same
+    sandbox."""
+    slots.close_all()
+    left = sandbox.run("import os, time\nopen('/tmp/left', 'w').write('x')\nif os.fork() == 0:\n"
+                       "    os.setsid()\n    time.sleep(60)\nprint('ok')", limits=LIMITS)  # fmt: skip
+    assert left.stdout == "ok\n" and len(slots._IDLE) == 1
+    after = sandbox.run("import os\nprint(len(os.listdir('/tmp')))\n"
+                        "print(sum(name.isdigit() for name in os.listdir('/proc')))", limits=LIMITS)  # fmt: skip
+    files, processes = after.stdout.split()
+    assert files == "0"
+    assert processes == "3"  # process 1, the fork checking this program, and its worker

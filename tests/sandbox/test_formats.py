@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from tests.sandbox.conftest import fenced
+from tests.sandbox.conftest import fenced, sandbox_processes
 
 from grouprl import sandbox
 from grouprl.errors import UserError
@@ -145,7 +145,7 @@ def test_a_dataset_without_tests_is_refused_in_one_line():
 def test_a_machine_without_namespaces_is_refused_in_one_line(monkeypatch):
     """What bwrap says where user namespaces are forbidden ends in one line; nothing runs
     unsandboxed."""
-    from grouprl.sandbox import pool, runtime
+    from grouprl.sandbox import pool, runtime, slots
 
     home = Path(tempfile.mkdtemp())  # readable by the sandbox's uid, unlike pytest's tmp_path
     try:
@@ -156,6 +156,7 @@ def test_a_machine_without_namespaces_is_refused_in_one_line(monkeypatch):
         fake.chmod(0o755)
         monkeypatch.setattr(runtime, "_RUNTIME", dataclasses.replace(runtime.runtime(), bwrap=fake))
         monkeypatch.setattr(pool, "_PROBED", [])
+        slots.close_all()  # the sandboxes kept running are real ones
         refused(fake)
     finally:
         shutil.rmtree(home)
@@ -182,3 +183,36 @@ def test_training_on_data_without_tests_stops_before_writing_anything(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()  # (a warning on the small dataset first)
     assert err[-1].startswith("grouprl train: error: reward 'code': no row of"), err
     assert not run.exists()
+
+
+def test_kept_sandboxes_outlive_the_threads_that_started_them():
+    """Each reward call checks its programs from new threads; the sandboxes they started are
+    kept for the next call, so they must not end with those threads (bwrap's parent-death
+    signal follows the thread that started it)."""
+    from grouprl.sandbox import slots
+
+    slots.close_all()
+    tests = sandbox.Tests.asserts(MBPP)
+    first = sandbox.check_many([(RIGHT_FN + f"\n# {i}", tests) for i in range(4)])
+    assert all(v.fraction == 1.0 for v in first) and slots._IDLE
+    kept = {slot.proc.pid for slot in slots._IDLE}
+    for i in range(30):  # about 0.2 s of checks, one after another, in the kept sandboxes
+        assert sandbox.check(RIGHT_FN + f"\n# again {i}", tests).fraction == 1.0
+    assert {slot.proc.pid for slot in slots._IDLE} <= kept
+
+
+def test_a_stopped_reward_call_leaves_nothing_running():
+    """A reward call cut short (the run's --reward-timeout) kills the sandboxes it was using
+    before the interruption goes on."""
+    import time
+
+    from grouprl.tasks.base import TimeLimitExceeded, time_limit
+
+    slow = [
+        (f"import time\ntime.sleep(30)\n# {i}", sandbox.Tests.stdio([("", "")])) for i in range(2)
+    ]
+    start = time.monotonic()
+    with pytest.raises(TimeLimitExceeded), time_limit(0.5):
+        sandbox.check_many(slow, sandbox.Limits(wall_seconds=30))
+    assert time.monotonic() - start < 5
+    assert not sandbox_processes()

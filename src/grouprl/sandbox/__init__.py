@@ -3,7 +3,8 @@
 `check(program, tests)` runs a program against stdin/stdout cases, assert statements or a
 checker function and gives one verdict per test; `run(program, stdin)` runs it once and gives
 its output; `available()` says whether the sandbox can run here. What a sandbox holds and why:
-`grouprl.sandbox.runtime` (the process) and `grouprl.sandbox.harness` (the verdicts).
+`grouprl.sandbox.runtime` (the process), `grouprl.sandbox.slots` (sandboxes kept between
+programs) and `grouprl.sandbox.harness` (the verdicts).
 """
 
 from grouprl.sandbox.pool import check_many

@@ -1,5 +1,6 @@
 """The program that runs inside the sandbox, as its process 1: it runs a model's program against
-its tests and reports one verdict per test. Never imported by grouprl: `grouprl.sandbox` reads
+its tests and reports one verdict per test, one request after another (`serve`), each in a
+fresh fork of itself, killing everything the last program started before the next. Never imported by grouprl: `grouprl.sandbox` reads
 this file as text and hands it to the sandboxed interpreter (`python -I -S -c`). Standard
 library only, and only modules that import in well under a millisecond (no json, re, enum,
 signal or selectors): start-up is most of a short program's check.
@@ -122,13 +123,10 @@ def start_worker(code, setup, limits, stdio):
         os.dup2(in_r if stdio else null, 0)
         os.dup2(out_w if stdio else null, 1)
         os.dup2(null, 2)
-        keep = {0, 1, 2, ctl_r, out_w}
-        for fd in os.listdir("/proc/self/fd"):  # everything else: the trainer's channel included
-            if int(fd) not in keep:
-                try:  # noqa: SIM105 (contextlib costs 5 ms to import)
-                    os.close(int(fd))
-                except OSError:
-                    pass
+        low, high = sorted((ctl_r, out_w))  # close everything else: the trainer's channel too
+        os.closerange(3, low)
+        os.closerange(low + 1, high)
+        os.closerange(high + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
         os.setsid()
         cpu = max(1, math.ceil(limits["cpu"]))
         for name, value in (
@@ -320,11 +318,18 @@ class Worker:
                 self.wait(poll)
             except Failed:
                 pass
+        self.kill()
+        return self.reap()
+
+    def kill(self):
         for target in (-self.pid, self.pid):
             try:  # noqa: SIM105
                 os.kill(target, SIGKILL)
             except OSError:
                 pass
+
+    def reap(self):
+        """The (killed or ended) worker's CPU seconds and exit status."""
         _, status, usage = os.wait4(self.pid, 0)
         os.close(self.pidfd)
         return usage.ru_utime + usage.ru_stime, status
@@ -374,10 +379,8 @@ def judge_call(worker, kind, test, setup, entry_point, limits):
         failure = "wrong"
     except Exception:
         failure = "error"
-    cpu, status = worker.finish()
-    if timed_out(cpu, status, limits):
-        failure = "timeout"
-    return failure is None, failure, cpu, "-"
+    worker.kill()  # reaped later, while the next tests run: a worker takes a while to end
+    return failure
 
 
 def proxy(worker, name):
@@ -393,15 +396,14 @@ def report(nonce, index, passed, kind, cpu, out):
     write_all(1, f"{nonce}\t{index}\t{mark}\t{kind or '-'}\t{cpu!r}\t{out}\n".encode())
 
 
-def serve():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no worker reads this process's memory or fds
+def check_one():
+    """One request: the program, its workers forked, then its tests; a verdict line each."""
     program, setup, count, stdio, *numbers = read_fields(0)
     limits = dict(zip(LIMIT_NAMES, map(float, numbers)))
     for name in LIMIT_NAMES[2:]:
         limits[name] = int(limits[name])
     count, stdio = int(count), stdio == "1"
-    resource.setrlimit(resource.RLIMIT_NPROC, (count + limits["processes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_NPROC, (count + limits["processes"] + 1,) * 2)
     try:
         code = compile(program, "<program>", "exec")
         setup = compile(setup, "<setup>", "exec")
@@ -414,6 +416,7 @@ def serve():
     if error:
         write_all(1, f"{nonce}\tsyntax\n".encode())
         return
+    judged = []
     for index, (handles, test) in enumerate(zip(workers, tests)):
         worker = Worker(handles, limits)
         if stdio:
@@ -422,10 +425,68 @@ def serve():
         try:
             compiled = compile(test, "<test>", "exec")
         except (SyntaxError, ValueError, MemoryError, RecursionError):
-            worker.finish()
-            report(nonce, index, False, "format", 0.0, "-")
+            worker.kill()
+            judged.append((index, worker, "format"))
             continue
-        report(nonce, index, *judge_call(worker, kind, compiled, setup, entry, limits))
+        judged.append((index, worker, judge_call(worker, kind, compiled, setup, entry, limits)))
+    for index, worker, failure in judged:
+        cpu, status = worker.reap()
+        if failure != "format" and timed_out(cpu, status, limits):
+            failure = "timeout"
+        report(nonce, index, failure is None, failure, cpu, "-")
+
+
+def clean(path):
+    """Remove everything under `path` (what a request left in the scratch directory)."""
+    try:
+        os.chmod(path, 0o1777 if path == "/tmp" else 0o700)
+        entries = list(os.scandir(path))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                clean(entry.path)
+                os.rmdir(entry.path)
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            pass
+
+
+def serve():
+    """Requests one after another, each in a fresh fork of this process (which never reads a
+    request itself, so no fork holds an earlier one's tests). After each, every other process
+    of the namespace is killed and reaped and the scratch directory emptied, then "end" tells
+    the trainer: nothing of one program outlives its request."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no worker reads this process's memory or fds
+    waiting = select.poll()
+    waiting.register(0, select.POLLIN)
+    while True:
+        if not any(event & select.POLLIN for _, event in waiting.poll()):
+            return  # the trainer closed the channel
+        pid = os.fork()
+        if pid == 0:
+            try:
+                check_one()
+            except BaseException as err:  # a bug of this harness: the trainer logs stderr
+                write_all(2, f"harness: {type(err).__name__}: {err}\n".encode())
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        try:  # noqa: SIM105
+            os.kill(-1, SIGKILL)  # every process but this one (process 1 is never signalled)
+        except OSError:
+            pass
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+        clean("/tmp")
+        clean("/dev/shm")
+        write_all(1, b"end\n")  # and only now: the trainer sees a clean sandbox
 
 
 serve()

@@ -10,7 +10,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from grouprl.sandbox.run import Limits, Tests, Verdict, check, kill_all, run
+import grouprl.sandbox.slots as slots
+from grouprl.sandbox.run import Limits, Tests, Verdict, check, run
 from grouprl.sandbox.runtime import Unavailable
 
 #: Verdicts kept (a step's completions repeat across a group and across epochs).
@@ -56,7 +57,7 @@ def check_many(
             except BaseException:
                 for f in futures.values():
                     f.cancel()
-                kill_all()
+                slots.kill_busy()
                 raise
         with _CACHE_LOCK:
             for key, verdict in results.items():

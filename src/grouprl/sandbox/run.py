@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import secrets
-import selectors
-import signal
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from grouprl.sandbox.runtime import UIDS, Unavailable, command, runtime
+import grouprl.sandbox.slots as slots
+from grouprl.sandbox.runtime import Unavailable
 
 HARNESS = (Path(__file__).with_name("harness.py")).read_text(encoding="utf-8")
 #: Tests one sandbox runs (one worker process each, forked before the tests are read); a row
@@ -123,94 +119,29 @@ def _lines(data: bytes, nonce: str) -> list[list[str]]:
     return out
 
 
-def _communicate(proc: subprocess.Popen, data: bytes, deadline: float, cap: int) -> tuple:
-    """Write `data`, read stdout (up to `cap` bytes) and stderr (64 KiB) until the process
-    ends or `deadline` (then it is killed). (stdout, stderr, timed out)."""
-    out, err, view = bytearray(), bytearray(), memoryview(data)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ, out)
-    sel.register(proc.stderr, selectors.EVENT_READ, err)
-    sel.register(proc.stdin, selectors.EVENT_WRITE)
-    timed_out = False
-    try:
-        while len(sel.get_map()):
-            events = sel.select(max(0.0, deadline - time.monotonic()))
-            if not events:
-                timed_out = True
-                break
-            for key, _ in events:
-                if key.fileobj is proc.stdin:
-                    try:
-                        view = view[os.write(proc.stdin.fileno(), view[: 1 << 16]) :]
-                    except BrokenPipeError:
-                        view = view[:0]
-                    if not view:
-                        sel.unregister(proc.stdin)
-                        proc.stdin.close()
-                    continue
-                chunk = os.read(key.fileobj.fileno(), 1 << 16)
-                buf = key.data
-                if not chunk or len(buf) > (cap if buf is out else 1 << 16):
-                    sel.unregister(key.fileobj)
-                    continue
-                buf += chunk
-    finally:
-        sel.close()
-        if timed_out or (proc.poll() is None and len(out) > cap):
-            proc.kill()
-        proc.wait()
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
-            stream.close()
-    return bytes(out), bytes(err), timed_out
-
-
-_LIVE: set[subprocess.Popen] = set()  # sandboxes running now (killed if the caller is stopped)
-
-
-def kill_all() -> None:
-    """Kill every sandbox this process is running (a reward call that was stopped)."""
-    for proc in list(_LIVE):
-        with contextlib.suppress(OSError):
-            proc.send_signal(signal.SIGKILL)
-
-
 def _sandbox(program: str, tests: Tests, limits: Limits) -> tuple[list[list[str]], str]:
-    """One sandbox: `program` against up to TESTS_PER_SANDBOX of `tests`. The harness's
+    """`program` against up to TESTS_PER_SANDBOX of `tests`, in a sandbox slot. The harness's
     verdict lines, and the kind of failure of the tests it sent none for."""
-    rt = runtime()
     n = len(tests.cases)
     stdio = tests.kind == "stdio"
     wire = limits.wire()
-    first = [program, tests.setup, n, int(stdio), *wire.values()]
     nonce = secrets.token_hex(16)
     cases = [c[0] for c in tests.cases] if stdio else list(tests.cases)
-    second = [nonce, tests.kind, tests.entry_point or "", *cases]
-    args = command(rt, HARNESS, limits.scratch_mb << 20)
-    uid = UIDS.take() if rt.as_root else None
-    user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    data = _message([program, tests.setup, n, int(stdio), *wire.values()]) + _message(
+        [nonce, tests.kind, tests.entry_point or "", *cases]
+    )
     cap = n * (wire["output"] * 2 + 4096) + 65536
-    deadline = time.monotonic() + n * (limits.wall + 1) + 10
+    slot = slots.take(HARNESS, limits.scratch_mb << 20)
+    out, state = b"", "dead"
     try:
-        try:
-            proc = subprocess.Popen(
-                args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                close_fds=True, start_new_session=True, **user,
-            )  # fmt: skip
-        except OSError as err:
-            raise Unavailable(f"cannot start {args[0]}: {err}") from None
-        _LIVE.add(proc)
-        try:
-            data = _message(first) + _message(second)
-            out, err, timed_out = _communicate(proc, data, deadline, cap)
-        finally:
-            _LIVE.discard(proc)
+        out, state = slot.ask(data, time.monotonic() + n * (limits.wall + 1) + 10, cap)
     finally:
-        if uid is not None:
-            UIDS.give(uid)
-    lines = _lines(out, nonce)
-    if not lines and proc.returncode != 0 and err.startswith(b"bwrap:"):
-        raise Unavailable(err.decode(errors="replace").strip().splitlines()[-1])
-    return lines, "wall" if timed_out else "sandbox"
+        lines = _lines(out, nonce)
+        complete = state == "ok" and (len(lines) == n or lines[:1] == [["syntax"]])
+        slots.give(slot, healthy=complete)
+    if state == "dead" and not lines and slot.stderr.startswith(b"bwrap:"):
+        raise Unavailable(slot.stderr.decode(errors="replace").strip().splitlines()[-1])
+    return lines, {"wall": "wall", "output": "output"}.get(state, "sandbox")
 
 
 def run_tests(program: str, tests: Tests, limits: Limits) -> Verdict:
