@@ -11,7 +11,7 @@ import pytest
 
 from grouprl import sandbox
 from grouprl.sandbox import slots
-from grouprl.sandbox.runtime import UID_BASE, UID_COUNT
+from grouprl.sandbox.runtime import UIDS
 
 #: Text only the harness's command line holds: its processes (and forks) show it on the host.
 MARKER = b"The program that runs inside the sandbox, as its process 1"
@@ -39,9 +39,12 @@ def sandbox_processes(settle: float = 2.0) -> list[tuple[int, int, bytes]]:
 
 
 def all_sandbox_processes(kept_too: bool = True) -> list[tuple[int, int, bytes]]:
-    """Every host process of a sandbox now (with `kept_too`, the kept sandboxes' own)."""
+    """Every host process of this process's sandboxes now: run as a uid this process holds
+    (wherever on the machine it is), or descended from this process and carrying the harness's command line (a trainer that is not root runs them as itself).
+    Without `kept_too`, not the sandboxes kept running (each slot's bwrap and process 1)."""
+    ours = UIDS.held()
     kept = set() if kept_too else {slot.proc.pid for slot in slots._IDLE}
-    found = []
+    table = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -51,12 +54,24 @@ def all_sandbox_processes(kept_too: bool = True) -> list[tuple[int, int, bytes]]
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        uid, parent = int(fields["Uid"].split()[0]), int(fields["PPid"])
-        if int(entry.name) in kept or parent in kept:
+        table[int(entry.name)] = (int(fields["Uid"].split()[0]), int(fields["PPid"]), cmdline)
+
+    def descends(pid: int) -> bool:
+        seen = set()
+        while pid in table and pid not in seen:
+            seen.add(pid)
+            pid = table[pid][1]
+            if pid == os.getpid():
+                return True
+        return False
+
+    found = []
+    for pid, (uid, parent, cmdline) in table.items():
+        if pid in kept or parent in kept or pid == os.getpid():
             continue
-        if UID_BASE <= uid < UID_BASE + UID_COUNT or MARKER in cmdline:
-            found.append((int(entry.name), uid, cmdline[:80]))
-    return [p for p in found if p[0] != os.getpid()]
+        if uid in ours or (MARKER in cmdline and descends(pid)):
+            found.append((pid, uid, cmdline[:80]))
+    return found
 
 
 def status_field(pid: int, name: str) -> str:

@@ -165,6 +165,7 @@ class UidPool:
         self._free: list[int] = []
         self._lock = threading.Lock()
         self._files: list[int] = []
+        self._locked: set[int] = set()
         self._next = 0
 
     def take(self) -> int:
@@ -183,8 +184,14 @@ class UidPool:
                     os.close(fd)
                     continue
                 self._files.append(fd)
+                self._locked.add(uid)
                 return uid
             raise Unavailable(f"all {UID_COUNT} sandbox uids are in use on this machine")
+
+    def held(self) -> set[int]:
+        """The uids this process holds (in use or free for its next sandbox)."""
+        with self._lock:
+            return {UID_BASE + i for i in range(self._next)} & self._locked
 
     def give(self, uid: int) -> None:
         with self._lock:
