@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import site
 import sys
 import tempfile
 import threading
@@ -63,7 +64,7 @@ class Runtime:
     python: Path  # the interpreter, at its own path (its RUNPATH may be absolute)
     prefix: Path  # the interpreter's installation, mounted read-only at its own path
     prefix_source: Path  # what is mounted there: the prefix itself or the root-owned copy
-    hide: tuple[Path, ...]  # directories under the prefix hidden behind an empty tmpfs
+    hide: tuple[Path, ...]  # third-party code and test suites hidden behind an empty tmpfs
     as_root: bool  # the trainer is root: run bwrap as a pooled uid
 
 
@@ -132,6 +133,18 @@ def _materialise(bwrap: Path, prefix: Path, python: Path) -> Path:
     return home
 
 
+def _hidden(prefix: Path, as_root: bool) -> tuple[Path, ...]:
+    """What the sandbox must not show of what it mounts: the interpreter's site-packages
+    (a system interpreter's dist-packages under /usr too) and the standard library's test
+    suites. Under a prefix mounted from root's copy they are not there to hide."""
+    stdlib = _stdlib(prefix)
+    candidates = {Path(d) for d in site.getsitepackages([str(prefix)])}
+    candidates |= {stdlib / d for d in _LEFT_OUT}
+    shown = [Path("/usr")] + ([] if as_root else [prefix])
+    return tuple(sorted(d for d in candidates
+                        if d.is_dir() and any(d.is_relative_to(s) for s in shown)))  # fmt: skip
+
+
 _RUNTIME: Runtime | None = None
 _RUNTIME_LOCK = threading.Lock()
 
@@ -145,15 +158,14 @@ def runtime() -> Runtime:
             prefix, python = _interpreter()
             if not python.is_relative_to(prefix):
                 raise Unavailable(f"the interpreter {python} is not under its prefix {prefix}")
-            stdlib = _stdlib(prefix)
-            hide = tuple(stdlib / d for d in sorted(_LEFT_OUT) if (stdlib / d).is_dir())
+            hide = _hidden(prefix, as_root=os.geteuid() == 0)
             if os.geteuid() != 0:
                 _RUNTIME = Runtime(bwrap, python, prefix, prefix, hide, as_root=False)
             else:
                 home = _materialise(bwrap, prefix, python)
                 packaged = bwrap.parent.parent.parent
                 copied = home / "bwrap" / bwrap.relative_to(packaged)
-                _RUNTIME = Runtime(copied, python, prefix, home / "python", (), as_root=True)
+                _RUNTIME = Runtime(copied, python, prefix, home / "python", hide, as_root=True)
         return _RUNTIME
 
 
