@@ -136,6 +136,31 @@ CASES = {
         {},
         {("tool_failures", "warning"), ("turn_limit", "warning")},
     ),
+    "code_healthy": (  # code rewards whose programs all run: a few wrong, none lost
+        dict(
+            **{
+                "code_checked": lambda s: 128.0,
+                "code_errors/no_code": lambda s: 4.0,
+                "code_errors/timeout": lambda s: 2.0,
+                "code_errors/wall": lambda s: 0.0,
+            }
+        ),
+        {},
+        set(),
+    ),
+    "code_troubled": (  # most completions without a program, verdicts lost, slow programs
+        dict(
+            **{
+                "code_checked": lambda s: 100.0,
+                "code_errors/no_code": lambda s: 60.0,
+                "code_errors/sandbox": lambda s: 4.0,
+                "code_errors/wall": lambda s: 4.0,
+                "code_errors/timeout": lambda s: 31.0,
+            }
+        ),
+        {},
+        {("code_missing", "warning"), ("code_unjudged", "warning"), ("code_timeouts", "info")},
+    ),
     "length": (
         dict(completion_len_mean=ramp(50, 120), truncated_frac=ramp(0.0, 0.4)),
         {},

@@ -16,7 +16,8 @@ from the first of these columns that it fills:
 
 A row with none of them scores None (the reward does not apply to it). A completion without a
 program, a program that does not parse, tests in an unknown format, a crash, a timeout: 0,
-counted in the metrics as ``code_errors/KIND`` (completions of the batch with that kind).
+counted in the metrics as ``code_errors/KIND`` (completions of the call with that kind, out of
+``code_checked``, the completions whose rows have tests).
 Programs of one call run in parallel, one sandbox per core; verdicts are cached by (program,
 tests, limits).
 """
@@ -128,6 +129,7 @@ def code_reward(
             scores[i] = float(passed)
             errors.update(set(k for k in verdict.kinds if k not in (None, "wrong")))
         if log_metric is not None:
+            log_metric("code_checked", float(sum(s is not None for s in scores)))
             for kind in ERROR_KINDS:
                 log_metric(f"code_errors/{kind}", float(errors[kind]))
         return scores

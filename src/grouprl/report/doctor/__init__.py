@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from grouprl.report.doctor.completions import check_length, check_reward_health, check_tools
+from grouprl.report.doctor.completions import (
+    check_code,
+    check_length,
+    check_reward_health,
+    check_tools,
+)
 from grouprl.report.doctor.findings import Finding
 from grouprl.report.doctor.learning import (
     check_entropy,
@@ -39,6 +44,7 @@ CHECKS: list[Callable[[RunLog], list[Finding]]] = [
     check_reward_vs_heldout,
     check_reward_health,
     check_tools,
+    check_code,
 ]
 
 

@@ -1,5 +1,6 @@
 """Checks on what the policy writes and how it is scored: length and truncation, tool calls, the
-health of several rewards (one deciding everything, length hacking, a reward gone flat)."""
+health of several rewards (one deciding everything, length hacking, a reward gone flat), the
+programs the code rewards run."""
 
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ LENGTH_HACK_GROWTH = 1.3
 #: varying in the first, while the pass rate is under CONVERGED: it no longer ranks anything.
 SPREAD_GONE = 1e-6
 CONVERGED = 0.9
+
+# ----- code -------------------------------------------------------------------------------------
+#: Share of checked completions without a program (last window) above which a warning fires:
+#: past half, most of the reward signal is "write a code block", not the task.
+CODE_MISSING_WARN = 0.5
+#: Share of checked completions the sandbox gave no verdict for (wall-clock backstop or a
+#: checker killed): any steady share above 5% is noise in the reward the policy can learn from.
+CODE_LOST_WARN = 0.05
+#: Share of checked completions over their CPU limit above which it is worth knowing.
+CODE_TIMEOUT_WARN = 0.3
 
 # ----- tools ------------------------------------------------------------------------------------
 #: Share of failed tool calls, over the last window, above which a warning fires: past half,
@@ -108,6 +119,54 @@ def check_tools(run: RunLog) -> list[Finding]:
             f"({ended[3]})",
             "raise --max-turns if the task needs more calls; else the policy is calling in a "
             "loop, which a reward for answering (not for calling) discourages",
+        ))  # fmt: skip
+    return findings
+
+
+def code_error_share(run: RunLog, kinds: tuple[str, ...]) -> tuple[float, str] | None:
+    """The share of checked programs that failed with one of `kinds` (the code rewards'
+    `code_errors/KIND` over `code_checked`), over the last window; None without them."""
+    steps, shares = [], []
+    for record in run.metrics:
+        checked = record.get("code_checked")
+        if isinstance(checked, int | float) and checked > 0:
+            failed = sum(float(record.get(f"code_errors/{k}") or 0.0) for k in kinds)
+            steps.append(record["step"])
+            shares.append(failed / checked)
+    if len(shares) < MIN_STEPS:
+        return None
+    w = window_size(len(shares))
+    return statistics.median(shares[-w:]), f"steps {steps[-w]}-{steps[-1]}"
+
+
+def check_code(run: RunLog) -> list[Finding]:
+    """Code rewards: programs missing from the completions, verdicts the sandbox could not give,
+    programs over their CPU limit."""
+    findings = []
+    missing = code_error_share(run, ("no_code",))
+    if missing is not None and missing[0] > CODE_MISSING_WARN:
+        findings.append(Finding(
+            "code_missing", "warning", "most completions hold no program to run",
+            f"share of checked completions without a ```python block {missing[0]:.2f} "
+            f"({missing[1]})",
+            "read samples.jsonl: ask for one ```python block in the prompt or system prompt, or "
+            "score the whole completion (code_reward(extract=\"whole\") in a reward file)",
+        ))  # fmt: skip
+    lost = code_error_share(run, ("sandbox", "wall"))
+    if lost is not None and lost[0] > CODE_LOST_WARN:
+        findings.append(Finding(
+            "code_unjudged", "warning", "the sandbox gave no verdict for many programs",
+            f"share of checked completions failed as sandbox or wall {lost[0]:.2f} ({lost[1]})",
+            "`wall` is the wall-clock backstop: a loaded machine or programs that sleep (raise "
+            "wall_seconds in code_reward's Limits); `sandbox` is a checker killed from inside",
+        ))  # fmt: skip
+    slow = code_error_share(run, ("timeout",))
+    if slow is not None and slow[0] > CODE_TIMEOUT_WARN:
+        findings.append(Finding(
+            "code_timeouts", "info", "many programs run past their CPU limit",
+            f"share of checked completions with a timeout {slow[0]:.2f} ({slow[1]})",
+            "if right answers need more than 2 CPU seconds per test, raise cpu_seconds in "
+            "code_reward's Limits; else the policy writes loops that do not end",
         ))  # fmt: skip
     return findings
 
