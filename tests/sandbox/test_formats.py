@@ -139,7 +139,9 @@ def test_more_tests_than_one_sandbox_holds_are_all_run():
 
 
 def test_a_dataset_without_tests_is_refused_in_one_line():
-    with pytest.raises(UserError, match=r"no row of data\.jsonl has tests"):
+    with pytest.raises(
+        UserError, match=r"no row of data\.jsonl has tests .*its rows have: prompt\)"
+    ):
         code.check_rows([{"prompt": "x"}, {"prompt": "y", "test_list": None}], "data.jsonl")
     code.check_rows([{"prompt": "x"}, {"prompt": "y", "test_list": MBPP}], "data.jsonl")
 

@@ -44,6 +44,8 @@ PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))
 CONTAINERS = frozenset((list, tuple, set, frozenset, dict))
 SIGKILL, SIGXCPU = 9, 24  # Linux's numbers (the signal module would import enum: 7 ms)
 LIMIT_NAMES = ("cpu", "wall", "memory", "processes", "open_files", "file_size", "output")
+#: A worker's reply other than "ok"/"ready", as the failure kind it makes ("memory" is itself).
+REPLY_KINDS = {"raise": "error", "notplain": "not_plain"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +235,7 @@ class Worker:
             raise Failed("error") from None
         reply = self.reply()
         if reply[0] != "ok":
-            raise Failed({"raise": "error", "notplain": "not_plain"}.get(reply[0], reply[0]))
+            raise Failed(REPLY_KINDS.get(reply[0], reply[0]))
         for old, new in zip(args, reply[2]):  # arguments the function changed in place
             if type(old) is list:
                 old[:] = new
@@ -363,7 +365,7 @@ def judge_call(worker, kind, test, setup, entry_point, limits):
     try:
         reply = worker.reply()
         if reply[0] != "ready":
-            raise Failed({"raise": "error"}.get(reply[0], reply[0]))
+            raise Failed(REPLY_KINDS.get(reply[0], reply[0]))
         namespace = {"__name__": "tests", "__builtins__": builtins}
         exec(setup, namespace)
         for name in reply[1]:

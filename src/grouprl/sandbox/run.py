@@ -15,8 +15,8 @@ import grouprl.sandbox.slots as slots
 from grouprl.sandbox.runtime import Unavailable
 
 HARNESS = (Path(__file__).with_name("harness.py")).read_text(encoding="utf-8")
-#: Tests one sandbox runs (one worker process each, forked before the tests are read); a row
-#: with more is checked in several sandboxes.
+#: Tests one request runs (one worker process each, forked before the tests are read); a row
+#: with more is checked in several requests.
 TESTS_PER_SANDBOX = 32
 #: Ways a test (or a whole program) fails besides a wrong answer, as `code_errors/KIND` counts.
 KINDS = ("syntax", "error", "timeout", "memory", "output", "wall", "not_plain", "format",
@@ -154,8 +154,10 @@ def run_tests(program: str, tests: Tests, limits: Limits) -> Verdict:
         try:
             index, mark, kind, seconds, out = fields
             i = int(index)
+            if not 0 <= i < n:
+                break
             cpu[i] = float(seconds)
-        except (ValueError, IndexError):
+        except ValueError:
             break
         kind = None if kind == "-" else kind
         if tests.kind == "stdio" and kind is None:

@@ -176,7 +176,7 @@ class UidPool:
     def __init__(self) -> None:
         self._free: list[int] = []
         self._lock = threading.Lock()
-        self._files: list[int] = []
+        self._files: list[int] = []  # the lock files, open for as long as the uids are held
         self._locked: set[int] = set()
         self._next = 0
 
@@ -203,7 +203,7 @@ class UidPool:
     def held(self) -> set[int]:
         """The uids this process holds (in use or free for its next sandbox)."""
         with self._lock:
-            return {UID_BASE + i for i in range(self._next)} & self._locked
+            return set(self._locked)
 
     def give(self, uid: int) -> None:
         with self._lock:

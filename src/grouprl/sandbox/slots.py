@@ -147,12 +147,21 @@ _BUSY: set[Slot] = set()
 
 def take(harness: str, scratch_bytes: int) -> Slot:
     """An idle slot with this scratch size, or a new one."""
+    ended = []
+    found = None
     with _LOCK:
-        for slot in _IDLE:
-            if slot.scratch_bytes == scratch_bytes and slot.proc.poll() is None:
+        for slot in list(_IDLE):
+            if slot.proc.poll() is not None:  # ended while idle: closed, its uid returned
+                _IDLE.remove(slot)
+                ended.append(slot)
+            elif found is None and slot.scratch_bytes == scratch_bytes:
                 _IDLE.remove(slot)
                 _BUSY.add(slot)
-                return slot
+                found = slot
+    for slot in ended:
+        slot.close()
+    if found is not None:
+        return found
     slot = Slot(harness, scratch_bytes)
     with _LOCK:
         _BUSY.add(slot)

@@ -147,9 +147,10 @@ def code_reward(
                     return
             except FormatError:
                 return  # counted per row as it is scored
+        columns = ", ".join(rows[0]) if len(rows) else "none"
         raise UserError(
             f"reward {name!r}: no row of {where} has tests (a verification_info, test_list, or "
-            "test and entry_point column)"
+            f"test and entry_point column; its rows have: {columns})"
         )
 
     reward.__name__ = reward.__qualname__ = name
