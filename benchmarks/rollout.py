@@ -58,7 +58,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from _gemm import matmul_rates  # benchmarks/ is on sys.path when a script here runs
 from grouprl.models import build_char_tokenizer
-from grouprl.rollout import _hf, sample_groups, sampling
+from grouprl.rollout import _hf, draws, sample_groups
 
 #: Same shapes as the built-in model (1M) and the 20M model of benchmarks/vs_trl.py.
 MODELS = {
@@ -221,7 +221,7 @@ def _multinomial():
     def draw(probs, generator):
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
-    with mock.patch.object(sampling, "sample_categorical", draw):
+    with mock.patch.object(draws, "sample_categorical", draw):
         yield
 
 

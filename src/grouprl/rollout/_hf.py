@@ -59,6 +59,27 @@ def cache_kwargs(module: nn.Module, cache: Any) -> dict[str, Any]:
     return {key: cache, "use_cache": True}
 
 
+def forward_last(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Any,
+) -> torch.Tensor:
+    """Run the model on new tokens with the cache; (R, V) logits of the last position, in float32
+    (float64 for a float64 model)."""
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params(model) else {}
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        **cache_kwargs(model, cache),
+        **extra,
+    )
+    logits = out.logits[:, -1]
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def left_pad_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids for a left-padded batch: 0 at each row's first real token, 0 on padding.
 
@@ -93,12 +114,15 @@ class PreallocatedLayer(DynamicLayer):
         # Broadcast each prompt row into its G group rows: no intermediate repeated tensor.
         self._k.view(rows, repeats, *self._k.shape[1:])[:, :, :, :length] = keys[:, None]
         self._v.view(rows, repeats, *self._v.shape[1:])[:, :, :, :length] = values[:, None]
-        self._len = length
+        self._len = self._prompt_len = length
         self.keys = self._k[:, :, :length]
         self.values = self._v[:, :, :length]
         self.is_initialized = True
+        self.feed: ChunkFeed | None = None  # set while rows write at their own columns
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.feed is not None:
+            return self.feed.write(self, key_states, value_states, self._prompt_len)
         end = self._len + key_states.shape[-2]
         if end > self._k.shape[2]:
             raise RuntimeError(f"cache capacity {self._k.shape[2]} exceeded ({end} positions)")
@@ -158,6 +182,78 @@ def expand_cache(
 
 
 # ---------------------------------------------------------------------------------------------
+# Rows that write at their own columns (observations fed as chunks)
+
+#: Attention implementations that take the 4D mask `ChunkFeed` needs (flash attention does not).
+_CHUNK_ATTENTION = {"sdpa": torch.bool, "eager": None}
+
+
+class ChunkFeed:
+    """One forward's cache writes when rows are at different lengths: the cache's columns past
+    the prompt are completion positions, and each row writes its new tokens at its own.
+
+    While entered, every `PreallocatedLayer` / `SharedPromptLayer` of the cache writes input
+    column `sources[i]` of batch row `rows[i]` to completion column `columns[i]` (only the real
+    tokens of a padded chunk: the columns are distinct), and returns keys spanning `width`
+    completion columns; the caller's 4D attention mask says which of them each query sees.
+    """
+
+    def __init__(self, cache: Any) -> None:
+        self.layers = list(cache.layers)
+        for layer in self.layers:  # a shorter row's columns up to `width` are read before it
+            layer._k[:, :, layer._len :].zero_()  # writes them: masked out, they must still be
+            layer._v[:, :, layer._len :].zero_()  # finite (a weight of 0 times NaN is NaN)
+        self.rows = self.sources = self.columns = torch.empty(0, dtype=torch.long)
+        self.width = 0
+
+    def __enter__(self) -> ChunkFeed:
+        for layer in self.layers:
+            layer.feed = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for layer in self.layers:
+            layer.feed = None
+
+    def write(self, layer: Any, key_states: torch.Tensor, value_states: torch.Tensor,
+              base: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Write one layer's new keys/values (R, H, w, D) at the rows' columns (offset by the
+        `base` columns the layer keeps before completion column 0); returns its keys/values."""
+        at = base + self.columns  # (m,)
+        layer._k[self.rows, :, at] = key_states[self.rows, :, self.sources]  # (m, H, D)
+        layer._v[self.rows, :, at] = value_states[self.rows, :, self.sources]
+        layer._len = end = base + self.width
+        layer.keys, layer.values = layer._k[:, :, :end], layer._v[:, :, :end]
+        return layer.keys, layer.values
+
+
+def feeds_chunks(model: nn.Module, cache: Any) -> bool:
+    """Whether decoding `model` with `cache` (expanded) can feed rows chunks of different
+    lengths: every layer written in place, and an attention implementation that takes a 4D mask
+    (sliding-window layers, flash attention and custom caches feed one token per step)."""
+    layers = getattr(cache, "layers", None)
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return (
+        bool(layers)
+        and all(type(x) in (PreallocatedLayer, SharedPromptLayer) for x in layers)
+        and impl in _CHUNK_ATTENTION
+    )
+
+
+def chunk_mask(model: nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    """The 4D mask (R, 1, w, K) of `allowed` (R, w, K) bool in the form the model's attention
+    takes: bool for SDPA (and the shared-prompt attention), additive for eager attention."""
+    impl = model.config._attn_implementation
+    mask = allowed[:, None]
+    if _CHUNK_ATTENTION.get(impl, torch.bool) is torch.bool:
+        return mask
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, torch.finfo(dtype).min
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # Decode attention over a prompt shared by its group
 
 #: The attention implementation name the decode loop switches plain full-attention models to.
@@ -207,8 +303,12 @@ class SharedPromptLayer(DynamicLayer):
         self.per_row = False  # True once compaction wrote out per-row copies
         self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
         self.is_initialized = True
+        self.feed: ChunkFeed | None = None  # set while rows write at their own columns
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.feed is not None:
+            base = self._prompt_len if self.per_row else 0
+            return self.feed.write(self, key_states, value_states, base)
         end = self._len + key_states.shape[-2]
         if end > self._k.shape[2]:
             raise RuntimeError(f"cache capacity exceeded ({self._prompt_len + end} positions)")
@@ -250,17 +350,24 @@ def shared_prompt_attention(
     completion tokens, softmax over [s_p, s_c] is exp(s - m) / (Σ exp(s_p - m) + Σ exp(s_c - m))
     with m the largest score, so out = (e_p·V_p + e_c·V_c) / z: the prompt product runs once per
     group as one (G·rep, D) x (D, P) matmul per prompt and head. Returns (N, 1, H, D).
+
+    While a `ChunkFeed` writes (rows at their own lengths), the query may be a chunk of w
+    positions, (N, H, w, D), folded into rep; `attention_mask` (N, 1, w, P + t) bool then says
+    which completion columns each query sees (the prompt part is the row's prompt, all of it).
+    Returns (N, w, H, D).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layer = _active[module.layer_idx] if module.layer_idx < len(_active) else None
-    if layer is None or layer.per_row or query.shape[2] != 1:
+    feed = None if layer is None else layer.feed
+    if layer is None or layer.per_row or (query.shape[2] != 1 and feed is None):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    n, heads, _, dim = query.shape
+    n, heads, width, dim = query.shape
     kv_heads, b, g = key.shape[1], layer.prompt_keys.shape[0], layer.group_size
-    rep = heads // kv_heads
+    # queries per kv head: the heads that share it, times the chunk's positions (1 when decoding)
+    rep = heads // kv_heads * width
     scale = dim**-0.5 if scaling is None else scaling
     q = query.reshape(n, kv_heads, rep, dim) * scale  # (N, Hkv, rep, D)
     qg = q.view(b, g, kv_heads, rep, dim).transpose(1, 2).reshape(b, kv_heads, g * rep, dim)
@@ -270,6 +377,13 @@ def shared_prompt_attention(
     s_p = torch.matmul(qg, layer.prompt_keys.transpose(-1, -2)).to(acc)  # (B, Hkv, G·rep, P)
     s_p = s_p + layer.prompt_bias[:, None, None, :]
     s_c = torch.matmul(q, key.transpose(-1, -2)).to(acc)  # (N, Hkv, rep, t)
+    if feed is not None:  # rows at their own lengths: each query sees its row's columns only
+        seen = attention_mask[:, :, :, -key.shape[2] :]  # (N, 1, w, t) bool
+        bias = torch.zeros(seen.shape, dtype=acc, device=seen.device)
+        bias.masked_fill_(~seen, torch.finfo(acc).min)
+        s_c = s_c + bias.unsqueeze(2).expand(n, kv_heads, heads // kv_heads, width, -1).reshape(
+            n, kv_heads, rep, -1
+        )
     p_width = s_p.shape[-1]
     s_p_rows = s_p.view(b, kv_heads, g, rep, p_width).transpose(1, 2)  # (B, G, Hkv, rep, P)
     m = torch.maximum(s_p_rows.amax(-1).reshape(n, kv_heads, rep), s_c.amax(-1)).unsqueeze(
@@ -284,7 +398,10 @@ def shared_prompt_attention(
     o_p = torch.matmul(e_p.to(value.dtype), layer.prompt_values)  # (B, Hkv, G·rep, D)
     o_p = o_p.view(b, kv_heads, g, rep, dim).transpose(1, 2).reshape(n, kv_heads, rep, dim)
     out = (o_p.to(acc) + torch.matmul(e_c.to(value.dtype), value).to(acc)) / z  # (N, Hkv, rep, D)
-    return out.to(query.dtype).reshape(n, 1, heads, dim), None
+    if width == 1:
+        return out.to(query.dtype).reshape(n, 1, heads, dim), None
+    out = out.view(n, kv_heads, heads // kv_heads, width, dim).permute(0, 3, 1, 2, 4)
+    return out.to(query.dtype).reshape(n, width, heads, dim), None
 
 
 def shares_prompt_attention(model: nn.Module) -> bool:

@@ -25,12 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from grouprl.errors import UserError
 from grouprl.messages import is_conversational
-from grouprl.rollout import _hf
+from grouprl.rollout import _hf, chunks
+from grouprl.rollout.draws import (  # noqa: F401 (the filters and the draw are public here)
+    pick,
+    sample_categorical,
+    top_k_filter,
+    top_p_filter,
+)
 from grouprl.rollout.stops import StopStrings
 from grouprl.rollout.turns import TurnHandler, TurnRecord, Turns
 from grouprl.rollout.types import Rollout
@@ -142,72 +147,6 @@ def pad_token_id(tokenizer: Any, eos_ids: Sequence[int]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Truncation filters (applied to tempered scores; old_logp is taken before them)
-
-
-def top_k_filter(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k highest scores per row, −inf elsewhere (ties at the k-th value are kept).
-
-    scores: (n, V). Same rule as transformers' TopKLogitsWarper.
-    """
-    if k <= 0 or k >= scores.shape[-1]:
-        return scores
-    kth = torch.topk(scores, k, dim=-1).values[:, -1:]  # (n, 1)
-    return scores.masked_fill(scores < kth, -math.inf)
-
-
-def top_p_filter(scores: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus filter: keep the smallest set of highest-probability tokens whose mass reaches p.
-
-    scores: (n, V). Same rule as transformers' TopPLogitsWarper: sort ascending, drop the tokens
-    whose cumulative probability is ≤ 1 − p; the most likely token is always kept.
-    """
-    if p >= 1.0:
-        return scores
-    sorted_scores, order = torch.sort(scores, dim=-1)  # (n, V) ascending
-    cumulative = sorted_scores.softmax(-1).cumsum(-1)  # (n, V)
-    drop_sorted = cumulative <= 1.0 - p
-    drop_sorted[:, -1] = False
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return scores.masked_fill(drop, -math.inf)
-
-
-# Vocabularies above this size are sampled in two levels (blocks, then a token in the block).
-_ONE_LEVEL_VOCAB = 2048
-_BLOCK = 512
-
-
-def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from unnormalised probabilities (n, V), by inverse CDF; returns (n,).
-
-    Uses one uniform u per row and returns the first index whose cumulative mass reaches
-    (1 − u)·total. `torch.multinomial` draws V exponentials per row and was 10-25× slower on CPU
-    (0.4 ms per step for 128 rows × 102 tokens, 160 ms for 32k tokens). Large vocabularies
-    search in two levels, blocks of 512 then one block, so only block sums and one block are
-    cumulated. Zero-probability tokens are never returned (the target is clamped into
-    (0, mass of the chosen block]).
-    """
-    n, vocab = probs.shape
-    u = torch.rand((n, 1), generator=generator, device=probs.device, dtype=probs.dtype)
-    if vocab <= _ONE_LEVEL_VOCAB:
-        cdf = probs.cumsum(-1)  # (n, V)
-        target = (1.0 - u) * cdf[:, -1:]  # (n, 1) in (0, total]
-        return (cdf < target).sum(-1)
-    num_blocks = -(-vocab // _BLOCK)
-    padded = F.pad(probs, (0, num_blocks * _BLOCK - vocab))
-    blocks = padded.view(n, num_blocks, _BLOCK)  # (n, nb, 512)
-    block_mass = blocks.sum(-1)  # (n, nb)
-    block_cdf = block_mass.cumsum(-1)  # (n, nb)
-    target = ((1.0 - u) * block_cdf[:, -1:]).squeeze(1)  # (n,)
-    block = (block_cdf < target[:, None]).sum(-1).clamp_(max=num_blocks - 1)  # (n,)
-    rows = torch.arange(n, device=probs.device)
-    inner = blocks[rows, block].cumsum(-1)  # (n, 512)
-    rest = target - (block_cdf[rows, block] - block_mass[rows, block])  # mass into the block
-    rest = torch.minimum(rest.clamp(min=torch.finfo(probs.dtype).tiny), inner[:, -1])
-    return block * _BLOCK + (inner < rest[:, None]).sum(-1)
-
-
-# ---------------------------------------------------------------------------------------------
 # Sampling
 
 
@@ -238,27 +177,6 @@ def _validate(
         isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)
     ):
         raise UserError(f"stop must be a list of non-empty strings, got {stop!r}")
-
-
-def _forward_last(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: Any,
-) -> torch.Tensor:
-    """Run the model on new tokens with the cache; (R, V) logits of the last position, in float32
-    (float64 for a float64 model)."""
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in _hf.forward_params(model) else {}
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        **_hf.cache_kwargs(model, cache),
-        **extra,
-    )
-    logits = out.logits[:, -1]
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def sample_groups(
@@ -436,6 +354,9 @@ def _decode(
     # Batch state below is per *batch* row; `rows` maps batch rows to output rows once
     # compaction has dropped some (None = identity).
     logits = logits.repeat_interleave(s.group_size, dim=0)  # (n, V)
+    if s.turns is not None and _hf.feeds_chunks(model, cache):  # observations in one forward
+        chunks.decode(model, cache, logits, prompt_mask, shared, s, out)
+        return out
     attn = torch.ones((n, prompt_width + max_new), dtype=torch.bool, device=device)
     attn[:, :prompt_width] = prompt_mask.repeat_interleave(s.group_size, dim=0)
     next_pos = prompt_mask.sum(-1).repeat_interleave(s.group_size)  # (n,) position of token 0
@@ -458,7 +379,7 @@ def _decode(
                     cache.batch_select_indices(keep)
                     rows = keep if rows is None else rows[keep]
                     done, attn, next_pos, tok = done[keep], attn[keep], next_pos[keep], tok[keep]
-            logits = _forward_last(
+            logits = _hf.forward_last(
                 model, tok[:, None], attn[:, : prompt_width + t + 1], (next_pos + t)[:, None], cache
             )  # (n, V)
     return out
@@ -476,7 +397,7 @@ def _step(
     """Decode step t: a token per batch row (pad for finished rows; a row answering a tool call
     is fed its observation instead, never an end), written to the output rows; returns the
     tokens (n,) and which rows finished here (n,)."""
-    tok, lp, ent = _pick(logits, s.temperature, s.greedy, s.top_k, s.top_p, s.generator)
+    tok, lp, ent = pick(logits, s.temperature, s.greedy, s.top_k, s.top_p, s.generator)
     tok = tok.masked_fill(done, s.pad_id)
     lp = lp.masked_fill(done, 0.0)
     ent = ent.masked_fill(done, 0.0)
@@ -513,7 +434,7 @@ def _prefill(
     so short prompts keep per-row copies)."""
     prompt_pos = _hf.left_pad_positions(prompt_mask)  # (B, P)
     cache = _hf.new_cache(model)
-    logits = _forward_last(model, prompt_ids, prompt_mask, prompt_pos, cache)  # (B, V)
+    logits = _hf.forward_last(model, prompt_ids, prompt_mask, prompt_pos, cache)  # (B, V)
     shared = (
         group_size > 1
         and prompt_ids.shape[1] >= SHARED_PROMPT_MIN_TOKENS
@@ -523,33 +444,6 @@ def _prefill(
         cache, group_size, extra=max_new_tokens, prompt_mask=prompt_mask if shared else None
     )
     return cache, logits, shared
-
-
-def _pick(
-    logits: torch.Tensor,
-    temperature: float,
-    greedy: bool,
-    top_k: int,
-    top_p: float,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decode step's choice for each row, from logits (n, V): the token (n,), its log-prob
-    under softmax(logits / temperature) (before top-k / top-p) (n,), and that distribution's
-    entropy (n,)."""
-    scores = logits if temperature == 1.0 else logits / temperature  # (n, V)
-    logp_all = torch.log_softmax(scores, dim=-1)  # (n, V)
-    p_all = logp_all.exp()  # (n, V)
-    if greedy:
-        tok = scores.argmax(-1)  # (n,)
-    else:
-        truncated = top_p_filter(top_k_filter(scores, top_k), top_p)
-        probs = p_all if truncated is scores else truncated.softmax(-1)
-        tok = sample_categorical(probs, generator)  # (n,)
-    lp = logp_all.gather(-1, tok[:, None]).squeeze(1)  # (n,)
-    # p·log p with log p clamped (in place, it is not used again) to a finite value: a token with
-    # p = 0 (a -inf logit) adds 0 instead of NaN
-    ent = -(p_all * logp_all.clamp_(min=torch.finfo(logp_all.dtype).min)).sum(-1)  # (n,)
-    return tok, lp, ent
 
 
 def _texts(

@@ -28,13 +28,14 @@ class StopStrings:
         tokens: torch.Tensor,
         rows: torch.Tensor | None,
         running: torch.Tensor,
-        t: int,
+        t: int | torch.Tensor,
         since: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """(n,) bool: batch rows (among `running`) whose completion now ends with a stop string.
 
         tokens: (N, max_new) completion buffer; rows: (n,) map from batch row to buffer row
-        (None = identity); running: (n,) bool; since: per buffer row, the position its current
+        (None = identity); running: (n,) bool; t: the newest token's position, the same for
+        every row or (n,) long per batch row; since: per buffer row, the position its current
         model turn starts at (a multi-turn row: text fed before it is not the model's).
         """
         hit = torch.zeros_like(running)
@@ -42,10 +43,20 @@ class StopStrings:
         if active.numel() == 0:
             return hit
         buffer_rows = active if rows is None else rows[active]
-        low = max(0, t + 1 - self.window)
-        tails = tokens[buffer_rows, low : t + 1].tolist()
+        if isinstance(t, int):
+            low = max(0, t + 1 - self.window)
+            tails = tokens[buffer_rows, low : t + 1].tolist()
+            lows = [low] * len(tails)
+        else:  # each row's own last `window` positions
+            ends = t[active] + 1  # (a,)
+            cols = ends[:, None] - self.window + torch.arange(self.window, device=ends.device)
+            tails = tokens[buffer_rows[:, None], cols.clamp(min=0)].tolist()  # (a, window)
+            starts = (ends - self.window).tolist()
+            tails = [ids[max(0, -start) :] for ids, start in zip(tails, starts)]
+            lows = [max(0, start) for start in starts]
         if since is not None:
-            tails = [ids[max(0, since[r] - low) :] for ids, r in zip(tails, buffer_rows.tolist())]
+            tails = [ids[max(0, since[r] - low) :]
+                     for ids, r, low in zip(tails, buffer_rows.tolist(), lows)]  # fmt: skip
         texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
         found = [i for i, text in enumerate(texts) if any(s in text for s in self.stop)]
         if found:

@@ -3,10 +3,12 @@
 When a row's newest token closes a tool call (one of the handler's `closers`, checked like a
 stop string on the row's current turn only), or, for a handler that `ends_turns`, when a row's
 turn ends (an end-of-turn token such as `<|im_end|>`, or a stop string), the sampler asks a
-`TurnHandler` what follows: the observation's token ids, which it then feeds to that row one per decode step as forced tokens
-while the other rows go on sampling. The row's KV cache simply grows by them; nothing is
-re-prefilled and no text is re-encoded. A forced token has no log-prob of the policy: `old_logp`
-and entropy are 0 there, and it is attended (`mask`) but not trained (`loss_mask`).
+`TurnHandler` what follows: the observation's token ids, which the sampler feeds to that row
+while the other rows go on sampling: as one chunk in the next forward (`grouprl.rollout.chunks`),
+or, for a model whose cache cannot take chunks, one per decode step as forced tokens. The row's KV
+cache simply grows by them; nothing is re-prefilled and no text is re-encoded. A fed token has
+no log-prob of the policy: `old_logp` and entropy are 0 there, and it is attended (`mask`) but
+not trained (`loss_mask`).
 
 Token fidelity by construction: a trajectory's `completion_ids` are exactly the sampled ids and
 the observation ids fed to the model, in order. Text is decoded only to find and parse calls and
@@ -113,13 +115,25 @@ class Turns:
         entropy.masked_fill_(fed, 0.0)
         return fed
 
+    def take(self, rows: torch.Tensor | None) -> list[tuple[int, int, list[int]]]:
+        """Every queued observation at once, as (batch row, output row, ids), for a loop that
+        feeds them as one chunk (`grouprl.rollout.chunks`); the queue is emptied."""
+        if not self.queue:
+            return []
+        out = range(len(self.since)) if rows is None else rows.tolist()
+        batch = {row: b for b, row in enumerate(out)}
+        taken = [(batch[row], row, list(ids)) for row, ids in self.queue.items()]
+        self.queue.clear()
+        return taken
+
     def after_step(self, tokens: torch.Tensor, rows: torch.Tensor | None, sampled: torch.Tensor,
-                   hit: torch.Tensor, t: int) -> torch.Tensor:  # fmt: skip
+                   hit: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Ask the handler about the rows among `sampled` (n,) bool (those that sampled this
         step's token) whose newest token closed a call, or, if it `ends_turns`, ended their turn
-        (`hit`, (n,) bool: EOS or a stop string); queue what it answers. Returns `hit` updated:
-        the batch rows whose trajectory ends now (a call past the limit ends one; an answered
-        turn end goes on)."""
+        (`hit`, (n,) bool: EOS or a stop string); queue what it answers. `t`: the newest token's
+        position, for every row or (n,) per batch row. Returns `hit` updated: the batch rows
+        whose trajectory ends now (a call past the limit ends one; an answered turn end goes
+        on)."""
         hit = hit.clone()
         asking = torch.zeros_like(sampled)
         if self.closers is not None:
@@ -130,12 +144,15 @@ class Turns:
             return hit
         batch_rows = asking.nonzero().squeeze(1).tolist()
         out = [b if rows is None else int(rows[b]) for b in batch_rows]
+        ends = [t + 1 if isinstance(t, int) else int(t[b]) + 1 for b in batch_rows]
         texts = self.tokenizer.batch_decode(
-            [tokens[r, self.since[r] : t + 1].tolist() for r in out], skip_special_tokens=True
+            [tokens[r, self.since[r] : end].tolist() for r, end in zip(out, ends)],
+            skip_special_tokens=True,
         )
         requests = [ToolRequest(r, text, self.calls[r] + self.steps[r], at_end=bool(at_end[b]))
                     for b, r, text in zip(batch_rows, out, texts)]  # fmt: skip
-        for b, r, answer in zip(batch_rows, out, self.handler.respond(requests), strict=True):
+        answers = self.handler.respond(requests)
+        for b, r, end, answer in zip(batch_rows, out, ends, answers, strict=True):
             self.calls[r] += answer.calls
             self.failures[r] += answer.failures
             self.steps[r] += answer.steps
@@ -143,12 +160,12 @@ class Turns:
                 hit[b] = True
                 self.ended_by_turns[r] = answer.over_limit
                 continue
-            ids = list(answer.ids)[: self.max_new_tokens - (t + 1)]  # what the budget leaves
+            ids = list(answer.ids)[: self.max_new_tokens - end]  # what the budget leaves
             if answer.messages:
-                self.tool_turns[r].append((t + 1, t + 1 + len(ids), _joined(answer.messages)))
+                self.tool_turns[r].append((end, end + len(ids), _joined(answer.messages)))
             if ids:
                 self.queue[r] = deque(ids)
-                self.since[r] = t + 1 + len(ids)
+                self.since[r] = end + len(ids)
             if answer.messages:  # answered: the trajectory goes on (a turn end included)
                 hit[b] = False
         return hit
