@@ -36,6 +36,10 @@ CASES = (
     if SIGNALS
     else [("KILL" if i % 2 == 0 else "TERM", i) for i in range(TRIALS)]
 )
+#: The same with the lookup task's tool (observations fed inside sampling): one trial in `make
+#: test`, as many as above in `make test-faults`.
+TOOL_CASES = CASES if SIGNALS else CASES[:1]
+TOOLS = ["--task", "lookup"]
 DROP = {"step_seconds", "rollout_seconds", "tokens_per_s"}
 
 
@@ -59,23 +63,41 @@ def record(run):
     return metrics, evals, weights
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def _uninterrupted(tmp_path_factory, extra):
     """The uninterrupted run, in this process (one torch thread, as the subprocesses use)."""
     from grouprl.cli import main
 
     run = tmp_path_factory.mktemp("faults") / "reference"
-    assert main(["train", *FLAGS, "--output-dir", str(run)]) == 0
+    assert main(["train", *FLAGS, *extra, "--output-dir", str(run)]) == 0
     return record(run)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _uninterrupted(tmp_path_factory, [])
+
+
+@pytest.fixture(scope="module")
+def tool_reference(tmp_path_factory):
+    return _uninterrupted(tmp_path_factory, TOOLS)
 
 
 @pytest.mark.parametrize(("sig", "trial"), CASES)
 def test_a_stopped_run_resumes_to_the_same_end(reference, tmp_path, sig, trial):
-    rng = random.Random(f"fault:{sig}:{trial}")
+    _stop_and_resume(reference, tmp_path, sig, f"fault:{sig}:{trial}", [])
+
+
+@pytest.mark.parametrize(("sig", "trial"), TOOL_CASES)
+def test_a_stopped_run_with_tools_resumes_to_the_same_end(tool_reference, tmp_path, sig, trial):
+    _stop_and_resume(tool_reference, tmp_path, sig, f"fault:tools:{sig}:{trial}", TOOLS)
+
+
+def _stop_and_resume(reference, tmp_path, sig, seed, extra):
+    rng = random.Random(seed)
     point = rng.choice(sorted(VISITS))
     visit = rng.randint(1, VISITS[point])
     run = tmp_path / "run"
-    stopped = grouprl([*FLAGS, "--output-dir", str(run)], fault=f"{point}:{visit}:{sig}")
+    stopped = grouprl([*FLAGS, *extra, "--output-dir", str(run)], fault=f"{point}:{visit}:{sig}")
     context = f"{sig} at {point} visit {visit}: {stopped.stderr[-1500:]}"
     assert stopped.returncode == EXIT[sig], context
     for path in ckpt.list_checkpoints(run):  # nothing half-written ever counts as a checkpoint

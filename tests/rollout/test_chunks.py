@@ -133,9 +133,9 @@ def test_an_observation_costs_one_forward(llama, tokenizer, monkeypatch):
     sampled, total = int(chunked.loss_mask.sum()), int(chunked.mask.sum())
     assert total - sampled == 15 and int(chunked.turns.calls[0]) == 1
     # the prefill, then a forward for each token but the last: every completion token in the
-    # one-token loop, every sampled one (its observation with it) in the chunked loop
+    # one-token loop; in the chunked loop every sampled one, and one for the observation
     assert one_token_forwards == 1 + total - 1
-    assert chunked_forwards == 1 + sampled - 1
+    assert chunked_forwards == 1 + sampled - 1 + 1
 
 
 class _Single:

@@ -193,9 +193,11 @@ class ChunkFeed:
     the prompt are completion positions, and each row writes its new tokens at its own.
 
     While entered, every `PreallocatedLayer` / `SharedPromptLayer` of the cache writes input
-    column `sources[i]` of batch row `rows[i]` to completion column `columns[i]` (only the real
-    tokens of a padded chunk: the columns are distinct), and returns keys spanning `width`
-    completion columns; the caller's 4D attention mask says which of them each query sees.
+    column `sources[i]` of input row `rows[i]` to completion column `columns[i]` (only the real
+    tokens of a padded chunk, so the columns are distinct) and returns keys spanning `width`
+    completion columns, of every cache row, or with `batch` (R,) set of those cache rows only
+    (the input's rows are then `batch`'s, and the keys hold each one's prompt); the caller's 4D
+    attention mask says which columns each query sees.
     """
 
     def __init__(self, cache: Any) -> None:
@@ -204,6 +206,7 @@ class ChunkFeed:
             layer._k[:, :, layer._len :].zero_()  # writes them: masked out, they must still be
             layer._v[:, :, layer._len :].zero_()  # finite (a weight of 0 times NaN is NaN)
         self.rows = self.sources = self.columns = torch.empty(0, dtype=torch.long)
+        self.batch: torch.Tensor | None = None
         self.width = 0
 
     def __enter__(self) -> ChunkFeed:
@@ -220,11 +223,20 @@ class ChunkFeed:
         """Write one layer's new keys/values (R, H, w, D) at the rows' columns (offset by the
         `base` columns the layer keeps before completion column 0); returns its keys/values."""
         at = base + self.columns  # (m,)
-        layer._k[self.rows, :, at] = key_states[self.rows, :, self.sources]  # (m, H, D)
-        layer._v[self.rows, :, at] = value_states[self.rows, :, self.sources]
-        layer._len = end = base + self.width
-        layer.keys, layer.values = layer._k[:, :, :end], layer._v[:, :, :end]
-        return layer.keys, layer.values
+        rows = self.rows if self.batch is None else self.batch[self.rows]
+        layer._k[rows, :, at] = key_states[self.rows, :, self.sources]  # (m, H, D)
+        layer._v[rows, :, at] = value_states[self.rows, :, self.sources]
+        end = base + self.width
+        layer._len = max(layer._len, end)
+        if self.batch is None:
+            layer.keys, layer.values = layer._k[:, :, :end], layer._v[:, :, :end]
+            return layer.keys, layer.values
+        keys, values = layer._k[self.batch, :, :end], layer._v[self.batch, :, :end]
+        if isinstance(layer, SharedPromptLayer) and not layer.per_row:
+            group = torch.div(self.batch, layer.group_size, rounding_mode="floor")  # (R,)
+            keys = torch.cat([layer.prompt_keys[group], keys], dim=2)
+            values = torch.cat([layer.prompt_values[group], values], dim=2)
+        return keys, values
 
 
 def feeds_chunks(model: nn.Module, cache: Any) -> bool:
@@ -351,23 +363,22 @@ def shared_prompt_attention(
     with m the largest score, so out = (e_p·V_p + e_c·V_c) / z: the prompt product runs once per
     group as one (G·rep, D) x (D, P) matmul per prompt and head. Returns (N, 1, H, D).
 
-    While a `ChunkFeed` writes (rows at their own lengths), the query may be a chunk of w
-    positions, (N, H, w, D), folded into rep; `attention_mask` (N, 1, w, P + t) bool then says
-    which completion columns each query sees (the prompt part is the row's prompt, all of it).
-    Returns (N, w, H, D).
+    While a `ChunkFeed` writes for all rows (rows at their own lengths), `attention_mask`
+    (N, 1, 1, P + t) bool says which completion columns each row sees; a forward of some rows
+    only gets their keys with the prompt's and goes to SDPA.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layer = _active[module.layer_idx] if module.layer_idx < len(_active) else None
     feed = None if layer is None else layer.feed
-    if layer is None or layer.per_row or (query.shape[2] != 1 and feed is None):
+    some_rows = feed is not None and feed.batch is not None  # keys of those rows, prompt included
+    if layer is None or layer.per_row or query.shape[2] != 1 or some_rows:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    n, heads, width, dim = query.shape
+    n, heads, _, dim = query.shape
     kv_heads, b, g = key.shape[1], layer.prompt_keys.shape[0], layer.group_size
-    # queries per kv head: the heads that share it, times the chunk's positions (1 when decoding)
-    rep = heads // kv_heads * width
+    rep = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
     q = query.reshape(n, kv_heads, rep, dim) * scale  # (N, Hkv, rep, D)
     qg = q.view(b, g, kv_heads, rep, dim).transpose(1, 2).reshape(b, kv_heads, g * rep, dim)
@@ -377,13 +388,10 @@ def shared_prompt_attention(
     s_p = torch.matmul(qg, layer.prompt_keys.transpose(-1, -2)).to(acc)  # (B, Hkv, G·rep, P)
     s_p = s_p + layer.prompt_bias[:, None, None, :]
     s_c = torch.matmul(q, key.transpose(-1, -2)).to(acc)  # (N, Hkv, rep, t)
-    if feed is not None:  # rows at their own lengths: each query sees its row's columns only
-        seen = attention_mask[:, :, :, -key.shape[2] :]  # (N, 1, w, t) bool
+    if feed is not None:  # rows at their own lengths: each row sees its own columns only
+        seen = attention_mask[:, :, :, -key.shape[2] :]  # (N, 1, 1, t) bool
         bias = torch.zeros(seen.shape, dtype=acc, device=seen.device)
-        bias.masked_fill_(~seen, torch.finfo(acc).min)
-        s_c = s_c + bias.unsqueeze(2).expand(n, kv_heads, heads // kv_heads, width, -1).reshape(
-            n, kv_heads, rep, -1
-        )
+        s_c = s_c + bias.masked_fill_(~seen, torch.finfo(acc).min)
     p_width = s_p.shape[-1]
     s_p_rows = s_p.view(b, kv_heads, g, rep, p_width).transpose(1, 2)  # (B, G, Hkv, rep, P)
     m = torch.maximum(s_p_rows.amax(-1).reshape(n, kv_heads, rep), s_c.amax(-1)).unsqueeze(
@@ -398,10 +406,7 @@ def shared_prompt_attention(
     o_p = torch.matmul(e_p.to(value.dtype), layer.prompt_values)  # (B, Hkv, G·rep, D)
     o_p = o_p.view(b, kv_heads, g, rep, dim).transpose(1, 2).reshape(n, kv_heads, rep, dim)
     out = (o_p.to(acc) + torch.matmul(e_c.to(value.dtype), value).to(acc)) / z  # (N, Hkv, rep, D)
-    if width == 1:
-        return out.to(query.dtype).reshape(n, 1, heads, dim), None
-    out = out.view(n, kv_heads, heads // kv_heads, width, dim).permute(0, 3, 1, 2, 4)
-    return out.to(query.dtype).reshape(n, width, heads, dim), None
+    return out.to(query.dtype).reshape(n, 1, heads, dim), None
 
 
 def shares_prompt_attention(model: nn.Module) -> bool:

@@ -2,25 +2,28 @@
 
 The one-token loop of `grouprl.rollout.sampling` feeds an observation to its row one token per
 decode step of the whole batch: a 120-token tool result costs 120 batch-wide forwards. Here the
-rows keep their own lengths instead. A row's completion position p is cache column P + p (P the
-prompt width) whatever the other rows hold, so after a step in which some rows' turns end with a
-call, the next forward takes, per row, the token it just sampled followed by its observation
-(rows without one take their token alone), right-aligned in a (R, w) chunk with w the longest.
-Every row then samples again from the chunk's last column: no row waits for another's
-observation, and the observation costs one forward of width w instead of w forwards.
+rows keep their own lengths instead: a row's completion position p is cache column P + p (P the
+prompt width) whatever the other rows hold. After a step in which some rows' turns end with a
+call, those rows alone run one forward of their sampled token and their observation but its last
+token (right-aligned in an (R, w) chunk, w the longest), and then every row runs the usual
+one-token forward: its sampled token, or for a fed row its observation's last. So every row
+samples again at the next step, no row waits for another's observation, and an observation of
+L tokens costs a forward of L tokens of its own rows instead of L forwards of all rows.
 
 Why per-row columns and not a shared column per step with masked holes (the other layout a
 column-aligned cache allows): a chunk of w columns for every row would leave w − 1 dead columns
 in each row without an observation, at every step in which any row is fed, and attention pays
-for dead columns at every later step. With 64 rows making two calls each, 128-token results
-would add thousands of columns. Per-row columns cost a scattered write (`_hf.ChunkFeed`) and a
-4D mask built per forward, (R, w, P + T) bools: each query sees its row's prompt and its row's
-completion columns up to its own.
+for dead columns at every later step (64 rows making two calls each at different steps, with
+128-token results, would add thousands of columns). Per-row columns cost a scattered write
+(`_hf.ChunkFeed`), a 4D mask per forward (each query sees its row's prompt and its row's
+completion columns up to its own), and, in the observation forward, a copy of its rows' cache.
 
-Draws: one uniform per row per forward, as in the one-token loop; that loop also draws for the
-steps in which a row is fed, so the two give the same trajectories greedily (checked in
-tests/rollout/test_chunks.py) and different ones when sampling. Used when the model's cache and
-attention allow it (`_hf.feeds_chunks`); otherwise the one-token loop runs.
+Draws: one uniform per row per step, as in the one-token loop, which also draws at the steps in
+which a row is fed, so the two loops sample the same trajectories greedily (checked in
+tests/rollout/test_chunks.py) and different ones at temperature > 0. Used when the model's cache
+and attention allow it (`_hf.feeds_chunks`); otherwise the one-token loop runs. Under FSDP
+(`lockstep`) the ranks agree at each step whether any of them feeds an observation, and a rank
+without one runs the observation forward on one row, writing nothing that is read.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ def decode(model: nn.Module, cache: Any, logits: torch.Tensor, prompt_mask: torc
     """Decode all rows into `out`, from the prefilled, expanded `cache` and the (n, V) logits of
     the prompts' last positions (repeated per row). `prompt_mask`: (B, P)."""
     device, n = logits.device, logits.shape[0]
-    max_new = s.max_new_tokens
     eos = torch.tensor(list(s.eos_ids), dtype=torch.long, device=device)  # (E,)
     prompt_attn = prompt_mask.repeat_interleave(s.group_size, dim=0)  # (n, P)
     start = prompt_attn.sum(-1)  # (n,) position of completion token 0
@@ -55,7 +57,7 @@ def decode(model: nn.Module, cache: Any, logits: torch.Tensor, prompt_mask: torc
     with sharing, feed:
         while True:
             hit, written = _step(out, logits, done, rows, eos, cached, s)
-            done |= hit | (written >= max_new)  # an end, or the budget spent
+            done |= hit | (written >= s.max_new_tokens)  # an end, or the budget spent
             running = int((~done).sum())
             if (running == 0) if s.lockstep is None else s.lockstep(running == 0):
                 break
@@ -65,11 +67,17 @@ def decode(model: nn.Module, cache: Any, logits: torch.Tensor, prompt_mask: torc
                 rows = keep if rows is None else rows[keep]
                 done, cached, written = done[keep], cached[keep], written[keep]
                 start, prompt_attn = start[keep], prompt_attn[keep]
-            ids, positions, seen = _chunk(feed, out, rows, cached, written, done, s.pad_id)
-            mask = torch.cat([prompt_attn[:, None, :].expand(-1, seen.shape[1], -1), seen], -1)
-            logits = _hf.forward_last(
-                model, ids, _hf.chunk_mask(model, mask), start[:, None] + positions, cache
-            )  # (n, V)
+            last = torch.where(done, cached, written - 1)  # (n,) the token each row feeds last
+            fed = (last > cached) & ~done  # rows with an observation before it
+            some = bool(fed.any())
+            if some if s.lockstep is None else not s.lockstep(not some):
+                batch = fed.nonzero().squeeze(1) if some else fed.new_zeros(1, dtype=torch.long)
+                # the observation forward, its logits unused (one row's column that is written
+                # again next, when no row here has an observation and another rank's does)
+                _forward(model, feed, out, rows, batch, cached[batch], last[batch] - cached[batch],
+                         ~fed[batch], s.pad_id, start[batch], prompt_attn[batch], cache)  # fmt: skip
+            logits = _forward(model, feed, out, rows, None, last, torch.ones_like(last), done,
+                              s.pad_id, start, prompt_attn, cache)  # fmt: skip
             cached = torch.where(done, cached, written)
 
 
@@ -101,26 +109,28 @@ def _step(out: _Decoded, logits: torch.Tensor, done: torch.Tensor, rows: torch.T
     return hit, written
 
 
-def _chunk(feed: _hf.ChunkFeed, out: _Decoded, rows: torch.Tensor | None, cached: torch.Tensor,
-           written: torch.Tensor, done: torch.Tensor,
-           pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The next forward's input: each running row's unfed tokens (completion positions cached …
-    written − 1), right-aligned in (n, w) ids; a finished row feeds one pad at its own column
-    (its output is never read). Sets `feed`'s writes; returns the ids, their completion
-    positions (n, w) (a left pad repeats the row's first), and which completion columns each
-    query sees (n, w, width) bool."""
-    n, max_new = done.numel(), out.tokens.shape[1]
-    length = torch.where(done, 1, written - cached)  # (n,) >= 1
+def _forward(model: nn.Module, feed: _hf.ChunkFeed, out: _Decoded, rows: torch.Tensor | None,
+             batch: torch.Tensor | None, first: torch.Tensor, length: torch.Tensor,
+             blank: torch.Tensor, pad_id: int, start: torch.Tensor, prompt_attn: torch.Tensor,
+             cache: Any) -> torch.Tensor:  # fmt: skip
+    """One forward of the batch rows `batch` (R,) (None: all): each feeds its completion tokens
+    at positions first … first + length − 1 ((R,) each, length >= 1), right-aligned in (R, w)
+    ids, or, where `blank` (R,), one pad at position `first` (a finished row: its output is
+    never read). Returns the (R, V) logits of each row's last token."""
+    max_new, device = out.tokens.shape[1], first.device
     width_in = int(length.max())  # w
-    offset = torch.arange(width_in, device=done.device)[None, :] - (width_in - length)[:, None]
-    real = offset >= 0  # (n, w): right-aligned real tokens
-    positions = cached[:, None] + offset.clamp(min=0)  # (n, w) completion positions
-    out_rows = torch.arange(n, device=done.device) if rows is None else rows
-    ids = out.tokens[out_rows[:, None], positions.clamp(max=max_new - 1)]  # (n, w)
-    ids = ids.masked_fill(~real | done[:, None], pad_id)
-    batch, source = real.nonzero(as_tuple=True)  # (m,), (m,)
-    feed.rows, feed.sources, feed.columns = batch, source, positions[batch, source]
-    feed.width = int(positions.max()) + 1
-    columns = torch.arange(feed.width, device=done.device)  # (width,)
-    seen = columns[None, None, :] <= positions[:, :, None]  # (n, w, width)
-    return ids, positions, seen
+    offset = torch.arange(width_in, device=device)[None, :] - (width_in - length)[:, None]
+    real = offset >= 0  # (R, w)
+    positions = first[:, None] + offset.clamp(min=0)  # (R, w); a left pad repeats the first
+    batch_rows = torch.arange(blank.numel(), device=device) if batch is None else batch
+    out_rows = batch_rows if rows is None else rows[batch_rows]
+    ids = out.tokens[out_rows[:, None], positions.clamp(max=max_new - 1)]  # (R, w)
+    ids = ids.masked_fill(~real | blank[:, None], pad_id)
+    source_row, source = real.nonzero(as_tuple=True)  # (m,), (m,)
+    feed.rows, feed.sources, feed.columns = source_row, source, positions[source_row, source]
+    feed.batch, feed.width = batch, int(positions.max()) + 1
+    seen = torch.arange(feed.width, device=device)[None, None, :] <= positions[:, :, None]
+    mask = torch.cat([prompt_attn[:, None, :].expand(-1, width_in, -1), seen], dim=-1)
+    return _hf.forward_last(
+        model, ids, _hf.chunk_mask(model, mask), start[:, None] + positions, cache
+    )  # (R, V)

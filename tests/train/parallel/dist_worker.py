@@ -32,7 +32,7 @@ from grouprl.train.parallel import distributed, fsdp
 from grouprl.train.parallel.distributed import SINGLE, Dist
 from grouprl.train.step import batch_advantages
 from grouprl.train.update import update
-from numerics import to_float64
+from numerics import F64_SAME, to_float64
 
 B, G = 8, 4
 # Groups 0 and 1 all right, group 3 all wrong: rank 0 (groups 0-3) skips 3 groups, rank 1 none.
@@ -158,6 +158,36 @@ def tool_batch(environment: bool) -> tuple[torch.nn.Module, Batch]:
     assert not bool(rollout.loss_mask.equal(rollout.mask))  # observations are in the batch
     rewards = torch.tensor(REWARDS, dtype=torch.float32).reshape(-1)
     return policy, Batch(rollout, list(rows), rewards, {"correct": rewards})
+
+
+def fsdp_tool_sampling(dist: Dist, out: dict) -> None:
+    """Sampling with the lookup tool on an FSDP-sharded model, the ranks holding different
+    prompts (and so calls at other steps, observations of other lengths, other ends): every
+    rank runs the same forwards (`lockstep`) and samples what one unsharded process samples."""
+    from grouprl.train.build import build_tools
+    from grouprl.train.prompts import prompt_ids
+
+    policy = to_float64(load_model("builtin:lookup")).eval()
+    tokenizer = load_tokenizer("builtin:lookup")
+    task = get_task("lookup")
+    rows = task.train[8 * dist.rank : 8 * dist.rank + 2 + 4 * dist.rank]  # 2 and 6 prompts
+    uses = build_tools(TrainConfig(task="lookup"), task, tokenizer)
+
+    def sample(model, lockstep):
+        start = uses.rollout(rows, G, 0, 0, 0)
+        ids = [prompt_ids(tokenizer, p, uses) for p in start.prompts]
+        return sample_groups(model, tokenizer, ids, group_size=G, max_new_tokens=40,
+                             seed=3 + dist.rank, tools=start.handler, lockstep=lockstep)  # fmt: skip
+
+    alone = sample(policy, None)
+    sharded = copy.deepcopy(policy)
+    fsdp.shard(sharded, device=torch.device("cpu"))
+    together = sample(sharded, dist.all_done)
+    same = together.completion_ids.equal(alone.completion_ids)
+    same = same and together.loss_mask.equal(alone.loss_mask)
+    same = same and bool((together.old_logp - alone.old_logp).abs().max() <= F64_SAME)
+    totals = dist.all_reduce(torch.tensor([0.0 if same else 1.0, float(alone.turns.calls.sum())]))
+    out["fsdp_tool_sampling"] = {"mismatched_ranks": int(totals[0]), "calls": int(totals[1])}
 
 
 def tool_parity(dist: Dist, out: dict) -> None:
@@ -324,6 +354,7 @@ def main() -> None:
     out: dict = {"world_size": dist.world_size}
     parity(dist, policy, tokenizer, out)
     tool_parity(dist, out)
+    fsdp_tool_sampling(dist, out)
     prompts_and_completions(dist, policy, tokenizer, out)
     fsdp_checkpoint(dist, policy, run_dir, out)
     if dist.is_main:

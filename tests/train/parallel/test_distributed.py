@@ -65,6 +65,14 @@ def test_two_processes_update_like_one_with_tools_and_environments(parity, case)
     assert result["grad_rel"] < F64_SAME and result["weights_rel"] < F64_SAME
 
 
+@pytest.mark.numerics
+def test_fsdp_ranks_sample_with_tools_in_lockstep_as_one_process_does(parity):
+    """Observations fed in chunks of each rank's own widths: the ranks still run the same
+    forwards, and each samples what it would alone (float64: the same computation)."""
+    result = parity["fsdp_tool_sampling"]
+    assert result["calls"] > 0 and result["mismatched_ranks"] == 0
+
+
 def test_environment_groups_start_as_in_one_process(parity):
     """Each rank resets its groups' environments from the row's seed: every prompt's secret
     is the single-process one, and the G rollouts of a prompt share it."""
