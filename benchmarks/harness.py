@@ -59,16 +59,25 @@ def child_env(threads: int) -> dict[str, str]:
 
 
 def run_child(
-    cmd: list[str], log: Path, threads: int, *, poll=None, poll_every: float = 1.0
+    cmd: list[str],
+    log: Path,
+    threads: int,
+    *,
+    poll=None,
+    poll_every: float = 1.0,
+    env: dict[str, str] | None = None,
 ) -> ChildResult:
     """Run `cmd` to completion; its peak RSS comes from wait4, so it is this child's alone.
 
-    `poll(proc)` (optional) is called every `poll_every` seconds while it runs.
+    `poll(proc)` (optional) is called every `poll_every` seconds while it runs; `env` adds to
+    the child's environment.
     """
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(threads))
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(threads) | (env or {})
+        )
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG if poll else 0)
             if pid:

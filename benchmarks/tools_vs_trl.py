@@ -95,6 +95,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="another grouprl source tree (its src/ directory, e.g. a worktree of an earlier "
+        "commit), run as a third system, 'grouprl-before', in the speed runs",
+    )
     p.add_argument("--quick", action="store_true", help="one shape, one round, 10 TTA rollouts")
     p.add_argument(
         "--skip-speed",
@@ -150,7 +157,7 @@ def prepare_model(args: argparse.Namespace, out: Path) -> Path:
     import random
 
     rng = random.Random(1)
-    for n in (2, 3, 4):
+    for n in sorted({2, *args.shapes}):
         numbers = make_model.problem(rng, (n,))
         prompt = make_model.row(numbers)["prompt"]
         messages = prompt + make_model.conversation(numbers, rng, guess=0.0, slip=0.0)
@@ -384,12 +391,15 @@ def speed_run(
     args, system: str, n: int, model: Path, data: Path, heldout: Path, run_dir: Path
 ) -> dict:
     steps = args.warmup_steps + args.measured_steps
-    if system == "grouprl":
+    env = None
+    if system.startswith("grouprl"):
         cmd = grouprl_cmd(args, n, model, data, heldout, steps, True, run_dir)
+        if system == "grouprl-before":  # the other tree's package shadows the installed one
+            env = {"PYTHONPATH": str(args.before.resolve())}
     else:
         cfg = grouprl_config(args, n, data, steps, speed=True)
         cmd = trl_cmd(trl_spec(args, cfg, n, model, data, steps, 0, run_dir), run_dir)
-    child = run_child(cmd, run_dir / "log.txt", args.threads)
+    child = run_child(cmd, run_dir / "log.txt", args.threads, env=env)
     if child.returncode != 0:
         raise SystemExit(f"{system} failed (exit {child.returncode}); see {child.log}")
     return read_speed_run(
@@ -400,7 +410,7 @@ def speed_run(
 def read_speed_run(system: str, run_dir: Path, rows: int, warmup: int) -> dict:
     """A speed run's measured steps, from its run directory: step and rollout seconds, sampled
     tokens (grouprl's `completion_len_mean` counts sampled tokens only, as TRL's tool mask does)."""
-    if system == "grouprl":
+    if system.startswith("grouprl"):
         metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] > warmup]
         seconds = [m["step_seconds"] for m in metrics]
         rollout = [m["rollout_seconds"] for m in metrics]
@@ -422,9 +432,10 @@ def speed(args, model: Path, out: Path) -> dict:
     for n in args.shapes:
         data = write_rows(n, 2000, args.seed, out / f"rows-{n}.jsonl")
         heldout = args.model.parent / "eval.jsonl"
-        runs = {s: [] for s in SYSTEMS}
+        systems = (*SYSTEMS, "grouprl-before") if args.before else SYSTEMS
+        runs = {s: [] for s in systems}
         for r in range(args.rounds):
-            for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
+            for system in systems if r % 2 == 0 else systems[::-1]:
                 run_dir = out / "speed" / f"n{n}-r{r}-{system}"
                 print(
                     f"speed: {n} numbers ({n} turns), round {r + 1}/{args.rounds}, {system}",
@@ -520,8 +531,11 @@ def training(args, model: Path, out: Path) -> dict:
 def speed_table(speed: dict) -> str:
     rows = []
     for n, by in speed.items():
-        g, t = by["grouprl"], by["trl"]
-        for system, r in (("grouprl", g), ("TRL", t)):
+        t = by["trl"]
+        shown = [("grouprl", by["grouprl"])]
+        if "grouprl-before" in by:
+            shown.append(("grouprl (before)", by["grouprl-before"]))
+        for system, r in (*shown, ("TRL", t)):
             rows.append(
                 [
                     (
@@ -537,8 +551,8 @@ def speed_table(speed: dict) -> str:
                     fmt(r["sampled_per_step"], ".0f"),
                     fmt(r["sampled_tokens_per_s"], ".0f"),
                     fmt(r["peak_rss_mb"], ".0f"),
-                    f"**{g['sampled_tokens_per_s'] / t['sampled_tokens_per_s']:.2f}x**"
-                    if system == "grouprl"
+                    f"**{r['sampled_tokens_per_s'] / t['sampled_tokens_per_s']:.2f}x**"
+                    if system != "TRL"
                     else "",
                 ]
             )
@@ -596,7 +610,7 @@ def tables_from(out: Path) -> int:
     saved = results["args"]
     rows = int(saved["prompts_per_step"]) * int(saved["group_size"])
     for n, by in results["speed"].items():
-        for system in SYSTEMS:
+        for system in [s for s in (*SYSTEMS, "grouprl-before") if s in by]:
             runs = [
                 read_speed_run(system, d, rows, int(saved["warmup_steps"]))
                 | {"rss_mb": by[system]["peak_rss_mb"]}

@@ -85,6 +85,17 @@ def test_greedy_trajectories_are_those_of_the_one_token_loop(model64, tokenizer,
 
 
 @pytest.mark.numerics
+def test_stop_strings_end_the_same_rows_at_the_same_tokens(model64, tokenizer):
+    stop = ["dddd", "uuuu", "w+x", "111"]  # strings these models write, in some rows
+    got = _sample(model64, tokenizer, SHORT, temperature=0.0, stop=stop)
+    want = _sample(model64, tokenizer, SHORT, temperature=0.0, stop=stop, one_token=True)
+    _assert_same_trajectories(got, want)
+    assert got.texts == want.texts
+    stopped = [any(t.endswith(x) for x in stop) for t in got.texts]
+    assert any(stopped) and not all(stopped)
+
+
+@pytest.mark.numerics
 def test_eager_attention_takes_the_additive_mask(tokenizer, make_model):
     model = make_model("qwen2", dtype=torch.float64)
     model.set_attn_implementation("eager")

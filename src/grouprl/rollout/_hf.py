@@ -19,6 +19,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -205,9 +206,16 @@ class ChunkFeed:
         for layer in self.layers:  # a shorter row's columns up to `width` are read before it
             layer._k[:, :, layer._len :].zero_()  # writes them: masked out, they must still be
             layer._v[:, :, layer._len :].zero_()  # finite (a weight of 0 times NaN is NaN)
-        self.rows = self.sources = self.columns = torch.empty(0, dtype=torch.long)
-        self.batch: torch.Tensor | None = None
-        self.width = 0
+        self.set(*(torch.empty(0, dtype=torch.long),) * 3, None, 0)
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask, its additive form)
+
+    def set(self, rows: torch.Tensor, sources: torch.Tensor, columns: torch.Tensor,
+            batch: torch.Tensor | None, width: int, single: bool = False) -> None:  # fmt: skip
+        """The next forward's writes (see the class) and key width; `single`: one token for
+        every cache row (rows 0 … R−1, sources all 0)."""
+        self.rows, self.sources, self.columns = rows, sources, columns
+        self.batch, self.width, self.single = batch, width, single
+        self.cache_rows = rows if batch is None else batch[rows]  # (m,)
 
     def __enter__(self) -> ChunkFeed:
         for layer in self.layers:
@@ -222,10 +230,13 @@ class ChunkFeed:
               base: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Write one layer's new keys/values (R, H, w, D) at the rows' columns (offset by the
         `base` columns the layer keeps before completion column 0); returns its keys/values."""
-        at = base + self.columns  # (m,)
-        rows = self.rows if self.batch is None else self.batch[self.rows]
-        layer._k[rows, :, at] = key_states[self.rows, :, self.sources]  # (m, H, D)
-        layer._v[rows, :, at] = value_states[self.rows, :, self.sources]
+        at, rows = base + self.columns, self.cache_rows  # (m,)
+        if self.single:  # one token per row (the decode step): no gather of the input
+            layer._k[rows, :, at] = key_states[:, :, 0]  # (R, H, D)
+            layer._v[rows, :, at] = value_states[:, :, 0]
+        else:
+            layer._k[rows, :, at] = key_states[self.rows, :, self.sources]  # (m, H, D)
+            layer._v[rows, :, at] = value_states[self.rows, :, self.sources]
         end = base + self.width
         layer._len = max(layer._len, end)
         if self.batch is None:
@@ -274,7 +285,7 @@ SHARED_PROMPT_ATTENTION = "grouprl_shared_prompt"
 #: layer (no sliding window, logit soft-capping, attention sinks or ALiBi), so that the shared
 #: form below computes exactly what their SDPA path does.
 _PLAIN_ATTENTION_MODELS = {"llama", "qwen2", "qwen3", "mistral"}
-_active: list[SharedPromptLayer] = []  # the decode loop's layers, by layer_idx, while it runs
+_active: list[Any] = []  # the decode loop's cache layers, by layer_idx, while it runs
 
 
 class SharedPromptLayer(DynamicLayer):
@@ -363,16 +374,26 @@ def shared_prompt_attention(
     with m the largest score, so out = (e_p·V_p + e_c·V_c) / z: the prompt product runs once per
     group as one (G·rep, D) x (D, P) matmul per prompt and head. Returns (N, 1, H, D).
 
-    While a `ChunkFeed` writes for all rows (rows at their own lengths), `attention_mask`
-    (N, 1, 1, P + t) bool says which completion columns each row sees; a forward of some rows
-    only gets their keys with the prompt's and goes to SDPA.
+    While a `ChunkFeed` writes (rows at their own lengths; `chunks.decode` switches every SDPA
+    model to this function), `attention_mask` (N, 1, w, P + t) bool says which columns each
+    query sees: a decode step of all rows over shared prompts adds it to s_c; any other forward
+    (per-row caches, an observation forward over some rows' keys with their prompts) is SDPA
+    with that mask and the kv heads shared in place (HF's SDPA path copies them per query head
+    whenever there is a mask).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layer = _active[module.layer_idx] if module.layer_idx < len(_active) else None
-    feed = None if layer is None else layer.feed
-    some_rows = feed is not None and feed.batch is not None  # keys of those rows, prompt included
-    if layer is None or layer.per_row or query.shape[2] != 1 or some_rows:
+    feed = getattr(layer, "feed", None)
+    shared = isinstance(layer, SharedPromptLayer) and not layer.per_row and query.shape[2] == 1
+    if feed is not None and not (shared and feed.batch is None):
+        # rows at their own lengths (`ChunkFeed`), keys of every row or of some rows with their
+        # prompts: the caller's 4D bool mask, the kv heads shared without copies
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+        )  # (N, H, w, D)
+        return out.transpose(1, 2).contiguous(), None
+    if not shared:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -389,9 +410,11 @@ def shared_prompt_attention(
     s_p = s_p + layer.prompt_bias[:, None, None, :]
     s_c = torch.matmul(q, key.transpose(-1, -2)).to(acc)  # (N, Hkv, rep, t)
     if feed is not None:  # rows at their own lengths: each row sees its own columns only
-        seen = attention_mask[:, :, :, -key.shape[2] :]  # (N, 1, 1, t) bool
-        bias = torch.zeros(seen.shape, dtype=acc, device=seen.device)
-        s_c = s_c + bias.masked_fill_(~seen, torch.finfo(acc).min)
+        if feed.bias is None or feed.bias[0] is not attention_mask:  # once per forward
+            seen = attention_mask[:, :, :, -key.shape[2] :]  # (N, 1, 1, t) bool
+            bias = torch.zeros(seen.shape, dtype=acc, device=seen.device)
+            feed.bias = (attention_mask, bias.masked_fill_(~seen, torch.finfo(acc).min))
+        s_c = s_c + feed.bias[1]
     p_width = s_p.shape[-1]
     s_p_rows = s_p.view(b, kv_heads, g, rep, p_width).transpose(1, 2)  # (B, G, Hkv, rep, P)
     m = torch.maximum(s_p_rows.amax(-1).reshape(n, kv_heads, rep), s_c.amax(-1)).unsqueeze(
@@ -433,7 +456,7 @@ class SharedPromptDecoding:
     def __enter__(self) -> SharedPromptDecoding:
         _register()
         self.previous = self.config._attn_implementation
-        _active[:] = [x if isinstance(x, SharedPromptLayer) else None for x in self.layers]
+        _active[:] = self.layers
         self.config._attn_implementation = SHARED_PROMPT_ATTENTION
         return self
 

@@ -22,8 +22,8 @@ Draws: one uniform per row per step, as in the one-token loop, which also draws 
 which a row is fed, so the two loops sample the same trajectories greedily (checked in
 tests/rollout/test_chunks.py) and different ones at temperature > 0. Used when the model's cache
 and attention allow it (`_hf.feeds_chunks`); otherwise the one-token loop runs. Under FSDP
-(`lockstep`) the ranks agree at each step whether any of them feeds an observation, and a rank
-without one runs the observation forward on one row, writing nothing that is read.
+(`lockstep`) the ranks agree before each observation forward whether any of them runs one, and
+a rank with nothing to feed runs it on one blank row that writes nothing.
 """
 
 from __future__ import annotations
@@ -51,9 +51,13 @@ def decode(model: nn.Module, cache: Any, logits: torch.Tensor, prompt_mask: torc
     start = prompt_attn.sum(-1)  # (n,) position of completion token 0
     cached = torch.zeros(n, dtype=torch.long, device=device)  # (n,) completion tokens in cache
     done = torch.zeros(n, dtype=torch.bool, device=device)
+    # the key columns each row's decode step sees: its prompt, its completion so far (n, P + T)
+    seen = torch.cat([prompt_attn, prompt_attn.new_zeros(n, s.max_new_tokens)], dim=1)
     rows: torch.Tensor | None = None  # batch row -> output row once compaction drops rows
     feed = _hf.ChunkFeed(cache)
-    sharing = _hf.SharedPromptDecoding(model, cache) if shared else contextlib.nullcontext()
+    # the shared-prompt attention also attends rows at their own lengths (SDPA models)
+    own = shared or model.config._attn_implementation == "sdpa"
+    sharing = _hf.SharedPromptDecoding(model, cache) if own else contextlib.nullcontext()
     with sharing, feed:
         while True:
             hit, written = _step(out, logits, done, rows, eos, cached, s)
@@ -66,18 +70,12 @@ def decode(model: nn.Module, cache: Any, logits: torch.Tensor, prompt_mask: torc
                 cache.batch_select_indices(keep)
                 rows = keep if rows is None else rows[keep]
                 done, cached, written = done[keep], cached[keep], written[keep]
-                start, prompt_attn = start[keep], prompt_attn[keep]
+                start, prompt_attn, seen = start[keep], prompt_attn[keep], seen[keep]
             last = torch.where(done, cached, written - 1)  # (n,) the token each row feeds last
-            fed = (last > cached) & ~done  # rows with an observation before it
-            some = bool(fed.any())
-            if some if s.lockstep is None else not s.lockstep(not some):
-                batch = fed.nonzero().squeeze(1) if some else fed.new_zeros(1, dtype=torch.long)
-                # the observation forward, its logits unused (one row's column that is written
-                # again next, when no row here has an observation and another rank's does)
-                _forward(model, feed, out, rows, batch, cached[batch], last[batch] - cached[batch],
-                         ~fed[batch], s.pad_id, start[batch], prompt_attn[batch], cache)  # fmt: skip
-            logits = _forward(model, feed, out, rows, None, last, torch.ones_like(last), done,
-                              s.pad_id, start, prompt_attn, cache)  # fmt: skip
+            _observations(model, feed, out, rows, cached, last, done, s, start, prompt_attn, seen,
+                          cache)  # fmt: skip
+            logits = _decode_step(model, feed, out, rows, last, done, s.pad_id, start, seen,
+                                  cache)  # fmt: skip
             cached = torch.where(done, cached, written)
 
 
@@ -109,28 +107,73 @@ def _step(out: _Decoded, logits: torch.Tensor, done: torch.Tensor, rows: torch.T
     return hit, written
 
 
+def _observations(model: nn.Module, feed: _hf.ChunkFeed, out: _Decoded,
+                  rows: torch.Tensor | None, cached: torch.Tensor, last: torch.Tensor,
+                  done: torch.Tensor, s: _Settings, start: torch.Tensor, prompt_attn: torch.Tensor,
+                  seen: torch.Tensor, cache: Any) -> None:  # fmt: skip
+    """The forwards of the rows that have an observation: each feeds its sampled token and its
+    observation but the last token (completion positions `cached` … `last` − 1, (n,) each), so
+    that the decode step after feeds the last; their logits are not used. Rows of lengths within
+    2× of the shortest go together (padding at most doubles a forward's tokens: one long error
+    message does not pad every other row to its length). Under `lockstep` every rank runs as many
+    of these forwards as the rank that needs most: one of a blank row, writing nothing."""
+    pending = (last > cached) & ~done  # (n,)
+    length = last - cached  # (n,)
+    prompt_width = prompt_attn.shape[1]
+    while True:
+        some = bool(pending.any())
+        if not (some if s.lockstep is None else not s.lockstep(not some)):
+            return
+        if some:
+            shortest = int(length[pending].min())
+            batch = (pending & (length <= 2 * shortest)).nonzero().squeeze(1)  # (R,)
+            blank = torch.zeros_like(batch, dtype=torch.bool)
+        else:
+            batch = pending.new_zeros(1, dtype=torch.long)
+            blank = torch.ones(1, dtype=torch.bool, device=batch.device)
+        _forward(model, feed, out, rows, batch, cached[batch], length[batch].clamp(min=1), blank,
+                 s.pad_id, start[batch], prompt_attn[batch], cache)  # fmt: skip
+        seen[feed.cache_rows, prompt_width + feed.columns] = True
+        pending[batch] = False
+
+
 def _forward(model: nn.Module, feed: _hf.ChunkFeed, out: _Decoded, rows: torch.Tensor | None,
-             batch: torch.Tensor | None, first: torch.Tensor, length: torch.Tensor,
+             batch: torch.Tensor, first: torch.Tensor, length: torch.Tensor,
              blank: torch.Tensor, pad_id: int, start: torch.Tensor, prompt_attn: torch.Tensor,
              cache: Any) -> torch.Tensor:  # fmt: skip
-    """One forward of the batch rows `batch` (R,) (None: all): each feeds its completion tokens
-    at positions first … first + length − 1 ((R,) each, length >= 1), right-aligned in (R, w)
-    ids, or, where `blank` (R,), one pad at position `first` (a finished row: its output is
-    never read). Returns the (R, V) logits of each row's last token."""
+    """One forward of the batch rows `batch` (R,): each feeds its completion tokens at positions
+    first … first + length − 1 ((R,) each, length >= 1), right-aligned in (R, w) ids, or, where
+    `blank` (R,), pads that write nothing (their outputs are never read). Returns the (R, V)
+    logits of each row's last token."""
     max_new, device = out.tokens.shape[1], first.device
     width_in = int(length.max())  # w
     offset = torch.arange(width_in, device=device)[None, :] - (width_in - length)[:, None]
     real = offset >= 0  # (R, w)
     positions = first[:, None] + offset.clamp(min=0)  # (R, w); a left pad repeats the first
-    batch_rows = torch.arange(blank.numel(), device=device) if batch is None else batch
-    out_rows = batch_rows if rows is None else rows[batch_rows]
+    out_rows = batch if rows is None else rows[batch]
     ids = out.tokens[out_rows[:, None], positions.clamp(max=max_new - 1)]  # (R, w)
     ids = ids.masked_fill(~real | blank[:, None], pad_id)
-    source_row, source = real.nonzero(as_tuple=True)  # (m,), (m,)
-    feed.rows, feed.sources, feed.columns = source_row, source, positions[source_row, source]
-    feed.batch, feed.width = batch, int(positions.max()) + 1
-    seen = torch.arange(feed.width, device=device)[None, None, :] <= positions[:, :, None]
-    mask = torch.cat([prompt_attn[:, None, :].expand(-1, width_in, -1), seen], dim=-1)
+    source_row, source = (real & ~blank[:, None]).nonzero(as_tuple=True)  # (m,), (m,)
+    feed.set(source_row, source, positions[source_row, source], batch, int(positions.max()) + 1)
+    causal = torch.arange(feed.width, device=device)[None, None, :] <= positions[:, :, None]
+    mask = torch.cat([prompt_attn[:, None, :].expand(-1, width_in, -1), causal], dim=-1)
     return _hf.forward_last(
         model, ids, _hf.chunk_mask(model, mask), start[:, None] + positions, cache
     )  # (R, V)
+
+
+def _decode_step(model: nn.Module, feed: _hf.ChunkFeed, out: _Decoded, rows: torch.Tensor | None,
+                 last: torch.Tensor, done: torch.Tensor, pad_id: int, start: torch.Tensor,
+                 seen: torch.Tensor, cache: Any) -> torch.Tensor:  # fmt: skip
+    """The forward of every batch row's token at its position `last` (n,) (a pad for a finished
+    row); marks the column in `seen` (n, P + T), whose prefix is the attention mask. Returns the
+    (n, V) logits."""
+    n, prompt_width = done.numel(), seen.shape[1] - out.tokens.shape[1]
+    batch_rows = torch.arange(n, device=done.device)
+    out_rows = batch_rows if rows is None else rows
+    ids = out.tokens[out_rows, last].masked_fill(done, pad_id)  # (n,)
+    width = int(last.max()) + 1
+    feed.set(batch_rows, torch.zeros_like(last), last, None, width, single=True)
+    seen[batch_rows, prompt_width + last] = True
+    mask = _hf.chunk_mask(model, seen[:, None, : prompt_width + width])  # (n, 1, 1, P + width)
+    return _hf.forward_last(model, ids[:, None], mask, (start + last)[:, None], cache)  # (n, V)

@@ -162,8 +162,9 @@ def tool_batch(environment: bool) -> tuple[torch.nn.Module, Batch]:
 
 def fsdp_tool_sampling(dist: Dist, out: dict) -> None:
     """Sampling with the lookup tool on an FSDP-sharded model, the ranks holding different
-    prompts (and so calls at other steps, observations of other lengths, other ends): every
-    rank runs the same forwards (`lockstep`) and samples what one unsharded process samples."""
+    prompts, rank 0 answering calls and rank 1 ending trajectories at them (`max_turns` 0), so
+    only rank 0 feeds observations and rank 1 finishes first: every rank runs the same forwards
+    (`lockstep`) and samples what one unsharded process samples."""
     from grouprl.train.build import build_tools
     from grouprl.train.prompts import prompt_ids
 
@@ -171,7 +172,7 @@ def fsdp_tool_sampling(dist: Dist, out: dict) -> None:
     tokenizer = load_tokenizer("builtin:lookup")
     task = get_task("lookup")
     rows = task.train[8 * dist.rank : 8 * dist.rank + 2 + 4 * dist.rank]  # 2 and 6 prompts
-    uses = build_tools(TrainConfig(task="lookup"), task, tokenizer)
+    uses = build_tools(TrainConfig(task="lookup", max_turns=4 - 4 * dist.rank), task, tokenizer)
 
     def sample(model, lockstep):
         start = uses.rollout(rows, G, 0, 0, 0)
@@ -186,8 +187,10 @@ def fsdp_tool_sampling(dist: Dist, out: dict) -> None:
     same = together.completion_ids.equal(alone.completion_ids)
     same = same and together.loss_mask.equal(alone.loss_mask)
     same = same and bool((together.old_logp - alone.old_logp).abs().max() <= F64_SAME)
-    totals = dist.all_reduce(torch.tensor([0.0 if same else 1.0, float(alone.turns.calls.sum())]))
-    out["fsdp_tool_sampling"] = {"mismatched_ranks": int(totals[0]), "calls": int(totals[1])}
+    fed = torch.zeros(dist.world_size + 1)
+    fed[dist.rank], fed[-1] = float((alone.mask & ~alone.loss_mask).sum()), 0.0 if same else 1.0
+    totals = dist.all_reduce(fed).tolist()
+    out["fsdp_tool_sampling"] = {"fed_tokens_by_rank": totals[:-1], "mismatched_ranks": totals[-1]}
 
 
 def tool_parity(dist: Dist, out: dict) -> None:
