@@ -29,20 +29,18 @@ a rank with nothing to feed runs it on one blank row that writes nothing.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from grouprl.rollout import _hf
+from grouprl.rollout.decoding import Decoded, Settings
 from grouprl.rollout.draws import pick
-
-if TYPE_CHECKING:
-    from grouprl.rollout.sampling import _Decoded, _Settings
 
 
 def decode(model: nn.Module, cache: Any, logits: torch.Tensor, prompt_mask: torch.Tensor,
-           shared: bool, s: _Settings, out: _Decoded) -> None:  # fmt: skip
+           shared: bool, s: Settings, out: Decoded) -> None:  # fmt: skip
     """Decode all rows into `out`, from the prefilled, expanded `cache` and the (n, V) logits of
     the prompts' last positions (repeated per row). `prompt_mask`: (B, P)."""
     device, n = logits.device, logits.shape[0]
@@ -79,8 +77,8 @@ def decode(model: nn.Module, cache: Any, logits: torch.Tensor, prompt_mask: torc
             cached = torch.where(done, cached, written)
 
 
-def _step(out: _Decoded, logits: torch.Tensor, done: torch.Tensor, rows: torch.Tensor | None,
-          eos: torch.Tensor, cached: torch.Tensor, s: _Settings) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def _step(out: Decoded, logits: torch.Tensor, done: torch.Tensor, rows: torch.Tensor | None,
+          eos: torch.Tensor, cached: torch.Tensor, s: Settings) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Pick a token per running row and write it at the row's own position (`cached`, (n,));
     end rows at EOS or a stop string; write the observations of rows whose call was answered
     after their token. Returns which rows ended here (n,) bool and each row's written length
@@ -107,9 +105,9 @@ def _step(out: _Decoded, logits: torch.Tensor, done: torch.Tensor, rows: torch.T
     return hit, written
 
 
-def _observations(model: nn.Module, feed: _hf.ChunkFeed, out: _Decoded,
+def _observations(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded,
                   rows: torch.Tensor | None, cached: torch.Tensor, last: torch.Tensor,
-                  done: torch.Tensor, s: _Settings, start: torch.Tensor, prompt_attn: torch.Tensor,
+                  done: torch.Tensor, s: Settings, start: torch.Tensor, prompt_attn: torch.Tensor,
                   seen: torch.Tensor, cache: Any) -> None:  # fmt: skip
     """The forwards of the rows that have an observation: each feeds its sampled token and its
     observation but the last token (completion positions `cached` … `last` − 1, (n,) each), so
@@ -137,7 +135,7 @@ def _observations(model: nn.Module, feed: _hf.ChunkFeed, out: _Decoded,
         pending[batch] = False
 
 
-def _forward(model: nn.Module, feed: _hf.ChunkFeed, out: _Decoded, rows: torch.Tensor | None,
+def _forward(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded, rows: torch.Tensor | None,
              batch: torch.Tensor, first: torch.Tensor, length: torch.Tensor,
              blank: torch.Tensor, pad_id: int, start: torch.Tensor, prompt_attn: torch.Tensor,
              cache: Any) -> torch.Tensor:  # fmt: skip
@@ -162,7 +160,7 @@ def _forward(model: nn.Module, feed: _hf.ChunkFeed, out: _Decoded, rows: torch.T
     )  # (R, V)
 
 
-def _decode_step(model: nn.Module, feed: _hf.ChunkFeed, out: _Decoded, rows: torch.Tensor | None,
+def _decode_step(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded, rows: torch.Tensor | None,
                  last: torch.Tensor, done: torch.Tensor, pad_id: int, start: torch.Tensor,
                  seen: torch.Tensor, cache: Any) -> torch.Tensor:  # fmt: skip
     """The forward of every batch row's token at its position `last` (n,) (a pad for a finished

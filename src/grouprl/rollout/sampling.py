@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from torch import nn
 from grouprl.errors import UserError
 from grouprl.messages import is_conversational
 from grouprl.rollout import _hf, chunks
+from grouprl.rollout.decoding import Decoded, Settings
 from grouprl.rollout.draws import (  # noqa: F401 (the filters and the draw are public here)
     pick,
     sample_categorical,
@@ -237,7 +237,7 @@ def sample_groups(
         generator = torch.Generator(device=device)
         generator.manual_seed(int(seed))
     n = len(prompt_rows) * group_size
-    settings = _Settings(
+    settings = Settings(
         group_size=group_size,
         max_new_tokens=max_new_tokens,
         temperature=1.0 if greedy else float(temperature),
@@ -259,86 +259,16 @@ def sample_groups(
     return out.rollout(prompt_ids, prompt_mask, texts, prompt_texts, settings, record)
 
 
-@dataclass(frozen=True)
-class _Settings:
-    """What a decode keeps fixed: the group size and budget, the distribution, the ends."""
-
-    group_size: int
-    max_new_tokens: int
-    temperature: float  # 1.0 when greedy: old_logp is then taken at temperature 1
-    greedy: bool
-    top_k: int
-    top_p: float
-    eos_ids: Sequence[int]
-    pad_id: int
-    stopper: StopStrings | None
-    generator: torch.Generator | None
-    lockstep: Callable[[bool], bool] | None
-    turns: Turns | None
-
-
-@dataclass
-class _Decoded:
-    """The decode's output rows: tokens, old_logp and entropy (N, max_new), where each row
-    stopped (N,: max_new + 1 while running)."""
-
-    tokens: torch.Tensor  # (N, max_new) long
-    old_logp: torch.Tensor  # (N, max_new)
-    entropy: torch.Tensor  # (N, max_new)
-    stop_at: torch.Tensor  # (N,) long
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.stop_at.clamp(max=self.tokens.shape[1])  # (N,)
-
-    @property
-    def ended(self) -> torch.Tensor:
-        return self.stop_at <= self.tokens.shape[1]  # (N,) at EOS or a stop string
-
-    def rollout(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        texts: list[str],
-        prompt_texts: list[str],
-        settings: _Settings,
-        record: TurnRecord | None,
-    ) -> Rollout:
-        """The `Rollout`, cut to its longest row. clone() outside inference mode: inference
-        tensors cannot be saved for backward, and the trainer's loss uses old_logp next to
-        differentiable log-probs."""
-        lengths = self.lengths
-        width = int(lengths.max())  # T
-        mask = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]  # (N, T)
-        turns = settings.turns
-        return Rollout(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=self.tokens[:, :width].clone(),
-            mask=mask,
-            old_logp=self.old_logp[:, :width].clone(),
-            truncated=~self.ended,
-            texts=texts,
-            prompts=prompt_texts,
-            group_size=settings.group_size,
-            temperature=settings.temperature,
-            pad_id=settings.pad_id,
-            entropy=self.entropy[:, :width].clone(),
-            loss_mask=None if turns is None else mask & ~turns.fed[:, :width],
-            turns=record,
-        )
-
-
 def _decode(
-    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: _Settings
-) -> _Decoded:
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Settings
+) -> Decoded:
     """The decode loop (steps 1-5 of `sample_groups`)."""
     s, device = settings, prompt_ids.device
     num_prompts, prompt_width = prompt_ids.shape
     n, max_new = num_prompts * s.group_size, s.max_new_tokens
     eos = torch.tensor(list(s.eos_ids), dtype=torch.long, device=device)  # (E,)
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
-    out = _Decoded(
+    out = Decoded(
         tokens=torch.full((n, max_new), s.pad_id, dtype=torch.long, device=device),
         old_logp=torch.zeros((n, max_new), dtype=dtype, device=device),
         entropy=torch.zeros((n, max_new), dtype=dtype, device=device),
@@ -386,13 +316,13 @@ def _decode(
 
 
 def _step(
-    out: _Decoded,
+    out: Decoded,
     logits: torch.Tensor,
     done: torch.Tensor,
     rows: torch.Tensor | None,
     eos: torch.Tensor,
     t: int,
-    s: _Settings,
+    s: Settings,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode step t: a token per batch row (pad for finished rows; a row answering a tool call
     is fed its observation instead, never an end), written to the output rows; returns the

@@ -1,0 +1,84 @@
+"""The state one decode loop keeps: its fixed settings and the output rows it writes (shared by
+the one-token loop in `grouprl.rollout.sampling` and the chunked one in `grouprl.rollout.chunks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from grouprl.rollout.stops import StopStrings
+from grouprl.rollout.turns import TurnRecord, Turns
+from grouprl.rollout.types import Rollout
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a decode keeps fixed: the group size and budget, the distribution, the ends."""
+
+    group_size: int
+    max_new_tokens: int
+    temperature: float  # 1.0 when greedy: old_logp is then taken at temperature 1
+    greedy: bool
+    top_k: int
+    top_p: float
+    eos_ids: Sequence[int]
+    pad_id: int
+    stopper: StopStrings | None
+    generator: torch.Generator | None
+    lockstep: Callable[[bool], bool] | None
+    turns: Turns | None
+
+
+@dataclass
+class Decoded:
+    """The decode's output rows: tokens, old_logp and entropy (N, max_new), where each row
+    stopped (N,: max_new + 1 while running)."""
+
+    tokens: torch.Tensor  # (N, max_new) long
+    old_logp: torch.Tensor  # (N, max_new)
+    entropy: torch.Tensor  # (N, max_new)
+    stop_at: torch.Tensor  # (N,) long
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.stop_at.clamp(max=self.tokens.shape[1])  # (N,)
+
+    @property
+    def ended(self) -> torch.Tensor:
+        return self.stop_at <= self.tokens.shape[1]  # (N,) at EOS or a stop string
+
+    def rollout(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        texts: list[str],
+        prompt_texts: list[str],
+        settings: Settings,
+        record: TurnRecord | None,
+    ) -> Rollout:
+        """The `Rollout`, cut to its longest row. clone() outside inference mode: inference
+        tensors cannot be saved for backward, and the trainer's loss uses old_logp next to
+        differentiable log-probs."""
+        lengths = self.lengths
+        width = int(lengths.max())  # T
+        mask = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]  # (N, T)
+        turns = settings.turns
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=self.tokens[:, :width].clone(),
+            mask=mask,
+            old_logp=self.old_logp[:, :width].clone(),
+            truncated=~self.ended,
+            texts=texts,
+            prompts=prompt_texts,
+            group_size=settings.group_size,
+            temperature=settings.temperature,
+            pad_id=settings.pad_id,
+            entropy=self.entropy[:, :width].clone(),
+            loss_mask=None if turns is None else mask & ~turns.fed[:, :width],
+            turns=record,
+        )
