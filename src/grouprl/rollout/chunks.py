@@ -48,6 +48,7 @@ def decode(model: nn.Module, cache: Any, logits: torch.Tensor, prompt_mask: torc
     prompt_attn = prompt_mask.repeat_interleave(s.group_size, dim=0)  # (n, P)
     start = prompt_attn.sum(-1)  # (n,) position of completion token 0
     cached = torch.zeros(n, dtype=torch.long, device=device)  # (n,) completion tokens in cache
+    written = torch.zeros(n, dtype=torch.long, device=device)  # (n,) completion tokens written
     done = torch.zeros(n, dtype=torch.bool, device=device)
     # the key columns each row's decode step sees: its prompt, its completion so far (n, P + T)
     seen = torch.cat([prompt_attn, prompt_attn.new_zeros(n, s.max_new_tokens)], dim=1)
@@ -58,7 +59,7 @@ def decode(model: nn.Module, cache: Any, logits: torch.Tensor, prompt_mask: torc
     sharing = _hf.SharedPromptDecoding(model, cache) if own else contextlib.nullcontext()
     with sharing, feed:
         while True:
-            hit, written = _step(out, logits, done, rows, eos, cached, s)
+            hit, written = _step(out, logits, done, rows, eos, cached, written, s)
             done |= hit | (written >= s.max_new_tokens)  # an end, or the budget spent
             running = int((~done).sum())
             if (running == 0) if s.lockstep is None else s.lockstep(running == 0):
@@ -69,34 +70,34 @@ def decode(model: nn.Module, cache: Any, logits: torch.Tensor, prompt_mask: torc
                 rows = keep if rows is None else rows[keep]
                 done, cached, written = done[keep], cached[keep], written[keep]
                 start, prompt_attn, seen = start[keep], prompt_attn[keep], seen[keep]
-            last = torch.where(done, cached, written - 1)  # (n,) the token each row feeds last
-            _observations(model, feed, out, rows, cached, last, done, s, start, prompt_attn, seen,
-                          cache)  # fmt: skip
-            logits = _decode_step(model, feed, out, rows, last, done, s.pad_id, start, seen,
+            cached = _observations(model, feed, out, rows, cached, written, done, s, start,
+                                   prompt_attn, seen, cache)  # fmt: skip
+            logits = _decode_step(model, feed, out, rows, cached, done, s.pad_id, start, seen,
                                   cache)  # fmt: skip
-            cached = torch.where(done, cached, written)
+            cached = cached + (~done).long()
 
 
 def _step(out: Decoded, logits: torch.Tensor, done: torch.Tensor, rows: torch.Tensor | None,
-          eos: torch.Tensor, cached: torch.Tensor, s: Settings) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Pick a token per running row and write it at the row's own position (`cached`, (n,));
-    end rows at EOS or a stop string; write the observations of rows whose call was answered
-    after their token. Returns which rows ended here (n,) bool and each row's written length
-    (n,) long: where its next sampled token goes."""
+          eos: torch.Tensor, cached: torch.Tensor, written: torch.Tensor,
+          s: Settings) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Pick a token for each running row whose cache holds all it wrote (`cached` == `written`,
+    (n,) each: its logits are for its next position) and write it there; end rows at EOS or a
+    stop string; write the observations of rows whose call was answered after their token.
+    Returns which rows ended here (n,) bool and the rows' written lengths (n,)."""
     tok, lp, ent = pick(logits, s.temperature, s.greedy, s.top_k, s.top_p, s.generator)
-    live = ~done  # (n,)
+    sampling = ~done & (cached == written)  # (n,)
     out_rows = torch.arange(done.numel(), device=done.device) if rows is None else rows
-    at, now = out_rows[live], cached[live]
-    out.tokens[at, now] = tok[live]
-    out.old_logp[at, now] = lp[live]
-    out.entropy[at, now] = ent[live]
-    hit = torch.isin(tok, eos) & live  # (n,)
+    at, now = out_rows[sampling], written[sampling]
+    out.tokens[at, now] = tok[sampling]
+    out.old_logp[at, now] = lp[sampling]
+    out.entropy[at, now] = ent[sampling]
+    hit = torch.isin(tok, eos) & sampling  # (n,)
     turns = s.turns
     if s.stopper is not None:
-        hit |= s.stopper.hits(out.tokens, rows, live & ~hit, cached, since=turns.since)
-    hit = turns.after_step(out.tokens, rows, live, hit, cached)
-    out.stop_at[out_rows] = torch.where(hit, cached + 1, out.stop_at[out_rows])
-    written = cached + live.long()  # (n,)
+        hit |= s.stopper.hits(out.tokens, rows, sampling & ~hit, written, since=turns.since)
+    hit = turns.after_step(out.tokens, rows, sampling, hit, written)
+    out.stop_at[out_rows] = torch.where(hit, written + 1, out.stop_at[out_rows])
+    written = written + sampling.long()  # (n,)
     for b, row, ids in turns.take(rows):  # observations, cut to the budget by `after_step`
         first = int(written[b])
         out.tokens[row, first : first + len(ids)] = torch.as_tensor(ids, device=out.tokens.device)
@@ -106,22 +107,29 @@ def _step(out: Decoded, logits: torch.Tensor, done: torch.Tensor, rows: torch.Te
 
 
 def _observations(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded,
-                  rows: torch.Tensor | None, cached: torch.Tensor, last: torch.Tensor,
+                  rows: torch.Tensor | None, cached: torch.Tensor, written: torch.Tensor,
                   done: torch.Tensor, s: Settings, start: torch.Tensor, prompt_attn: torch.Tensor,
-                  seen: torch.Tensor, cache: Any) -> None:  # fmt: skip
-    """The forwards of the rows that have an observation: each feeds its sampled token and its
-    observation but the last token (completion positions `cached` … `last` − 1, (n,) each), so
-    that the decode step after feeds the last; their logits are not used. Rows of lengths within
-    2× of the shortest go together (padding at most doubles a forward's tokens: one long error
-    message does not pad every other row to its length). Under `lockstep` every rank runs as many
-    of these forwards as the rank that needs most: one of a blank row, writing nothing."""
-    pending = (last > cached) & ~done  # (n,)
-    length = last - cached  # (n,)
+                  seen: torch.Tensor, cache: Any) -> torch.Tensor:  # fmt: skip
+    """Feed the rows that have tokens waiting (an observation after their sampled token) all
+    of them but the last, positions `cached` … `written` − 2, in forwards of their own, when
+    they add up to at least one token per batch row (else each goes on feeding one token per
+    decode step, as in the one-token loop: on a small model, or on an accelerator, a forward
+    costs about as much for a few tokens as for many, so a forward for a few is a loss). Their
+    logits are not used: the decode step after feeds each row's next token. Rows of lengths
+    within 2× of the shortest go together (padding at most doubles a forward's tokens: one long
+    error message does not pad every other row to its length). Under `lockstep` every rank runs
+    as many of these forwards as the rank that needs most: one of a blank row, writing nothing.
+    Returns `cached` updated."""
+    length = written - cached - 1  # (n,) tokens to feed before the last
+    pending = (length > 0) & ~done  # (n,)
+    enough = int(length[pending].sum()) >= done.numel()
+    pending &= enough
     prompt_width = prompt_attn.shape[1]
+    cached = cached.clone()
     while True:
         some = bool(pending.any())
         if not (some if s.lockstep is None else not s.lockstep(not some)):
-            return
+            return cached
         if some:
             shortest = int(length[pending].min())
             batch = (pending & (length <= 2 * shortest)).nonzero().squeeze(1)  # (R,)
@@ -132,6 +140,7 @@ def _observations(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded,
         _forward(model, feed, out, rows, batch, cached[batch], length[batch].clamp(min=1), blank,
                  s.pad_id, start[batch], prompt_attn[batch], cache)  # fmt: skip
         seen[feed.cache_rows, prompt_width + feed.columns] = True
+        cached[batch] += torch.where(blank, 0, length[batch])
         pending[batch] = False
 
 
@@ -163,9 +172,9 @@ def _forward(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded, rows: torch.Te
 def _decode_step(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded, rows: torch.Tensor | None,
                  last: torch.Tensor, done: torch.Tensor, pad_id: int, start: torch.Tensor,
                  seen: torch.Tensor, cache: Any) -> torch.Tensor:  # fmt: skip
-    """The forward of every batch row's token at its position `last` (n,) (a pad for a finished
-    row); marks the column in `seen` (n, P + T), whose prefix is the attention mask. Returns the
-    (n, V) logits."""
+    """The forward of every batch row's next token to feed, at its position `last` (n,) (a pad
+    for a finished row); marks the column in `seen` (n, P + T), whose prefix is the attention
+    mask. Returns the (n, V) logits."""
     n, prompt_width = done.numel(), seen.shape[1] - out.tokens.shape[1]
     batch_rows = torch.arange(n, device=done.device)
     out_rows = batch_rows if rows is None else rows
