@@ -124,10 +124,13 @@ def test_sft_trains_on_the_models_turns_only():
 
 def test_the_lookup_task_learns_to_call_its_tool(tmp_path):
     """GSPO from builtin:lookup: the share of completions that call the tool and the reward
-    both rise within 20 steps (measured: call rate 0.33 -> 0.8, reward 0.15 -> 0.6)."""
+    both rise within 20 steps (measured: call rate 0.31 -> 0.85, reward 0.16 -> 0.62). At lr
+    2e-4 this seed's run oscillates since observations are fed in chunks (reward 0.20 -> 0.22,
+    greedy pass@1 1.0 -> 0.38; seeds 1 and 2 still learn there, 0.16 -> 0.59 and 0.13 -> 0.38),
+    so the test runs at 1e-4, twice the default."""
     run = tmp_path / "lookup"
     assert main(["train", "--task", "lookup", "--steps", "20", "--prompts-per-step", "8",
-                 "--lr", "2e-4", "--eval-size", "16", "--eval-samples", "1", "--eval-every", "0",
+                 "--lr", "1e-4", "--eval-size", "16", "--eval-samples", "1", "--eval-every", "0",
                  "--threads", "1", "--no-progress", "--save-every", "100", "--output-dir",
                  str(run)]) == 0  # fmt: skip
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

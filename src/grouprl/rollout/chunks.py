@@ -1,14 +1,17 @@
-"""Multi-turn decoding with each observation fed to the KV cache in one forward.
+"""Multi-turn decoding with observations fed to the KV cache in forwards of their own.
 
 The one-token loop of `grouprl.rollout.sampling` feeds an observation to its row one token per
 decode step of the whole batch: a 120-token tool result costs 120 batch-wide forwards. Here the
 rows keep their own lengths instead: a row's completion position p is cache column P + p (P the
 prompt width) whatever the other rows hold. After a step in which some rows' turns end with a
-call, those rows alone run one forward of their sampled token and their observation but its last
-token (right-aligned in an (R, w) chunk, w the longest), and then every row runs the usual
-one-token forward: its sampled token, or for a fed row its observation's last. So every row
-samples again at the next step, no row waits for another's observation, and an observation of
-L tokens costs a forward of L tokens of its own rows instead of L forwards of all rows.
+call, those rows alone run a forward of their sampled token and their observation but its last
+token (right-aligned in an (R, w) chunk), and then every row runs the usual one-token forward:
+its sampled token, or for a fed row its observation's last. So every row samples again at the
+next step, no row waits for another's observation, and an observation of L tokens costs a
+forward of L tokens of its own rows instead of L forwards of all rows. Such a forward costs
+about a decode step whatever it holds, so it runs only once the waiting tokens add up to one
+per batch row; until then each fed row takes its tokens one per decode step, as in the
+one-token loop, and samples again once its cache holds all it wrote.
 
 Why per-row columns and not a shared column per step with masked holes (the other layout a
 column-aligned cache allows): a chunk of w columns for every row would leave w − 1 dead columns
