@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from grouprl.rollout import _hf
-from grouprl.rollout.decoding import Decoded, Settings
+from grouprl.rollout.decoding import Decoded, Settings, stop_or_keep
 from grouprl.rollout.draws import pick
 
 
@@ -64,11 +64,10 @@ def decode(model: nn.Module, cache: Any, logits: torch.Tensor, prompt_mask: torc
         while True:
             hit, written = _step(out, logits, done, rows, eos, cached, written, s)
             done |= hit | (written >= s.max_new_tokens)  # an end, or the budget spent
-            running = int((~done).sum())
-            if (running == 0) if s.lockstep is None else s.lockstep(running == 0):
+            stop, keep = stop_or_keep(done, s.lockstep)
+            if stop:
                 break
-            if running > 0 and 2 * running <= done.numel():  # compaction: drop finished rows
-                keep = (~done).nonzero().squeeze(1)  # (running,)
+            if keep is not None:  # compaction: drop finished rows
                 cache.batch_select_indices(keep)
                 rows = keep if rows is None else rows[keep]
                 done, cached, written = done[keep], cached[keep], written[keep]

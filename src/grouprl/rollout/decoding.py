@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,3 +83,15 @@ class Decoded:
             loss_mask=None if turns is None else mask & ~turns.fed[:, :width],
             turns=record,
         )
+
+
+def stop_or_keep(done: torch.Tensor, lockstep: Callable[[bool], bool] | None) -> tuple[bool, Any]:
+    """A decode loop's check, `done` (n,) bool: whether it stops (every row done, on every
+    participant under `lockstep`), and else the batch rows (running,) to keep when at least half
+    of them have finished (compaction: the finished ones are dropped), or None."""
+    running = int((~done).sum())
+    if (running == 0) if lockstep is None else lockstep(running == 0):
+        return True, None
+    if running > 0 and 2 * running <= done.numel():
+        return False, (~done).nonzero().squeeze(1)
+    return False, None

@@ -29,7 +29,7 @@ from torch import nn
 from grouprl.errors import UserError
 from grouprl.messages import is_conversational
 from grouprl.rollout import _hf, chunks
-from grouprl.rollout.decoding import Decoded, Settings
+from grouprl.rollout.decoding import Decoded, Settings, stop_or_keep
 from grouprl.rollout.draws import (  # noqa: F401 (the filters and the draw are public here)
     pick,
     sample_categorical,
@@ -301,11 +301,10 @@ def _decode(
             if t == max_new - 1:
                 break
             if (t + 1) % check_every == 0:
-                running = int((~done).sum())
-                if (running == 0) if s.lockstep is None else s.lockstep(running == 0):
+                stop, keep = stop_or_keep(done, s.lockstep)
+                if stop:
                     break
-                if running > 0 and 2 * running <= done.numel():  # compaction: drop finished rows
-                    keep = (~done).nonzero().squeeze(1)  # (running,)
+                if keep is not None:  # compaction: drop finished rows
                     cache.batch_select_indices(keep)
                     rows = keep if rows is None else rows[keep]
                     done, attn, next_pos, tok = done[keep], attn[keep], next_pos[keep], tok[keep]
