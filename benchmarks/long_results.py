@@ -50,6 +50,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if not (Path(args.model) / "config.json").is_file():
+        parser.error(f"--model {args.model}: no model there; make it with python "
+                     "examples/chat_tools/make_model.py --output-dir runs/chat_tools6 "
+                     "--sizes 2,3,4,5,6")  # fmt: skip
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model).eval(), load_tokenizer(args.model)
     n = args.numbers

@@ -119,6 +119,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.shapes, args.rounds, args.measured_steps = "3", 1, 2
         args.tta_rollouts, args.save_every, args.eval_limit = 10, 5, 50
     args.shapes = [int(s) for s in args.shapes.split(",")]
+    if args.before is not None and not (args.before / "grouprl" / "__init__.py").is_file():
+        # PYTHONPATH to a tree without the package would run the installed grouprl as "before"
+        p.error(f"--before {args.before}: no grouprl package there; give a tree's src/ directory")
     return args
 
 

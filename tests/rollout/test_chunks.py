@@ -59,6 +59,15 @@ def _sample(model, tokenizer, prompts, *, one_token=False, budget=48, **kwargs):
         _hf.feeds_chunks = chunked
 
 
+def _largest_logit(model, rollout) -> float:
+    """The largest |logit| over the rollout's prompts and completions, as the model reads them
+    (the magnitude `forward_bound` scales with)."""
+    g = rollout.group_size  # prompts are (B, P), completions (B·G, T), group-contiguous
+    ids = torch.cat([rollout.prompt_ids.repeat_interleave(g, 0), rollout.completion_ids], dim=1)
+    mask = torch.cat([rollout.prompt_mask.repeat_interleave(g, 0), rollout.mask], dim=1)
+    return float(model(input_ids=ids, attention_mask=mask).logits.abs().max())
+
+
 def _assert_same_trajectories(got, want):
     assert got.completion_ids.tolist() == want.completion_ids.tolist()
     assert got.mask.tolist() == want.mask.tolist()
@@ -106,7 +115,7 @@ def test_eager_attention_takes_the_additive_mask(tokenizer, make_model):
     # eager attention takes its softmax in float32 whatever the model's dtype, over key widths
     # that differ between the paths: a float32 difference between two forwards
     with torch.no_grad():
-        magnitude = float(model(input_ids=got.completion_ids).logits.abs().max())
+        magnitude = _largest_logit(model, got)
     bound = forward_bound(model.config, max(magnitude, 1.0))
     torch.testing.assert_close(got.old_logp, want.old_logp, rtol=0, atol=bound)
 
@@ -118,7 +127,7 @@ def test_teacher_forcing_at_temperature_one_gives_old_logp(model, tokenizer, pro
     assert int(rollout.turns.calls.sum()) > 0
     with torch.no_grad():
         logp = completion_logprobs(model, rollout)
-        magnitude = float(model(input_ids=rollout.completion_ids).logits.abs().max())
+        magnitude = _largest_logit(model, rollout)
     # two float32 forwards of the same function (a chunked decode against a full forward)
     bound = forward_bound(model.config, max(magnitude, 1.0))
     sampled = rollout.loss_mask

@@ -122,14 +122,12 @@ def _observations(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded,
     error message does not pad every other row to its length). Under `lockstep` every rank runs
     as many of these forwards as the rank that needs most: one of a blank row, writing nothing.
     Returns `cached` updated."""
-    length = written - cached - 1  # (n,) tokens to feed before the last
-    pending = (length > 0) & ~done  # (n,)
-    enough = int(length[pending].sum()) >= done.numel()
-    pending &= enough
+    length = (written - cached - 1).masked_fill(done, 0)  # (n,) tokens to feed before the last
+    some = int(length.sum()) >= done.numel()  # one host sync a step while nothing is fed
+    pending = (length > 0) & some  # (n,)
     prompt_width = prompt_attn.shape[1]
     cached = cached.clone()
     while True:
-        some = bool(pending.any())
         if not (some if s.lockstep is None else not s.lockstep(not some)):
             return cached
         if some:
@@ -144,6 +142,7 @@ def _observations(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded,
         seen[feed.cache_rows, prompt_width + feed.columns] = True
         cached[batch] += torch.where(blank, 0, length[batch])
         pending[batch] = False
+        some = bool(pending.any())
 
 
 def _forward(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded, rows: torch.Tensor | None,
