@@ -93,6 +93,63 @@ def test_shared_prompt_equals_unshared_values_and_gradients(model64, tokenizer, 
 
 
 @pytest.mark.numerics
+def test_buckets_run_rows_at_their_own_widths_with_the_same_values_and_gradients(
+    model64, tokenizer
+):
+    """Rows of a group at different lengths (cut here to 16, 9, 3, 1 or 0 tokens), run in
+    buckets across groups at each bucket's own width over the one prompt forward: the values
+    and gradients of one pass at the longest's width."""
+    import dataclasses
+
+    model = model64
+    rollout = sample_groups(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=4, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, len(tokenizer), (12, 16), generator=gen)  # (12, 16) no specials
+    cut = torch.tensor([16, 3, 9, 1, 16, 0, 3, 3, 1, 9, 1, 2])  # (12,) rows end at their own
+    mask = torch.arange(16)[None] < cut[:, None]
+    rollout = dataclasses.replace(rollout, completion_ids=ids, mask=mask, loss_mask=mask,
+                                  old_logp=torch.zeros(12, 16), entropy=None)  # fmt: skip
+    buckets = [torch.tensor([0, 4, 2]), torch.tensor([9, 7, 1, 6, 11]), torch.tensor([3, 8, 10, 5])]
+    weights = torch.randn(
+        mask.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
+    with torch.no_grad():
+        completion_logprobs(model, rollout)  # the head probe runs once per model
+    decoder_widths = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: decoder_widths.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+
+    def values_and_grads(**kwargs):
+        model.zero_grad()
+        logp, entropy = completion_logprobs(model, rollout, temperature=0.8, with_entropy=True,
+                                            **kwargs)  # fmt: skip
+        ((logp * weights).sum() + entropy.sum()).backward()
+        return logp, entropy, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    try:
+        logp, entropy, grads = values_and_grads(buckets=buckets)
+        bucketed_widths = decoder_widths[:]
+        decoder_widths.clear()
+        ref_logp, ref_entropy, ref_grads = values_and_grads()
+    finally:
+        hook.remove()
+        model.zero_grad()
+    p = rollout.prompt_ids.shape
+    # the prompts once, then each bucket as wide as its longest row but its last token (16, 9;
+    # the third's rows are 1 token or none: their states are the prompts' last, no forward)
+    assert bucketed_widths == [tuple(p), (3, 15), (5, 8)]
+    assert decoder_widths == [tuple(p), (12, 15)]
+    assert_same_f64(logp, ref_logp)
+    assert_same_f64(entropy, ref_entropy)
+    assert (logp[~mask] == 0).all() and (logp[mask] != 0).all()
+    for name in grads:
+        assert torch.isfinite(grads[name]).all(), name
+        assert_same_f64(grads[name], ref_grads[name])
+
+
+@pytest.mark.numerics
 def test_sliding_window_layers_share_the_prompt_correctly(make_model, tokenizer):
     model = make_model("qwen2", sliding_window=5, dtype=torch.float64)
     assert "sliding_attention" in model.config.layer_types

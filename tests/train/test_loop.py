@@ -398,13 +398,16 @@ def _chunking_case(algo, group_rewards):
     return policy, batch, cfg, advantages
 
 
-def _record_passes(monkeypatch):
-    """A list that gets (rows, longest completion) of every forward the update runs."""
+def _record_passes(monkeypatch, buckets: list | None = None):
+    """A list that gets (rows, longest completion) of every forward the update runs; `buckets`
+    gets each one's row buckets (None: all rows at the longest's width)."""
     passes = []
     original = fsdp.completion_logprobs
 
     def spy(model, rollout, **kwargs):
         passes.append((rollout.completion_ids.shape[0], int(rollout.lengths.max())))
+        if buckets is not None:
+            buckets.append(kwargs.get("buckets"))
         return original(model, rollout, **kwargs)
 
     monkeypatch.setattr(fsdp, "completion_logprobs", spy)
@@ -479,21 +482,61 @@ def test_width_chunks_group_by_longest_completion_where_it_pays():
     assert plan.pass_overhead(load_model("builtin:arith")) > 30_000
 
 
+def test_rows_of_a_pass_run_at_widths_of_their_own_where_it_pays():
+    """Groups too alike to split into passes, but rows of 1-3 tokens beside rows of ~30 in
+    each: the pass runs them in two buckets, at a width's cost of `overhead` / 10."""
+    g, t = 4, 31
+    lengths = torch.tensor([30, 2, 29, 1, 2, 31, 1, 3])  # (8,) two groups of 4
+    rollout = Rollout(
+        prompt_ids=torch.ones(2, 2, dtype=torch.long),
+        prompt_mask=torch.ones(2, 2, dtype=torch.bool),
+        completion_ids=torch.zeros(8, t, dtype=torch.long),
+        mask=torch.arange(t)[None] < lengths[:, None],
+        old_logp=torch.zeros(8, t),
+        truncated=torch.zeros(8, dtype=torch.bool),
+        texts=[f"c{i}" for i in range(8)],
+        prompts=["p0", "p1"],
+        group_size=g,
+        temperature=1.0,
+    )
+    rows = torch.arange(8)
+    # passes at 1,000 each: one (8 x 31 + 1,000 = 1,248) against two (4 x 31 + 4 x 30 + 2,000);
+    # widths at 100 each, rows sorted 31 30 29 3 2 2 1 1: one (8 x 31 + 100 = 348), two
+    # ({31, 30, 29}, the rest: 3 x 31 + 5 x 3 + 200 = 308), three (93 + 3 + 4 x 2 + 300 = 404)
+    (chunk,) = plan.width_chunks(rollout, rows, overhead=1000)
+    assert chunk.rollout is rollout
+    assert [b.tolist() for b in chunk.buckets] == [[5, 0, 2], [7, 1, 4, 3, 6]]
+    # widths at 200: one (448) against two (508): all rows at the longest's width
+    (chunk,) = plan.width_chunks(rollout, rows, overhead=2000)
+    assert chunk.buckets is None
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("algo", ["grpo", "gspo"])
 def test_width_chunks_give_the_unsplit_update(algo, monkeypatch):
-    """Groups sorted by their longest completion and cut into passes: the same parameters."""
+    """Groups sorted by their longest completion and cut into passes, and rows within a pass at
+    widths of their own: the same parameters."""
     policy, batch, cfg, advantages = _chunking_case(
         algo, [[1, 0, 0, 1], [1, 1, 0, 1], [0, 1, 0, 0], [1, 0, 0, 1]]
     )
+    # the sampled rows of a group are alike in length; end some early, as a row that answers
+    # at once beside one that works longer does
+    cut = torch.tensor([20, 3, 20, 7, 18, 1, 9, 18, 10, 2, 10, 5, 20, 20, 4, 11])  # (16,)
+    mask = batch.rollout.mask & (torch.arange(batch.rollout.mask.shape[1])[None] < cut[:, None])
+    rollout = dataclasses.replace(batch.rollout, mask=mask, loss_mask=mask)
+    batch = dataclasses.replace(batch, rollout=rollout)
     passes = _record_passes(monkeypatch)
     whole, whole_diag = _update_from(policy, cfg, batch, advantages)
     assert len(passes) == cfg.minibatches * cfg.epochs  # the 1M model never splits
     passes.clear()
+    buckets = []
+    _record_passes(monkeypatch, buckets)
     monkeypatch.setattr(train_update, "pass_overhead", lambda model: 1)
     split, diag = _update_from(policy, cfg, batch, advantages)
     widths = [width for _, width in passes]
     assert len(widths) > cfg.minibatches * cfg.epochs and len(set(widths)) > 1
+    # and within passes, rows of different lengths at widths of their own
+    assert sum(b is not None for b in buckets) > 1
     _assert_same_update(split, diag, whole, whole_diag)
 
 

@@ -95,6 +95,13 @@ def new_cache(model: nn.Module) -> DynamicCache:
     return DynamicCache(config=getattr(model, "config", None))
 
 
+def plain_layers(cache: Any) -> bool:
+    """Whether every layer of `cache` is a plain full-attention `DynamicLayer` (its keys and
+    values all the positions it was given)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
 class PreallocatedLayer(DynamicLayer):
     """A full-attention cache layer with room for `capacity` positions, written in place.
 

@@ -21,6 +21,7 @@ model by a tiny probe and take the plain path: one full forward with full logits
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int | None = None,
     share_prompt: bool = True,
+    buckets: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (N, T) of `batch.completion_ids` under softmax(logits / temperature).
 
@@ -56,6 +58,10 @@ def completion_logprobs(
     chunk_tokens: positions per head chunk (default: 2^25 / vocab logits at a time).
     share_prompt: run each prompt once for its group (False: the N full sequences, as under
         gradient checkpointing; the same values in exact arithmetic, other float rounding).
+    buckets: a partition of the N rows (index tensors); with the prompt shared, each bucket's
+        completions run as wide as its own longest, over the one prompt forward (rows of 2
+        tokens beside rows of 200 in every group otherwise all run at 200); the same values in
+        exact arithmetic. Ignored where the prompt is not shared.
 
     Returns logp (N, T), or (logp, entropy); both float32 (float64 for a float64 model) and 0
     where `mask` is False.
@@ -91,8 +97,9 @@ def completion_logprobs(
 
     if plain_head(model):
         hidden = _completion_hidden(
-            model.get_decoder(), prompt_ids, prompt_mask, completion_ids, group_size, share_prompt
-        )
+            model.get_decoder(), prompt_ids, prompt_mask, completion_ids, group_size, share_prompt,
+            None if buckets is None else _bucket_widths(buckets, sel),
+        )  # fmt: skip
         lp, ent = _head_logp(model, hidden[sel], completion_ids[sel], temperature, with_entropy,
                              chunk_tokens)  # fmt: skip
     else:
@@ -181,13 +188,15 @@ def _completion_hidden(
     completion_ids: torch.Tensor,
     group_size: int,
     share_prompt: bool = True,
+    buckets: list[tuple[torch.Tensor, int]] | None = None,
 ) -> torch.Tensor:
     """Final hidden states (N, T, H) that predict completion_ids (N, T).
 
     Position t's state comes from prompt + completion[:t]: t = 0 is the prompt's last position,
     t ≥ 1 the completion token t − 1. Runs the B prompts once and shares their cache across
     each group, unless asked not to or the cache would be dropped (gradient checkpointing while
-    training).
+    training). `buckets`: (rows, width) pairs partitioning the N rows (`_bucket_widths`); each
+    bucket's states past its width are 0 (the caller reads only positions under the mask).
     """
     width = completion_ids.shape[1]
     prompt_pos = _hf.left_pad_positions(prompt_mask)  # (B, P)
@@ -202,6 +211,12 @@ def _completion_hidden(
         position_ids=prompt_pos,
         **_hf.cache_kwargs(decoder, cache),
     )
+    if buckets is not None and len(buckets) > 1 and _hf.plain_layers(cache):
+        hidden = _bucketed_hidden(decoder, out.last_hidden_state[:, -1], cache, prompt_mask,
+                                  completion_ids, group_size, buckets)  # fmt: skip
+        if hidden is not None:
+            return hidden
+        return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
     first = out.last_hidden_state[:, -1].repeat_interleave(group_size, dim=0)  # (N, H)
     if width == 1:
         return first[:, None]
@@ -225,6 +240,63 @@ def _completion_hidden(
     if cache.get_seq_length() != prompt_ids.shape[1] + width - 1:  # the cache was not used
         return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
     return torch.cat([first[:, None], rest], dim=1)
+
+
+def _bucket_widths(
+    buckets: Sequence[torch.Tensor], sel: torch.Tensor
+) -> list[tuple[torch.Tensor, int]]:
+    """Each bucket's rows (on `sel`'s device) and width: the last position under `sel` (N, T)
+    of any of its rows, plus one (at least 1)."""
+    width = sel.shape[1]
+    last = torch.where(sel.any(-1), width - sel.flip(-1).int().argmax(-1), 1)  # (N,)
+    out = []
+    for rows in buckets:
+        rows = rows.to(sel.device)
+        out.append((rows, int(last[rows].max()) if rows.numel() else 1))
+    return out
+
+
+def _bucketed_hidden(
+    decoder: nn.Module,
+    last: torch.Tensor,
+    cache: Any,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    group_size: int,
+    buckets: list[tuple[torch.Tensor, int]],
+) -> torch.Tensor | None:
+    """`_completion_hidden` with each bucket's rows run as wide as the bucket: its rows' prompt
+    caches are gathered from the one prompt forward (`cache`; `last` (B, H) its final states),
+    which autograd differentiates, so every bucket's gradient sums back into that forward.
+    None when the decoder did not use the cache."""
+    n, width = completion_ids.shape
+    prompt_len = prompt_mask.sum(-1)  # (B,)
+    layers = [(layer.keys, layer.values) for layer in cache.layers]  # (B, Hkv, P, D) each
+    pieces, order = [], []
+    for rows, w in buckets:
+        group = torch.div(rows, group_size, rounding_mode="floor")  # (R,)
+        states = [last[group][:, None]]  # (R, 1, H)
+        if w > 1:
+            own = _hf.new_cache(decoder)
+            for i, (keys, values) in enumerate(layers):
+                own.update(keys[group], values[group], i)
+            attn = torch.cat([prompt_mask[group], prompt_mask.new_ones(len(rows), w - 1)], dim=1)
+            pos = prompt_len[group][:, None] + torch.arange(w - 1, device=rows.device)
+            states.append(
+                decoder(
+                    input_ids=completion_ids[rows, : w - 1],
+                    attention_mask=attn,
+                    position_ids=pos,
+                    **_hf.cache_kwargs(decoder, own),
+                ).last_hidden_state
+            )  # (R, w − 1, H)
+            if own.get_seq_length() != prompt_mask.shape[1] + w - 1:  # the cache was not used
+                return None
+        pieces.append(F.pad(torch.cat(states, dim=1), (0, 0, 0, width - w)))  # (R, T, H)
+        order.append(rows)
+    inverse = torch.empty(n, dtype=torch.long, device=completion_ids.device)
+    inverse[torch.cat(order)] = torch.arange(n, device=completion_ids.device)
+    return torch.cat(pieces)[inverse]  # (N, T, H)
 
 
 def _full_forward(

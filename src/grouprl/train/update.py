@@ -194,7 +194,8 @@ def _backward(
             _recomputing(cfg, policy),
             adapter_dropout(policy, cfg.lora_dropout > 0),
         ):
-            logp = logprobs(policy, chunk.rollout, temperature=cfg.temperature)  # (n, T) fp32
+            logp = logprobs(policy, chunk.rollout, temperature=cfg.temperature,
+                            buckets=chunk.buckets)  # (n, T) fp32  # fmt: skip
         out = policy_loss(
             logp,
             chunk.rollout.old_logp,
@@ -266,6 +267,7 @@ def trainer_old_logp(
                     chunk.rollout,
                     temperature=cfg.temperature,
                     share_prompt=not cfg.gradient_checkpointing,  # the update's own path
+                    buckets=chunk.buckets,
                 )
             chunks.append(
                 dataclasses.replace(
