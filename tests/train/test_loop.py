@@ -450,22 +450,26 @@ def test_micro_batches_give_the_unchunked_update(micro, algo, monkeypatch):
     _assert_same_update(chunked, diag, whole, whole_diag)
 
 
-def test_width_chunks_group_by_longest_completion_where_it_pays():
-    g, t = 2, 100
-    longest = [10, 100, 12, 98]  # per group; each group's other row is 1 token
-    lengths = torch.tensor([[n, 1] for n in longest]).reshape(-1)  # (8,)
-    rollout = Rollout(
-        prompt_ids=torch.ones(4, 2, dtype=torch.long),
-        prompt_mask=torch.ones(4, 2, dtype=torch.bool),
-        completion_ids=torch.zeros(8, t, dtype=torch.long),
-        mask=torch.arange(t)[None] < lengths[:, None],
-        old_logp=torch.zeros(8, t),
-        truncated=torch.zeros(8, dtype=torch.bool),
-        texts=[f"c{i}" for i in range(8)],
-        prompts=[f"p{i}" for i in range(4)],
-        group_size=g,
+def _rollout_of_lengths(lengths: list[int], group_size: int, width: int) -> Rollout:
+    """A rollout whose completions (of 2-token prompts p0, p1, ...) have these lengths."""
+    n, b = len(lengths), len(lengths) // group_size
+    return Rollout(
+        prompt_ids=torch.ones(b, 2, dtype=torch.long),
+        prompt_mask=torch.ones(b, 2, dtype=torch.bool),
+        completion_ids=torch.zeros(n, width, dtype=torch.long),
+        mask=torch.arange(width)[None] < torch.tensor(lengths)[:, None],
+        old_logp=torch.zeros(n, width),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        texts=[f"c{i}" for i in range(n)],
+        prompts=[f"p{i}" for i in range(b)],
+        group_size=group_size,
         temperature=1.0,
     )
+
+
+def test_width_chunks_group_by_longest_completion_where_it_pays():
+    longest = [10, 100, 12, 98]  # per group; each group's other row is 1 token
+    rollout = _rollout_of_lengths([x for n in longest for x in (n, 1)], group_size=2, width=100)
     rows = torch.arange(8) + 8  # as if this were the step's second minibatch
     # one pass: 8 rows x 100 + 50 = 850; groups {1, 3} and {2, 0}: 4 x 100 + 4 x 12 + 2 x 50 =
     # 548; three passes {1}, {3}, {2, 0}: 200 + 196 + 48 + 150 = 594
@@ -473,6 +477,10 @@ def test_width_chunks_group_by_longest_completion_where_it_pays():
     assert wide.rollout.prompts == ["p1", "p3"] and wide.rows.tolist() == [10, 11, 14, 15]
     assert narrow.rollout.prompts == ["p2", "p0"] and narrow.rows.tolist() == [12, 13, 8, 9]
     assert torch.equal(narrow.rollout.mask, rollout.mask[[4, 5, 0, 1]])
+    # and in each, the 1-token rows at a width of their own (5 per width): wide 2 x 100 + 2 + 10
+    # against 4 x 100 + 5, narrow 2 x 12 + 2 + 10 against 4 x 12 + 5
+    for chunk in (wide, narrow):
+        assert [b.tolist() for b in chunk.buckets] == [[0, 2], [1, 3]]
     # at 1,000 per pass a split saves less than it costs: one chunk, the order kept
     (whole,) = plan.width_chunks(rollout, rows, overhead=1000)
     assert whole.rollout is rollout and whole.rows.tolist() == rows.tolist()
@@ -485,20 +493,7 @@ def test_width_chunks_group_by_longest_completion_where_it_pays():
 def test_rows_of_a_pass_run_at_widths_of_their_own_where_it_pays():
     """Groups too alike to split into passes, but rows of 1-3 tokens beside rows of ~30 in
     each: the pass runs them in two buckets, at a width's cost of `overhead` / 10."""
-    g, t = 4, 31
-    lengths = torch.tensor([30, 2, 29, 1, 2, 31, 1, 3])  # (8,) two groups of 4
-    rollout = Rollout(
-        prompt_ids=torch.ones(2, 2, dtype=torch.long),
-        prompt_mask=torch.ones(2, 2, dtype=torch.bool),
-        completion_ids=torch.zeros(8, t, dtype=torch.long),
-        mask=torch.arange(t)[None] < lengths[:, None],
-        old_logp=torch.zeros(8, t),
-        truncated=torch.zeros(8, dtype=torch.bool),
-        texts=[f"c{i}" for i in range(8)],
-        prompts=["p0", "p1"],
-        group_size=g,
-        temperature=1.0,
-    )
+    rollout = _rollout_of_lengths([30, 2, 29, 1, 2, 31, 1, 3], group_size=4, width=31)
     rows = torch.arange(8)
     # passes at 1,000 each: one (8 x 31 + 1,000 = 1,248) against two (4 x 31 + 4 x 30 + 2,000);
     # widths at 100 each, rows sorted 31 30 29 3 2 2 1 1: one (8 x 31 + 100 = 348), two
