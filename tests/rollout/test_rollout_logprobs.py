@@ -147,6 +147,9 @@ def test_buckets_run_rows_at_their_own_widths_with_the_same_values_and_gradients
     for name in grads:
         assert torch.isfinite(grads[name]).all(), name
         assert_same_f64(grads[name], ref_grads[name])
+    for wrong in ([torch.tensor([0, 1])], [torch.arange(12), torch.tensor([3])]):
+        with pytest.raises(ValueError, match="each of the 12 rows once"):
+            completion_logprobs(model, rollout, buckets=wrong)
 
 
 @pytest.mark.numerics
