@@ -62,7 +62,7 @@ def completion_logprobs(
         completions run as wide as its own longest, over the one prompt forward (rows of 2
         tokens beside rows of 200 in every group otherwise all run at 200); the same values in
         exact arithmetic (ValueError unless each row is in one bucket). Ignored where the
-        prompt is not shared.
+        prompt is not shared or the cache is not plain full attention (sliding windows).
 
     Returns logp (N, T), or (logp, entropy); both float32 (float64 for a float64 model) and 0
     where `mask` is False.
@@ -249,15 +249,11 @@ def _bucket_widths(
     """Each bucket's rows (on `sel`'s device) and width: the last position under `sel` (N, T)
     of any of its rows, plus one (at least 1)."""
     n, width = sel.shape
-    rows_in = torch.cat([rows.reshape(-1).to(sel.device) for rows in buckets])
-    if not torch.equal(rows_in.sort().values, torch.arange(n, device=sel.device)):
+    moved = [rows.reshape(-1).to(sel.device) for rows in buckets]
+    if not torch.equal(torch.cat(moved).sort().values, torch.arange(n, device=sel.device)):
         raise ValueError(f"buckets must hold each of the {n} rows once")
     last = torch.where(sel.any(-1), width - sel.flip(-1).int().argmax(-1), 1)  # (N,)
-    out = []
-    for rows in buckets:
-        rows = rows.reshape(-1).to(sel.device)
-        out.append((rows, int(last[rows].max()) if rows.numel() else 1))
-    return out
+    return [(rows, int(last[rows].max()) if rows.numel() else 1) for rows in moved]
 
 
 def _bucketed_hidden(
