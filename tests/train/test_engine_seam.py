@@ -48,11 +48,21 @@ class StrictEngine:
             temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed, tools=tools,
         )  # fmt: skip
 
+    def policy_updated(self, version: int) -> None:
+        self.calls.append({"policy_updated": version})
+        self.inner.policy_updated(version)
+
+    def close(self) -> None:
+        self.inner.close()
+
 
 def test_the_engines_have_exactly_the_protocols_signature():
-    protocol = inspect.signature(RolloutEngine.sample)
-    assert inspect.signature(StrictEngine.sample) == protocol
-    assert inspect.signature(HFRolloutEngine.sample) == protocol
+    from grouprl.rollout.vllm_engine import VLLMEngine
+
+    for method in ("sample", "policy_updated", "close"):
+        protocol = inspect.signature(getattr(RolloutEngine, method))
+        for engine in (StrictEngine, HFRolloutEngine, VLLMEngine):
+            assert inspect.signature(getattr(engine, method)) == protocol, (engine, method)
     with pytest.raises(TypeError, match="lockstep"):  # the strict engine can fail
         StrictEngine(None).sample([[1]], group_size=1, max_new_tokens=1, lockstep=None)
 
@@ -85,12 +95,16 @@ def test_training_evaluation_and_check_sample_through_the_engine(
     cfg = TrainConfig(**SMALL, **extra, output_dir=tmp_path / "run")
     assert loop.train(cfg).steps_done == 1
     (engine,) = made
-    # one training step, and the held-out evaluations at its start and end (sampled, greedy)
-    assert [c["group_size"] for c in engine.calls] == [2, 1, 2, 2, 1]
+    # one training step, and the held-out evaluations at its start and end (sampled, greedy);
+    # the engine is told of the update between them
+    assert [c.get("group_size", "updated") for c in engine.calls] == [2, 1, 2, "updated", 2, 1]
+    assert engine.calls[3] == {"policy_updated": 1}
+    engine.calls = [c for c in engine.calls if "policy_updated" not in c]
     assert all((c["tools"] is not None) == environment for c in engine.calls)
     run = setup(dataclasses.replace(cfg, output_dir=tmp_path / "check"))
     measure(run, CheckOptions(steps=1))
-    assert made[-1].calls and all(c["group_size"] == 2 for c in made[-1].calls)
+    sampled = [c for c in made[-1].calls if "group_size" in c]
+    assert sampled and all(c["group_size"] == 2 for c in sampled)
 
 
 def test_generate_samples_through_the_engine():

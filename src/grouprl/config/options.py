@@ -40,6 +40,8 @@ AdvScale = Literal["group", "batch", "none"]  # grouprl.core.ADVANTAGE_SCALES
 KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
 EvalSplit = Literal["heldout", "train", "all"]
 ToolFormat = Literal["tags", "chat"]
+Engine = Literal["hf", "vllm"]  # grouprl.train.build.ENGINES
+VllmDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 #: The trackers `--report-to` may name, with the module each needs and what installs it
@@ -87,6 +89,31 @@ class ModelOptions:
     chat_template_kwargs: dict[str, bool | int | float | str] | None = None
     """Variables for the tokenizer's chat template wherever it renders (prompts, tool turns,
     reward models), e.g. --chat-template-kwargs enable_thinking False for Qwen3."""
+    engine: Engine = "hf"
+    """What samples completions: hf, grouprl's own decode loop on the policy itself (the
+    sampler is the trainer); vllm, vLLM's offline engine in this process (TRL's colocate mode:
+    its own copy of the weights, synced after every update; the trainer recomputes old_logp and
+    logs how far vLLM's log-probs are from it). pip install 'grouprl[vllm]'."""
+    vllm_dtype: VllmDtype = "auto"
+    """vLLM's weight and activation dtype. auto: the trainer's forwards' (float32; bfloat16
+    under --precision bf16 or a bf16 LoRA base)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """On a GPU, the share of its memory vLLM may hold (weights, activations, KV cache), as
+    TRL's vllm_gpu_memory_utilization; the trainer needs the rest. Not used on a CPU."""
+    vllm_kv_cache_gb: float | None = None
+    """vLLM's KV cache in GiB. None: on a GPU, what --vllm-gpu-memory-utilization leaves; on a
+    CPU, room for every row of the largest batch the run samples at full length (vLLM's own
+    CPU default reserves most of the machine's RAM)."""
+    vllm_max_model_length: int | None = None
+    """Longest prompt + completion vLLM holds a sequence for; prompts longer than it leaves for
+    max_new_tokens are skipped, as --max-prompt-length skips them. None: the model's context."""
+    vllm_sleep: bool = False
+    """Put vLLM to sleep while the trainer updates (its KV cache freed, weights reloaded on
+    waking), as TRL's vllm_enable_sleep_mode: memory for the update on a shared GPU, at a wake
+    per step. CUDA only."""
+    vllm_enforce_eager: bool | None = None
+    """Run vLLM's model eagerly. None: eager on a CPU (compiling takes minutes on a few cores
+    and LoRA needs eager there), CUDA graphs on a GPU."""
 
 
 @dataclass(frozen=True)

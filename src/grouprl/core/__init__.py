@@ -3,8 +3,8 @@
 Imports torch and the standard library only: no models, configs, I/O or torch.distributed, so
 the trainer, the distributed code and the tests all call the same few functions. See
 advantages.py (group-relative advantages), loss.py (ratios, KL, aggregation, the clipped loss),
-objectives.py (CISPO, SAPO, GMPO, VESPO) and shaping.py (DAPO's overlong penalty) for the
-formulas and their papers.
+objectives.py (CISPO, SAPO, GMPO, VESPO), shaping.py (DAPO's overlong penalty) and offpolicy.py
+(how far a sampler's log-probs are from the trainer's) for the formulas and their papers.
 """
 
 from .advantages import (
@@ -35,6 +35,7 @@ from .loss import (
     sapo_objective,
     vespo_objective,
 )
+from .offpolicy import MismatchSums, logp_mismatch
 from .shaping import overlong_penalty
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "RATIO_LEVELS",
     "LossOptions",
     "LossStats",
+    "MismatchSums",
     "PolicyLoss",
     "aggregate",
     "cispo_objective",
@@ -56,6 +58,7 @@ __all__ = [
     "group_advantages",
     "kl_penalty",
     "log_ratio",
+    "logp_mismatch",
     "mean_over",
     "mixed_groups",
     "overlong_penalty",

@@ -80,6 +80,41 @@ def adapter_dropout(model: nn.Module, active: bool) -> Iterator[None]:
             m.training = mode
 
 
+def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under their Hugging Face checkpoint names (what `from_pretrained`
+    reads), for an engine that holds its own copy (vLLM). A LoRA model's are the merged
+    weights W + s·B·A of each adapted layer, computed apart in float32 (base upcast, as
+    `save_final` merges), so the model itself is never changed: merging into the base and
+    unmerging again, as TRL does, would leave W + s·B·A − s·B·A, not W, in float rounding.
+    Other tensors are the model's own (no copy)."""
+    if not is_lora(model):
+        return dict(model.state_dict())
+    base = model.get_base_model()
+    with torch.no_grad():
+        deltas = {name: module.get_delta_weight(adapter).float()
+                  for name, module in base.named_modules()
+                  if (adapter := _active_adapter(module)) is not None}  # fmt: skip
+    out = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        module, found, param = key.partition(".base_layer.")
+        if found:
+            key = f"{module}.{param}"
+            if param == "weight":
+                value = value.float() + deltas[module]
+        out[key] = value
+    return out
+
+
+def _active_adapter(module: nn.Module) -> str | None:
+    """The adapter a peft LoRA layer applies (grouprl trains one), or None for other modules."""
+    names = getattr(module, "active_adapters", None)
+    if not hasattr(module, "get_delta_weight") or not names:
+        return None
+    return names[0] if names[0] in getattr(module, "lora_A", {}) else None
+
+
 def save_final(model: nn.Module, tokenizer, directory: Path, state_dict=None) -> None:
     """`directory`: a full model `AutoModelForCausalLM` loads, and for a LoRA model also
     `directory/adapter` (the adapter alone, which peft loads over the base model).

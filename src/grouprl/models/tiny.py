@@ -123,10 +123,18 @@ _CORPUS = [
 ] * 20
 
 
-def save_tiny_chat_model(directory: str | Path, *, seed: int = 0, template: str = CHATML):
-    """Save a random 2-layer Qwen2 (hidden 32) with a byte-level BPE tokenizer (300 tokens),
-    a ChatML template (or `template`, e.g. `QWEN25_TOOLS`), and EOS ids `<|im_end|>` and
-    `<|endoftext|>`; returns (model, tokenizer)."""
+def save_tiny_chat_model(
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    template: str = CHATML,
+    hidden_size: int = 32,
+    intermediate_size: int = 64,
+):
+    """Save a random 2-layer Qwen2 (hidden 32, 2 heads, 1 KV head) with a byte-level BPE
+    tokenizer (300 tokens), a ChatML template (or `template`, e.g. `QWEN25_TOOLS`), and EOS ids
+    `<|im_end|>` and `<|endoftext|>`; returns (model, tokenizer). `hidden_size` 128 gives heads
+    of 64, which vLLM's CPU attention runs (it has no kernel for 16)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     backend = Tokenizer(models.BPE())
@@ -147,8 +155,8 @@ def save_tiny_chat_model(directory: str | Path, *, seed: int = 0, template: str 
     ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,

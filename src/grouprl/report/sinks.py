@@ -126,6 +126,8 @@ TRL_NAMES = {
     "entropy": "entropy",
     "kl": "kl",
     "lr": "learning_rate",
+    "logp_mismatch_mean": "sampling/sampling_logp_difference/mean",
+    "logp_mismatch_max": "sampling/sampling_logp_difference/max",
 }
 
 

@@ -66,3 +66,9 @@ class HFRolloutEngine:
             lockstep=self.lockstep,
             tools=tools or self.tools,
         )
+
+    def policy_updated(self, version: int) -> None:
+        """Nothing to do: the engine samples with the policy itself."""
+
+    def close(self) -> None:
+        """Nothing to free: the policy is the caller's."""

@@ -63,6 +63,24 @@ class StopStrings:
             hit[active[found]] = True
         return hit
 
+    def first_hit(self, ids: Sequence[int], begin: int, end: int, since: int = 0) -> int | None:
+        """The first position t in [begin, end) at which `hits` finds a stop string in a row
+        holding `ids` (its completion, at least `end` long), with its current turn starting at
+        `since`; None if at none. For a sampler that writes many tokens before it is asked (an
+        engine running its own decode): the same windows `hits` decodes at each step, in one
+        `batch_decode`, after a decode of the whole span has shown a stop string is in it."""
+        first = max(0, since, begin + 1 - self.window)
+        if begin >= end or not any(
+            s in self.tokenizer.decode(ids[first:end], skip_special_tokens=True) for s in self.stop
+        ):
+            return None
+        tails = [ids[max(0, t + 1 - self.window, since) : t + 1] for t in range(begin, end)]
+        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
+        return next(
+            (t for t, text in zip(range(begin, end), texts) if any(s in text for s in self.stop)),
+            None,
+        )
+
     def cut(self, text: str) -> str:
         """`text` up to and including the stop string occurrence that ends first."""
         ends = [text.find(s) + len(s) for s in self.stop if s in text]

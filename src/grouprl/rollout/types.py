@@ -49,6 +49,12 @@ class Rollout:
         entropy: (N, T) float32 (like old_logp) or None, entropy of the sampling distribution
             softmax(logits / temperature) (before top-k / top-p, like `old_logp`) at each
             completion position; 0 where old_logp is. None when the engine does not provide it.
+        behaviour_logp: (N, T) float32 or None: each sampled token's log-prob as the sampler
+            computed it, when the sampler is not the trainer's own forward (vLLM: in its own
+            precision and kernels, after temperature and top-k / top-p, as TRL asks vLLM for
+            them); 0 where old_logp is. The trainer then recomputes `old_logp` with its own
+            forward and logs how far apart the two are (`grouprl.core.logp_mismatch`). None: the
+            sampler is the policy itself, and `old_logp` is its log-prob.
         turns: for a rollout with tools (`grouprl.rollout.turns`), each row's transcript
             (role-tagged assistant and tool turns) and tool counts; None otherwise. A
             trajectory is the sampled ids and the observation ids fed, exactly; its `texts` are
@@ -70,6 +76,7 @@ class Rollout:
     entropy: torch.Tensor | None = None  # (N, T)
     loss_mask: torch.Tensor | None = None  # (N, T), ⊆ mask; None: mask
     turns: TurnRecord | None = None  # multi-turn rollouts: transcripts and tool counts
+    behaviour_logp: torch.Tensor | None = None  # (N, T); None: old_logp is the sampler's
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -82,6 +89,8 @@ class Rollout:
             raise ValueError("completion_ids, mask and old_logp must all be (N, T)")
         if self.entropy is not None and self.entropy.shape != self.mask.shape:
             raise ValueError("entropy must be (N, T) like mask")
+        if self.behaviour_logp is not None and self.behaviour_logp.shape != self.mask.shape:
+            raise ValueError("behaviour_logp must be (N, T) like mask")
         if self.loss_mask.shape != self.mask.shape:
             raise ValueError("loss_mask must be (N, T) like mask")
         if self.loss_mask is not self.mask and bool((self.loss_mask & ~self.mask).any()):
@@ -143,6 +152,7 @@ class Rollout:
             entropy=None if self.entropy is None else self.entropy[ri],
             loss_mask=self._loss_mask_or_none(ri),
             turns=None if self.turns is None else self.turns.select(rows.tolist()),
+            behaviour_logp=None if self.behaviour_logp is None else self.behaviour_logp[ri],
         )
 
     def _loss_mask_or_none(self, rows: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -156,10 +166,11 @@ class Rollout:
         """The same rollout with its tensors on `device`."""
         tensors = ("prompt_ids", "prompt_mask", "completion_ids", "mask", "old_logp", "truncated")
         moved = {name: getattr(self, name).to(device) for name in tensors}
-        entropy = None if self.entropy is None else self.entropy.to(device)
+        optional = {name: None if (t := getattr(self, name)) is None else t.to(device)
+                    for name in ("entropy", "behaviour_logp")}  # fmt: skip
         loss_mask = self._loss_mask_or_none()
         loss_mask = None if loss_mask is None else loss_mask.to(device)
-        return dataclasses.replace(self, **moved, entropy=entropy, loss_mask=loss_mask)
+        return dataclasses.replace(self, **moved, **optional, loss_mask=loss_mask)
 
     def completion_id_lists(self) -> list[list[int]]:
         """Each completion's token ids under the mask (EOS included), as TRL passes
@@ -257,7 +268,17 @@ class Rollout:
                 if all(p.turns is not None for p in parts)
                 else None
             ),
+            behaviour_logp=(
+                None
+                if all(p.behaviour_logp is None for p in parts)
+                else torch.cat([right(p.sampler_logp, 0.0) for p in parts])
+            ),
         )
+
+    @property
+    def sampler_logp(self) -> torch.Tensor:
+        """(N, T): the log-probs the sampler computed, `behaviour_logp` or else `old_logp`."""
+        return self.old_logp if self.behaviour_logp is None else self.behaviour_logp
 
 
 class RolloutEngine(Protocol):
@@ -271,7 +292,12 @@ class RolloutEngine(Protocol):
     `Rollout`, whatever the backend; temperature 0 decodes greedily (old_logp at temperature 1).
     `tools` answers tool calls inside the decode (`grouprl.rollout.turns`); None: a single turn.
     `entropy` is optional: an engine that cannot provide it returns None, and the trainer then
-    logs no entropy.
+    logs no entropy. An engine that is not the trainer's own forward sets `behaviour_logp`.
+
+    `policy_updated(version)` is called after every optimizer step that changed the policy's
+    weights, `version` counting them: an engine holding its own copy of the weights (vLLM) loads
+    them before it next samples; one that samples with the policy itself does nothing. `close()`
+    ends the engine's life (the trainer calls it when a run ends).
     """
 
     def sample(
@@ -287,3 +313,8 @@ class RolloutEngine(Protocol):
         seed: int | None = None,
         tools: TurnHandler | None = None,
     ) -> Rollout: ...
+
+    def policy_updated(self, version: int) -> None: ...
+
+    def close(self) -> None:
+        """Free what the engine holds (its model copy, its cache); it samples no more."""

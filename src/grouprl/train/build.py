@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -233,10 +234,106 @@ def load_run_tokenizer(opts: ModelOptions, spec: str | None = None) -> Any:
     return with_template_variables(tokenizer, opts.chat_template_kwargs)
 
 
+#: The engines `--engine` names (grouprl.config.options.Engine).
+ENGINES = ("hf", "vllm")
+#: vLLM's dtype for each forward dtype of the trainer (None: float32).
+_VLLM_DTYPES = {None: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: The share of the machine's memory vLLM's KV cache may take on a CPU by default.
+_CPU_KV_SHARE = 0.25
+
+
+def build_engine(
+    opts: ModelOptions,
+    policy: nn.Module,
+    tokenizer: Any,
+    *,
+    dtype: torch.dtype | None,
+    rows: int,
+    max_len: int | None,
+    seed: int,
+    tools: Any = None,
+    lockstep: Any = None,
+    processes: int = 1,
+) -> Any:
+    """The `RolloutEngine` `--engine` names, sampling `policy`'s completions: grouprl's own
+    (the policy itself; `lockstep` keeps FSDP ranks in step), or vLLM's (its own copy of the
+    weights; `dtype` is the trainer's forwards', `rows` the most completions one call samples,
+    `max_len` the longest prompt + completion it must hold, None: the model's context).
+    `tools`: the turn handler."""
+    if opts.engine == "hf":
+        from grouprl.rollout import HFRolloutEngine
+
+        all_done = None if lockstep is None else lockstep.all_done
+        return HFRolloutEngine(policy, tokenizer, lockstep=all_done, tools=tools)
+    if processes > 1:
+        raise UserError(
+            "--engine vllm runs in one process (TRL's colocate mode on one device); under "
+            "torchrun use --engine hf"
+        )
+    from grouprl.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(policy, tokenizer, vllm_options(opts, policy, dtype, rows, max_len, seed),
+                      tools=tools)  # fmt: skip
+
+
+def vllm_options(
+    opts: ModelOptions,
+    policy: nn.Module,
+    dtype: torch.dtype | None,
+    rows: int,
+    max_len: int | None,
+    seed: int,
+) -> Any:
+    """vLLM's settings from the run's: its dtype (auto: the trainer's forwards'), its longest
+    sequence, its KV cache (on a CPU by default room for `rows` sequences at full length, at
+    most a quarter of the machine's memory: vLLM's own CPU default would reserve 92% of it),
+    eager or compiled, its block size (32 on a CPU, where vLLM's default of 128 leaves a short
+    prompt no full block for a group to share)."""
+    from grouprl.rollout.vllm_engine import VLLMOptions, kv_bytes_per_token
+
+    device = next(policy.parameters()).device
+    cpu = device.type != "cuda"
+    if opts.vllm_sleep and cpu:
+        raise UserError("--vllm-sleep: vLLM's sleep mode needs CUDA; drop it on a CPU")
+    if not 0 < opts.vllm_gpu_memory_utilization <= 1:
+        raise UserError("--vllm-gpu-memory-utilization must lie in (0, 1]")
+    if opts.vllm_kv_cache_gb is not None and not opts.vllm_kv_cache_gb > 0:
+        raise UserError("--vllm-kv-cache-gb must be > 0")
+    name = opts.vllm_dtype if opts.vllm_dtype != "auto" else _VLLM_DTYPES[dtype]
+    length = opts.vllm_max_model_length or max_len or context_length(policy)
+    if length is None:
+        raise UserError(
+            "--engine vllm: the model's config does not say its context length; give "
+            "--vllm-max-model-length"
+        )
+    per_token = kv_bytes_per_token(policy.config, getattr(torch, name))
+    kv_bytes = None
+    if opts.vllm_kv_cache_gb is not None:
+        kv_bytes = int(opts.vllm_kv_cache_gb * 2**30)
+    elif cpu:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        kv_bytes = max(min(rows * length * per_token, int(_CPU_KV_SHARE * memory)),
+                       length * per_token)  # fmt: skip
+    if kv_bytes is not None and kv_bytes < length * per_token:
+        raise UserError(
+            f"--vllm-kv-cache-gb {opts.vllm_kv_cache_gb:g} holds {kv_bytes // per_token} tokens, "
+            f"fewer than one sequence of {length}; raise it or lower --vllm-max-model-length"
+        )
+    eager = opts.vllm_enforce_eager if opts.vllm_enforce_eager is not None else cpu
+    return VLLMOptions(dtype=name, max_model_len=int(length), kv_cache_bytes=kv_bytes,
+                       gpu_memory_utilization=opts.vllm_gpu_memory_utilization,
+                       sleep=opts.vllm_sleep, enforce_eager=eager, seed=seed,
+                       block_size=32 if cpu else None)  # fmt: skip
+
+
 def prompt_budget(opts: DataOptions, model: nn.Module, max_new_tokens: int) -> int | None:
     """The longest prompt (tokens) to sample from: `--max-prompt-length`, else what leaves room
-    for `max_new_tokens` in the model's context (None when the model does not say)."""
+    for `max_new_tokens` in the model's context (None when the model does not say), and with
+    `--engine vllm` in `--vllm-max-model-length`."""
     context = context_length(model)
+    engine_length = getattr(opts, "vllm_max_model_length", None)
+    if getattr(opts, "engine", "hf") == "vllm" and engine_length is not None:
+        context = engine_length if context is None else min(context, engine_length)
     if context is not None and max_new_tokens >= context:
         raise UserError(
             f"max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's "

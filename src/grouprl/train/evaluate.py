@@ -18,6 +18,7 @@ Deterministic for a given seed: batch i of prompts samples with seed `seed + i`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -40,6 +41,7 @@ from grouprl.tasks import RewardFn
 from grouprl.tasks.base import REWARD_TIMEOUT, TrainerState, call_reward, completion_objects
 from grouprl.tasks.scoring import RewardSet
 from grouprl.train.build import (
+    build_engine,
     build_rewards,
     build_task,
     build_tools,
@@ -141,6 +143,10 @@ def _environments(rollout: Rollout) -> dict[str, Any]:
     return {} if envs is None else {"environments": envs}
 
 
+#: Problems an evaluation samples together (each with its k samples), unless told.
+EVAL_BATCH_PROMPTS = 64
+
+
 def evaluate(
     model: Any,
     tokenizer: Any,
@@ -152,7 +158,7 @@ def evaluate(
     temperature: float = 1.0,
     max_new_tokens: int,
     stop: list[str] | None = None,
-    batch_prompts: int = 64,
+    batch_prompts: int = EVAL_BATCH_PROMPTS,
     seed: int = 0,
     greedy: bool = True,
     progress: bool = True,
@@ -407,8 +413,31 @@ def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
         Console(stderr=True).print(
             f"[yellow]warning:[/] skipped {heldout.too_long} prompts longer than {budget} tokens"
         )
+    engine = build_engine(cfg, model, tokenizer, dtype=None,
+                          rows=cfg.batch_prompts * max(cfg.samples, 1),
+                          max_len=None if budget is None else budget + max_new_tokens,
+                          seed=cfg.seed, tools=tools and tools.handler)  # fmt: skip
     start = time.perf_counter()
-    result = evaluate(
+    with contextlib.closing(engine):
+        result = _evaluate_with(engine, model, tokenizer, heldout, rewards, cfg, max_new_tokens,
+                                task, budget, tools, progress)  # fmt: skip
+    return {
+        "model": name,
+        "task": task.name,
+        "split": cfg.split,
+        "pass_reward": rewards.pass_reward,
+        "temperature": cfg.temperature,
+        "seed": cfg.seed,
+        "k": cfg.samples,
+        **asdict(result),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def _evaluate_with(engine: RolloutEngine, model: Any, tokenizer: Any, heldout: Any,
+                   rewards: RewardSet, cfg: EvalConfig, max_new_tokens: int, task: Any,
+                   budget: int | None, tools: Any, progress: bool) -> EvalResult:  # fmt: skip
+    return evaluate(
         model,
         tokenizer,
         heldout.rows,
@@ -425,15 +454,5 @@ def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
         ids=heldout.ids,
         keys=heldout.keys,
         budget=budget,
+        engine=engine,
     )
-    return {
-        "model": name,
-        "task": task.name,
-        "split": cfg.split,
-        "pass_reward": rewards.pass_reward,
-        "temperature": cfg.temperature,
-        "seed": cfg.seed,
-        "k": cfg.samples,
-        **asdict(result),
-        "seconds": round(time.perf_counter() - start, 2),
-    }

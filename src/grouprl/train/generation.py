@@ -26,10 +26,11 @@ import yaml
 from grouprl.config.options import DataOptions, GenerateConfig
 from grouprl.errors import UserError
 from grouprl.models.loading import resolve_device
-from grouprl.rollout import HFRolloutEngine, RolloutEngine
+from grouprl.rollout import RolloutEngine
 from grouprl.tasks.base import TrainerState
 from grouprl.tasks.data import RowFormat, format_prompt
 from grouprl.train.build import (
+    build_engine,
     build_rewards,
     build_task,
     load_run_model,
@@ -154,4 +155,6 @@ def load_generator(cfg: GenerateConfig) -> Generator:
     model = load_run_model(cfg, torch.float32, device, name)
     tokenizer = load_run_tokenizer(cfg, name)
     rewards = build_rewards(cfg, task, device) if cfg.rewards else None
-    return Generator(cfg, name, task, HFRolloutEngine(model, tokenizer), tokenizer, rewards)
+    engine = build_engine(cfg, model, tokenizer, dtype=None, rows=cfg.limit * cfg.samples,
+                          max_len=None, seed=cfg.seed)  # fmt: skip
+    return Generator(cfg, name, task, engine, tokenizer, rewards)

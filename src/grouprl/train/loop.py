@@ -3,9 +3,10 @@
 Each step:
   1. take B prompts from the task's train split (a seeded permutation; the position is part of
      the run's state), skipping prompts too long for the model's context;
-  2. sample G completions for each with the current policy through a `RolloutEngine` (the HF
-     engine today; another backend plugs in here); their log-probs under the sampling
-     distribution come back with them as `old_logp` (no extra forward pass);
+  2. sample G completions for each with the current policy through a `RolloutEngine`: the HF
+     engine samples with the policy itself, and its log-probs come back as `old_logp` (no
+     extra forward pass); vLLM samples with its own copy of the weights (synced after every
+     update), and the trainer recomputes `old_logp`, keeping vLLM's as `behaviour_logp`;
   3. score every completion: the weighted sum of the reward functions (NaN where none scored),
      and pass/fail by the pass reward; DAPO's soft overlong penalty is added when enabled;
   4. optionally (dynamic sampling, DAPO) drop groups whose completions all pass or all fail and
@@ -99,6 +100,12 @@ def train(
 
     Under torchrun every rank calls this; rank 0 prints and writes the run directory."""
     run = setup_run(cfg, console=console, callbacks=tuple(callbacks), live=live)
+    with contextlib.closing(run.sampler.engine):  # an engine's own model copy is freed at the end
+        return _train(run)
+
+
+def _train(run: Run) -> TrainSummary:
+    """`train` on a run that is set up."""
     state, finished = restore(run)
     if finished:
         return TrainSummary(run.run_dir, state.step, state.initial_eval, None,

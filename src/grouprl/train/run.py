@@ -49,6 +49,7 @@ from grouprl.tasks import Task
 from grouprl.tasks.data import PromptStream
 from grouprl.train import checkpoint as ckpt
 from grouprl.train.build import (
+    build_engine,
     build_rewards,
     build_task,
     build_tools,
@@ -60,6 +61,7 @@ from grouprl.train.build import (
     task_defaults,
 )
 from grouprl.train.collect import Sampler
+from grouprl.train.evaluate import EVAL_BATCH_PROMPTS
 from grouprl.train.parallel import distributed
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep, full_state, shard
@@ -164,14 +166,31 @@ def setup_run(
         dist.broadcast_parameters(policy)
     tools = build_tools(cfg, task, tokenizer, stop_token_ids(policy, tokenizer))
     dtype = forward_dtype(cfg)  # every forward's autocast dtype: the run's one source
+    budget = prompt_budget(cfg, policy, cfg.max_new_tokens)
+    rewards = build_rewards(cfg, task, device, tools)
+    # the policy itself (HF), or an engine with its own copy of the weights (vLLM), answering
+    # tool calls as it goes
+    rows = max(cfg.prompts_per_step * cfg.group_size,
+               min(cfg.eval_size, EVAL_BATCH_PROMPTS) * cfg.eval_samples)  # fmt: skip
+    engine = build_engine(
+        cfg,
+        policy,
+        tokenizer,
+        dtype=dtype,
+        rows=rows,
+        max_len=None if budget is None else budget + cfg.max_new_tokens,
+        seed=cfg.seed,
+        tools=tools and tools.handler,
+        lockstep=lockstep,
+        processes=dist.world_size,
+    )
     sampler = Sampler(
-        # samples with the policy itself (no sync), answering tool calls as it goes
-        engine=lockstep.engine(policy, tokenizer, tools=tools and tools.handler),
+        engine=engine,
         tokenizer=tokenizer,
         stream=PromptStream(task.train, cfg.seed),
-        rewards=build_rewards(cfg, task, device, tools),
+        rewards=rewards,
         stop=stop_strings(cfg, task),
-        budget=prompt_budget(cfg, policy, cfg.max_new_tokens),
+        budget=budget,
         dtype=dtype,
         device=device,
         dist=dist,
@@ -216,6 +235,7 @@ def restore(run: Run) -> tuple[RunState, bool]:
         )
         if checkpoint is not None:
             state = _load(run, checkpoint)
+            run.sampler.engine.policy_updated(state.step)  # the weights are the checkpoint's
             if (
                 state.step >= cfg.steps
                 and run.on_main(lambda: finished_at(run.run_dir)) == state.step

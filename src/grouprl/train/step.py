@@ -48,6 +48,7 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
         nonfinite = nonfinite + 1 if trained["nonfinite_updates"] else 0
         samples = _samples(batch, advantages, cfg.log_samples)
         ratios = None if probe is None else _probe_ratios(cfg, probe, run.policy, dist)
+        run.sampler.engine.policy_updated(state.step + 1)  # an engine's own copy follows
     lr = run.optimizer.param_groups[0]["lr"]  # the rate this step's updates used
     metrics = step_metrics(collected, trained, dist=dist, weights=weights, lr=lr)
     run.scheduler.step()
@@ -131,9 +132,9 @@ class _Probe:
 def _ratio_probe(cfg: RunConfig, step: int, batch: Batch, run: Run) -> _Probe | None:
     """This rank's share of the `log_ratios` completions of a logged step (every
     `log_ratios_every` steps), before the update: one completion from each of as many groups
-    as possible, a different member of each, so lengths and prompts vary. Under bf16 their
-    sampling-policy log-probs are recomputed by the trainer's forward (the sampler's differ
-    from it by rounding, see `trainer_old_logp`): a second extra forward."""
+    as possible, a different member of each, so lengths and prompts vary. Under bf16, or from
+    another engine, their sampling-policy log-probs are recomputed by the trainer's forward (the
+    sampler's differ from it, see `trainer_old_logp`): a second extra forward."""
     if not cfg.log_ratios or (step + 1) % cfg.log_ratios_every:
         return None
     rollout = batch.rollout
@@ -142,7 +143,8 @@ def _ratio_probe(cfg: RunConfig, step: int, batch: Batch, run: Run) -> _Probe | 
     rows = [(i % B) * G + (i // B + i) % G for i in range(k)]  # distinct: groups first
     sub = rollout.regroup(1).select_groups(rows)
     dtype = run.sampler.dtype
-    old = sub.old_logp if dtype is None else no_grad_logprobs(cfg, run.policy, sub, dtype)
+    exact = dtype is None and sub.behaviour_logp is None  # the sampler is the trainer
+    old = sub.old_logp if exact else no_grad_logprobs(cfg, run.policy, sub, dtype)
     return _Probe(sub, old, dtype)
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from grouprl.config.options import RunConfig
 from grouprl.config.validation import loss_options
-from grouprl.core import LossOptions, LossStats, policy_loss
+from grouprl.core import LossOptions, LossStats, MismatchSums, logp_mismatch, mean_over, policy_loss
 from grouprl.faults import fault
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models.lora import adapter_dropout
@@ -88,7 +88,8 @@ def update(
     # the optimizer's own: under FSDP the model's parameters are the unsharded tensors whenever
     # the root module is unsharded (after a forward), the optimizer's the sharded DTensors
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    plans = _plans(cfg, policy, rollout, advantages, mask, dtype, dist, lockstep or Lockstep(dist))
+    plans, mismatch = _plans(cfg, policy, rollout, advantages, mask, dtype, dist,
+                             lockstep or Lockstep(dist))  # fmt: skip
     inputs = _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype)
     sums = UpdateSums(has_kl=ref_logp is not None)
     for _ in range(cfg.epochs):
@@ -110,7 +111,27 @@ def update(
                      passes.rows, grad_norm)  # fmt: skip
     if dist.enabled:
         dist.all_reduce(sums.extremes, "max")
-    return sums.metrics()
+    metrics = sums.metrics()
+    if mismatch is not None:
+        metrics.update(mismatch_metrics(mismatch, dist))
+    return metrics
+
+
+def mismatch_metrics(sums: MismatchSums, dist: Dist = SINGLE) -> dict[str, float]:
+    """The sampler's log-probs against the trainer's over every trained token of the job
+    (`grouprl.core.logp_mismatch`): the mean and largest |Δ log p|, and k3's KL estimate per
+    token. NaN over no token."""
+    if dist.enabled:
+        total = dist.all_reduce(torch.tensor([sums.abs_sum, sums.k3_sum, float(sums.tokens)],
+                                             dtype=torch.float64, device=dist.device))  # fmt: skip
+        largest = dist.all_reduce(torch.tensor([sums.abs_max], dtype=torch.float64,
+                                               device=dist.device), "max")  # fmt: skip
+        sums = MismatchSums(float(total[0]), float(largest[0]), float(total[1]), int(total[2]))
+    return {
+        "logp_mismatch_mean": mean_over(sums.abs_sum, sums.tokens),
+        "logp_mismatch_max": sums.abs_max if sums.tokens else math.nan,
+        "logp_mismatch_kl": mean_over(sums.k3_sum, sums.tokens),
+    }
 
 
 def _plans(
@@ -122,9 +143,11 @@ def _plans(
     dtype: torch.dtype | None,
     dist: Dist,
     lockstep: Lockstep,
-) -> list[Minibatch]:
+) -> tuple[list[Minibatch], MismatchSums | None]:
     """The update's minibatches and passes (`grouprl.train.plan`), with the global counts, the
-    lockstep's fillers, and under autocast the trainer's own old_logp.
+    lockstep's fillers, and where the sampler is not the trainer's forward (autocast, or
+    another engine) the trainer's own old_logp, with how far the sampler's were from it (None
+    where they are the trainer's).
 
     Passes by width where their cost is measured: on a CPU, and not under FSDP, where every pass
     is a collective per layer (all ranks must run the same passes) and costs an all-gather of
@@ -135,9 +158,9 @@ def _plans(
     )
     plans = with_global_counts(plans, dist)
     plans = pad_passes(plans, rollout, lockstep)
-    if dtype is not None:
-        plans = trainer_old_logp(cfg, policy, plans, dtype)
-    return plans
+    if dtype is None and rollout.behaviour_logp is None:
+        return plans, None
+    return trainer_old_logp(cfg, policy, plans, dtype)
 
 
 @dataclass(frozen=True)
@@ -246,18 +269,20 @@ def optimizer_step(
 
 
 def trainer_old_logp(
-    cfg: RunConfig, policy, plans: list[Minibatch], dtype: torch.dtype
-) -> list[Minibatch]:
-    """The minibatches with `old_logp` recomputed by the trainer's own forward.
+    cfg: RunConfig, policy, plans: list[Minibatch], dtype: torch.dtype | None
+) -> tuple[list[Minibatch], MismatchSums]:
+    """The minibatches with `old_logp` recomputed by the trainer's own forward, and the
+    sampler's log-probs' distance from it over the trained tokens (`logp_mismatch`).
 
     Under bf16 the sampler's KV-cached decode and the trainer's full-sequence forward round
-    differently (measured: up to 0.06 per token, 4e-3 per sequence), more than GSPO's clip range.
-    Recomputing on exactly the chunks (and so the shapes) that the update then runs, through the
-    same forward path (prompt shared, or not under gradient checkpointing), makes the first
-    update's ratio 1 again. Runs before any optimizer step.
+    differently (measured: up to 0.06 per token, 4e-3 per sequence), more than GSPO's clip range;
+    another engine (vLLM) differs by its kernels and precision, and by top-k / top-p, which its
+    log-probs include. Recomputing on exactly the chunks (and so the shapes) that the update
+    then runs, through the same forward path (prompt shared, or not under gradient
+    checkpointing), makes the first update's ratio 1 again. Runs before any optimizer step.
     """
     device = model_device(policy)
-    out = []
+    out, mismatch = [], MismatchSums()
     for plan in plans:
         chunks = []
         for chunk in plan.chunks:
@@ -269,13 +294,16 @@ def trainer_old_logp(
                     share_prompt=not cfg.gradient_checkpointing,  # the update's own path
                     buckets=chunk.buckets,
                 )
+            if chunk.weight:  # a lockstep filler's rows are not trained
+                sampled = chunk.rollout
+                mismatch += logp_mismatch(sampled.sampler_logp, old_logp, sampled.loss_mask)
             chunks.append(
                 dataclasses.replace(
                     chunk, rollout=dataclasses.replace(chunk.rollout, old_logp=old_logp)
                 )
             )
         out.append(dataclasses.replace(plan, chunks=tuple(chunks)))
-    return out
+    return out, mismatch
 
 
 def no_grad_logprobs(

@@ -163,19 +163,19 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "chat_template_kwargs": (None, MAPPED),
     "repetition_penalty": (1.0, REFUSED),
     "cache_implementation": (None, WARNED),
-    "use_vllm": (False, REFUSED),
-    "vllm_mode": ("colocate", WARNED),
+    "use_vllm": (False, MAPPED),
+    "vllm_mode": ("colocate", MAPPED),
     "vllm_model_impl": ("vllm", WARNED),
-    "vllm_enable_sleep_mode": (False, WARNED),
+    "vllm_enable_sleep_mode": (False, MAPPED),
     "vllm_structured_outputs_regex": (None, REFUSED),
     "vllm_server_base_url": (None, WARNED),
     "vllm_server_host": ("0.0.0.0", WARNED),
     "vllm_server_port": (8000, WARNED),
     "vllm_server_timeout": (240.0, WARNED),
     "vllm_group_port": (51216, WARNED),
-    "vllm_gpu_memory_utilization": (0.3, WARNED),
-    "vllm_max_model_length": (None, WARNED),
-    "vllm_tensor_parallel_size": (1, WARNED),
+    "vllm_gpu_memory_utilization": (0.3, MAPPED),
+    "vllm_max_model_length": (None, MAPPED),
+    "vllm_tensor_parallel_size": (1, MAPPED),
     "beta": (0.0, MAPPED),
     "num_iterations": (1, MAPPED),
     "epsilon": (0.2, MAPPED),
@@ -450,6 +450,34 @@ def _schedules(args: Any, steps: int, per_step: int, rows: int | None, prompts: 
     }
 
 
+def _engine(args: Any) -> dict[str, Any]:
+    """TRL's vLLM fields: use_vllm with vllm_mode colocate is grouprl's vLLM engine in the
+    training process; the memory, length and sleep fields are its options."""
+    if not args.use_vllm:
+        return {}
+    if args.vllm_mode != "colocate":
+        raise refusal("vllm_mode", args.vllm_mode,
+                      "grouprl runs vLLM in the training process only: use vllm_mode='colocate' "
+                      "(no trl vllm-serve server is needed)")  # fmt: skip
+    if args.vllm_tensor_parallel_size != 1:
+        raise refusal("vllm_tensor_parallel_size", args.vllm_tensor_parallel_size,
+                      "grouprl's vLLM engine runs on one device")  # fmt: skip
+    if args.vllm_importance_sampling_correction:  # TRL's default
+        warnings.warn(
+            "use_vllm=True: grouprl recomputes old log-probs with the trainer and logs how far "
+            "vLLM's are from them (logp_mismatch_*), but does not yet correct for the gap as "
+            "TRL's vllm_importance_sampling_correction does",
+            UserWarning,
+            stacklevel=4,
+        )
+    return {
+        "engine": "vllm",
+        "vllm_gpu_memory_utilization": float(args.vllm_gpu_memory_utilization),
+        "vllm_max_model_length": args.vllm_max_model_length,
+        "vllm_sleep": bool(args.vllm_enable_sleep_mode),
+    }
+
+
 def _report_to(value: Any) -> list[str]:
     names = [value] if isinstance(value, str) else list(value or [])
     if "all" in names:
@@ -515,6 +543,7 @@ def options_from(args: Any, *, world: int = 1, rows: int | None = None) -> dict[
         "device": "cpu" if args.use_cpu else "auto",
         "progress": not args.disable_tqdm,
         "strategy": "fsdp" if args.fsdp else "ddp",
+        **_engine(args),
     }
     # None where grouprl resolves a value itself (norm_len, adv_scale under GDPO, run_name):
     # left to it, so that a resumed run's record (which holds the resolved value) matches

@@ -1,0 +1,36 @@
+"""The vLLM engine's tests. They run in the environment `make test-vllm` builds (vLLM pins a
+transformers older than the main environment's); where vLLM is not installed they are not
+collected. Their models are tiny Qwen2s with heads of 64, which vLLM's CPU attention runs."""
+
+import importlib.util
+import json
+
+import pytest
+
+collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_*.py"]
+
+REWARDS = '''
+def length(completions, **kwargs):
+    """A score that differs within every group: the completion's length in characters."""
+    return [min(len(c), 40) / 40 for c in completions]
+'''
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory):
+    """A random chat model (Qwen2, BPE, ChatML, two EOS ids) with hidden 128 and 2 heads of 64."""
+    from grouprl.models.tiny import save_tiny_chat_model
+
+    directory = tmp_path_factory.mktemp("vllm_model")
+    save_tiny_chat_model(directory, hidden_size=128, intermediate_size=256)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def files(tmp_path_factory):
+    """Prompts (a JSONL of sums) and a reward file whose scores spread within every group."""
+    root = tmp_path_factory.mktemp("vllm_files")
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 60) for b in range(3)]
+    (root / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "rewards.py").write_text(REWARDS)
+    return root
