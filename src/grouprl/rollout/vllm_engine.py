@@ -7,8 +7,9 @@ What it does, and why:
   no spawned engine, so no `if __name__ == "__main__":` guard in a user's script or under
   pytest, and the weights can be handed over by reference.
 - **Weights follow the policy.** vLLM starts with dummy weights from the policy's config and
-  loads the trainer's own tensors (`grouprl.models.lora.checkpoint_weights`: a LoRA policy's
-  merged W + s·B·A, computed apart) before it first samples, and again after every update
+  loads the trainer's own tensors (`weights`; the trainer's are
+  `grouprl.models.lora.checkpoint_weights`: a LoRA policy's merged W + s·B·A, computed apart)
+  before it first samples, and again after every update
   (`policy_updated`), through vLLM's layer-wise `reload_weights`, which re-runs each layer's
   post-load processing. (A bare `model.load_weights`, TRL's colocate sync, fails on a CPU:
   vLLM repacks every linear weight there and leaves no `weight_loader` behind.) The prefix cache
@@ -54,7 +55,7 @@ import random
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,6 @@ import torch
 from torch import nn
 
 from grouprl.errors import UserError, one_line
-from grouprl.models.lora import checkpoint_weights
 from grouprl.rollout.decoding import Decoded, Settings
 from grouprl.rollout.sampling import (
     _texts,
@@ -188,8 +188,12 @@ class VLLMEngine:
         options: VLLMOptions,
         *,
         tools: TurnHandler | None = None,
+        weights: Callable[[], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.policy, self.tokenizer, self.options, self.tools = policy, tokenizer, options, tools
+        # the policy's tensors by checkpoint name (a LoRA policy's merged: the trainer's
+        # `grouprl.models.lora.checkpoint_weights`); default: its state dict
+        self.weights = weights or (lambda: dict(policy.state_dict()))
         self.eos_ids = stop_token_ids(policy, tokenizer)
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self.version: int | None = None  # the policy version last announced
@@ -332,7 +336,7 @@ class VLLMEngine:
     def _load_weights(self) -> None:
         """vLLM's weights := the policy's, by name (layer-wise reload: each layer's post-load
         processing, the CPU's repacking included, runs again)."""
-        weights = checkpoint_weights(self.policy)
+        weights = self.weights()
         with contained():
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": iter(list(weights.items()))}

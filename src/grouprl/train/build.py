@@ -270,10 +270,11 @@ def build_engine(
             "--engine vllm runs in one process (TRL's colocate mode on one device); under "
             "torchrun use --engine hf"
         )
+    from grouprl.models.lora import checkpoint_weights
     from grouprl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(policy, tokenizer, vllm_options(opts, policy, dtype, rows, max_len, seed),
-                      tools=tools)  # fmt: skip
+                      tools=tools, weights=lambda: checkpoint_weights(policy))  # fmt: skip
 
 
 def vllm_options(

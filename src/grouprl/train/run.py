@@ -166,26 +166,10 @@ def setup_run(
         dist.broadcast_parameters(policy)
     tools = build_tools(cfg, task, tokenizer, stop_token_ids(policy, tokenizer))
     dtype = forward_dtype(cfg)  # every forward's autocast dtype: the run's one source
-    budget = prompt_budget(cfg, policy, cfg.max_new_tokens)
     rewards = build_rewards(cfg, task, device, tools)
-    # the policy itself (HF), or an engine with its own copy of the weights (vLLM), answering
-    # tool calls as it goes
-    rows = max(cfg.prompts_per_step * cfg.group_size,
-               min(cfg.eval_size, EVAL_BATCH_PROMPTS) * cfg.eval_samples)  # fmt: skip
-    engine = build_engine(
-        cfg,
-        policy,
-        tokenizer,
-        dtype=dtype,
-        rows=rows,
-        max_len=None if budget is None else budget + cfg.max_new_tokens,
-        seed=cfg.seed,
-        tools=tools and tools.handler,
-        lockstep=lockstep,
-        processes=dist.world_size,
-    )
+    budget = prompt_budget(cfg, policy, cfg.max_new_tokens)
     sampler = Sampler(
-        engine=engine,
+        engine=run_engine(cfg, policy, tokenizer, tools, dtype, budget, lockstep),
         tokenizer=tokenizer,
         stream=PromptStream(task.train, cfg.seed),
         rewards=rewards,
@@ -218,6 +202,34 @@ def setup_run(
         console=console,
         callbacks=callbacks,
         live=live,
+    )
+
+
+def run_engine(
+    cfg: RunConfig,
+    policy: nn.Module,
+    tokenizer: Any,
+    tools: Any,
+    dtype: torch.dtype | None,
+    budget: int | None,
+    lockstep: Lockstep,
+) -> Any:
+    """The run's rollout engine: the policy itself (HF, in step with the other FSDP ranks), or
+    one with its own copy of the weights (vLLM), sized for the largest batch the run samples (a
+    step's groups, or an evaluation's batch), answering tool calls as it goes."""
+    rows = max(cfg.prompts_per_step * cfg.group_size,
+               min(cfg.eval_size, EVAL_BATCH_PROMPTS) * cfg.eval_samples)  # fmt: skip
+    return build_engine(
+        cfg,
+        policy,
+        tokenizer,
+        dtype=dtype,
+        rows=rows,
+        max_len=None if budget is None else budget + cfg.max_new_tokens,
+        seed=cfg.seed,
+        tools=tools and tools.handler,
+        lockstep=lockstep,
+        processes=lockstep.dist.world_size,
     )
 
 
