@@ -57,6 +57,7 @@ def test_vllm_options_follow_the_run():
     o = vllm_options(cfg, model, None, rows=128, max_len=100, seed=3)
     assert (o.dtype, o.max_model_len, o.enforce_eager, o.block_size, o.seed) == (
         "float32", 100, True, 32, 3)  # fmt: skip
+    assert not o.chunked_prefill  # a CPU: vLLM cannot rewind a CPU generator
     assert o.kv_cache_bytes == 128 * 100 * 2 * 4 * 4 * 32 * 4  # every row at full length
     o = vllm_options(cfg, model, torch.bfloat16, rows=128, max_len=None, seed=0)
     assert (o.dtype, o.max_model_len) == ("bfloat16", 256)  # the model's context

@@ -23,7 +23,13 @@ from numerics import U32, forward_bound
 
 pytestmark = pytest.mark.numerics
 
-OPTIONS = VLLMOptions(dtype="float32", max_model_len=256, kv_cache_bytes=64 << 20, block_size=32)
+OPTIONS = VLLMOptions(
+    dtype="float32",
+    max_model_len=256,
+    kv_cache_bytes=64 << 20,
+    block_size=32,
+    chunked_prefill=False,
+)  # as on a CPU (`grouprl.train.build.vllm_options`)
 TEXTS = ["12+30=", "What is 7 plus 5?", "answer", "<think>add</think>", "1,200 dollars", "x"]
 
 

@@ -97,6 +97,10 @@ class VLLMOptions:
     enforce_eager: bool = True
     seed: int = 0
     block_size: int | None = None  # None: vLLM's default for the device
+    # False on a CPU: a prompt split over steps makes vLLM 0.32 rewind the request's seeded
+    # generator, which a CPU generator cannot ("CPU Generator does not use offset", measured at
+    # 128 prompts of 150 tokens), so seeded sampling fails
+    chunked_prefill: bool = True
 
 
 def available() -> bool:
@@ -196,6 +200,9 @@ class VLLMEngine:
         self.weights = weights or (lambda: dict(policy.state_dict()))
         self.eos_ids = stop_token_ids(policy, tokenizer)
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
+        # vLLM refuses stop ids the model has no logit for; such an id is never sampled anyway
+        vocab = _base(policy).config.get_text_config().vocab_size
+        self.vllm_stop_ids = [i for i in self.eos_ids if i < vocab]
         self.version: int | None = None  # the policy version last announced
         self.synced: int | None = None  # the version vLLM's weights are; None: not loaded yet
         self.syncs = 0  # weight loads so far
@@ -324,6 +331,7 @@ class VLLMEngine:
                     enable_sleep_mode=o.sleep,
                     **({"block_size": o.block_size} if o.block_size else {}),
                     **memory,
+                    **_scheduling(o),
                 )
             except UserError:
                 raise
@@ -393,6 +401,14 @@ def _import_llm() -> Any:
         warnings.simplefilter("ignore", FutureWarning)
         from vllm import LLM
     return LLM
+
+
+def _scheduling(o: VLLMOptions) -> dict[str, Any]:
+    """Without chunked prefill (a CPU), whole prompts per forward, and a step's token budget
+    at least one whole sequence (vLLM's rule)."""
+    if o.chunked_prefill:
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(o.max_model_len, 8192)}
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -487,7 +503,7 @@ class _Rollouts:
             seed=None if s.greedy else seed,
             logprobs=0,
             stop=self.vllm_stop or None,
-            stop_token_ids=list(s.eos_ids),
+            stop_token_ids=self.engine.vllm_stop_ids,
             include_stop_str_in_output=True,
             skip_special_tokens=True,
             detokenize=bool(self.vllm_stop),

@@ -289,7 +289,7 @@ def vllm_options(
     sequence, its KV cache (on a CPU by default room for `rows` sequences at full length, at
     most a quarter of the machine's memory: vLLM's own CPU default would reserve 92% of it),
     eager or compiled, its block size (32 on a CPU, where vLLM's default of 128 leaves a short
-    prompt no full block for a group to share)."""
+    prompt no full block for a group to share), no chunked prefill on a CPU (`VLLMOptions`)."""
     from grouprl.rollout.vllm_engine import VLLMOptions, kv_bytes_per_token
 
     device = next(policy.parameters()).device
@@ -324,7 +324,7 @@ def vllm_options(
     return VLLMOptions(dtype=name, max_model_len=int(length), kv_cache_bytes=kv_bytes,
                        gpu_memory_utilization=opts.vllm_gpu_memory_utilization,
                        sleep=opts.vllm_sleep, enforce_eager=eager, seed=seed,
-                       block_size=32 if cpu else None)  # fmt: skip
+                       block_size=32 if cpu else None, chunked_prefill=not cpu)  # fmt: skip
 
 
 def prompt_budget(opts: DataOptions, model: nn.Module, max_new_tokens: int) -> int | None:
