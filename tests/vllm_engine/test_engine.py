@@ -300,3 +300,20 @@ def test_the_bound_is_pessimistic_but_not_vacuous(model):
     difference (a wrong token, a dropped layer) is of the order of a logit itself."""
     bound = forward_bound(model.config, logit_magnitude(model))
     assert U32 < bound < 0.1, bound
+
+
+def test_many_long_prompts_in_one_seeded_call(model, tokenizer):
+    """128 rows of 200-token prompts: more prompt tokens than one of vLLM's steps takes. With
+    chunked prefill (vLLM's default) a prompt split over steps fails on a CPU, seeded ("CPU
+    Generator does not use offset"); the options a run gets turn it off there."""
+    from grouprl.config import TrainConfig
+    from grouprl.train.build import vllm_options
+
+    options = vllm_options(TrainConfig(engine="vllm"), model, None, rows=128, max_len=232, seed=0)
+    engine = VLLMEngine(model, tokenizer, options)
+    try:
+        ids = [[(7 * i + j) % 250 + 3 for j in range(200)] for i in range(32)]
+        rollout = engine.sample(ids, group_size=4, max_new_tokens=8, seed=2)
+        assert rollout.completion_ids.shape[0] == 128 and bool(rollout.lengths.min() >= 1)
+    finally:
+        engine.close()
