@@ -114,3 +114,12 @@ def assert_merged_weights(merged, adapter):
             assert ((value.double() - want).abs() <= bound).all(), key
         else:
             assert torch.equal(value, base[key]), key
+
+
+def logit_magnitude(model) -> float:
+    """A bound on every logit a Llama/Qwen2-style model can produce, from its weights alone: the
+    head reads the final RMSNorm's output γ ⊙ x/rms(x), whose x/rms(x) has norm √d, so by
+    Cauchy-Schwarz |logit_v| <= √d · ‖W_v ⊙ γ‖₂ (the `magnitude` of `forward_bound`)."""
+    gamma = model.model.norm.weight.detach().double()  # (d,)
+    head = model.lm_head.weight.detach().double()  # (V, d)
+    return float((head * gamma).norm(dim=-1).max()) * gamma.numel() ** 0.5

@@ -19,7 +19,7 @@ from grouprl.models.lora import apply_lora, checkpoint_weights
 from grouprl.rollout import completion_logprobs, sample_groups
 from grouprl.rollout.stops import StopStrings
 from grouprl.rollout.vllm_engine import VLLMEngine, VLLMOptions
-from numerics import U32, forward_bound
+from numerics import U32, forward_bound, logit_magnitude
 
 pytestmark = pytest.mark.numerics
 
@@ -54,15 +54,6 @@ def engine(model, tokenizer):
 
 def prompts(tokenizer):
     return [tokenizer(t)["input_ids"] for t in TEXTS]
-
-
-def logit_magnitude(model) -> float:
-    """A bound on every logit the model can produce, from its weights alone: the head reads the
-    final RMSNorm's output γ ⊙ x/rms(x), whose x/rms(x) has norm √d, so by Cauchy-Schwarz
-    |logit_v| <= √d · ‖W_v ⊙ γ‖₂."""
-    gamma = model.model.norm.weight.detach().double()  # (d,)
-    head = model.lm_head.weight.detach().double()  # (V, d)
-    return float((head * gamma).norm(dim=-1).max()) * gamma.numel() ** 0.5
 
 
 def teacher_forced(model, rollout):

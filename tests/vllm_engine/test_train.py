@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from grouprl.cli import main
 from grouprl.config import TrainConfig
 from grouprl.train import loop
-from numerics import forward_bound
+from numerics import forward_bound, logit_magnitude
 
 TIMES = {"step_seconds", "rollout_seconds", "tokens_per_s"}
 
@@ -34,13 +34,6 @@ def base(vllm_model_dir, files, **extra):
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def logit_magnitude(model) -> float:
-    """|logit| <= √d · max_v ‖W_v ⊙ γ‖₂ (the final RMSNorm's output has norm √d)."""
-    gamma = model.model.norm.weight.detach().double()
-    head = model.lm_head.weight.detach().double()
-    return float((head * gamma).norm(dim=-1).max()) * gamma.numel() ** 0.5
 
 
 @pytest.fixture(scope="module", params=["full", "lora"])

@@ -156,9 +156,11 @@ def _check_gguf(path: Path) -> None:
     if Version(transformers.__version__) < Version(GGUF_TRANSFORMERS):
         fix = "pip install -U transformers"
         if importlib.util.find_spec("vllm") is not None:  # vLLM 0.32 pins transformers < 5.20
-            fix = ("vLLM here pins an older one: where transformers is newer, save it as a "
-                   "directory (grouprl.models.load_model(FILE) and load_tokenizer(FILE), each "
-                   ".save_pretrained(DIR)) and give DIR")
+            fix = (
+                "vLLM here pins an older one: where transformers is newer, save it as a "
+                "directory (grouprl.models.load_model(FILE) and load_tokenizer(FILE), each "
+                ".save_pretrained(DIR)) and give DIR"
+            )
         raise UserError(
             f"GGUF models need transformers >= {GGUF_TRANSFORMERS} (found "
             f"{transformers.__version__}): {fix}"
