@@ -308,3 +308,25 @@ def test_many_long_prompts_in_one_seeded_call(model, tokenizer):
         assert rollout.completion_ids.shape[0] == 128 and bool(rollout.lengths.min() >= 1)
     finally:
         engine.close()
+
+
+def test_a_sliding_window_model_samples_what_the_trainer_computes(model, tokenizer):
+    """A Qwen2 whose every layer attends a window of 8 tokens, on a 37-token prompt: vLLM's
+    log-probs are the trainer's (which honours the window) within float32 rounding, so the
+    window needs no refusal."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    settings = {k: v for k, v in model.config.to_dict().items() if k != "layer_types"}
+    config = Qwen2Config(**{**settings, "use_sliding_window": True, "sliding_window": 8,
+                            "max_window_layers": 0})  # fmt: skip
+    assert config.layer_types == ["sliding_attention"] * 2
+    torch.manual_seed(0)
+    windowed = Qwen2ForCausalLM(config).eval()
+    engine = VLLMEngine(windowed, tokenizer, OPTIONS)
+    try:
+        rollout = engine.sample([list(range(3, 40))], group_size=2, max_new_tokens=16, seed=0)
+    finally:
+        engine.close()
+    trainer = teacher_forced(windowed, rollout)
+    stats = logp_mismatch(rollout.behaviour_logp, trainer, rollout.loss_mask)
+    assert stats.abs_max <= forward_bound(config, logit_magnitude(windowed)), stats
