@@ -450,6 +450,8 @@ class _Rollouts:
                  stop: Sequence[str] | None, seed: int | None,
                  tools: TurnHandler | None) -> None:  # fmt: skip
         self.engine, self.prompt_rows, self.seed = engine, prompt_rows, seed
+        # host-side buffers whatever the policy's device: vLLM returns Python lists, and the
+        # finished Rollout moves to the policy's device (`VLLMEngine.sample`)
         n, cpu = len(prompt_rows) * group_size, torch.device("cpu")
         greedy = temperature == 0.0
         self.settings = Settings(
