@@ -40,7 +40,7 @@ AdvScale = Literal["group", "batch", "none"]  # grouprl.core.ADVANTAGE_SCALES
 KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
 EvalSplit = Literal["heldout", "train", "all"]
 ToolFormat = Literal["tags", "chat"]
-Engine = Literal["hf", "vllm"]  # grouprl.train.build.ENGINES
+Engine = Literal["hf", "vllm"]  # grouprl.train.build.build_engine
 VllmDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 

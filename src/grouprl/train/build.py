@@ -234,8 +234,6 @@ def load_run_tokenizer(opts: ModelOptions, spec: str | None = None) -> Any:
     return with_template_variables(tokenizer, opts.chat_template_kwargs)
 
 
-#: The engines `--engine` names (grouprl.config.options.Engine).
-ENGINES = ("hf", "vllm")
 #: vLLM's dtype for each forward dtype of the trainer (None: float32).
 _VLLM_DTYPES = {None: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 #: The share of the machine's memory vLLM's KV cache may take on a CPU by default.

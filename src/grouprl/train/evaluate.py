@@ -414,7 +414,7 @@ def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
             f"[yellow]warning:[/] skipped {heldout.too_long} prompts longer than {budget} tokens"
         )
     engine = build_engine(cfg, model, tokenizer, dtype=None,
-                          rows=cfg.batch_prompts * max(cfg.samples, 1),
+                          rows=cfg.batch_prompts * cfg.samples,
                           max_len=None if budget is None else budget + max_new_tokens,
                           seed=cfg.seed, tools=tools and tools.handler)  # fmt: skip
     start = time.perf_counter()
