@@ -40,7 +40,10 @@ CASES = (
 #: test`, as many as above in `make test-faults`.
 TOOL_CASES = CASES if SIGNALS else CASES[:1]
 TOOLS = ["--task", "lookup"]
-DROP = {"step_seconds", "rollout_seconds", "tokens_per_s"}
+#: The same for an asynchronous run (the sampler a step ahead, in its own thread).
+ASYNC_CASES = TOOL_CASES
+ASYNC = ["--max-staleness", "1", "--sampler-threads", "1"]
+DROP = {"step_seconds", "rollout_seconds", "tokens_per_s", "sampler_seconds", "update_seconds"}
 
 
 def grouprl(args, fault=None, timeout=300):
@@ -82,6 +85,11 @@ def tool_reference(tmp_path_factory):
     return _uninterrupted(tmp_path_factory, TOOLS)
 
 
+@pytest.fixture(scope="module")
+def async_reference(tmp_path_factory):
+    return _uninterrupted(tmp_path_factory, ASYNC)
+
+
 @pytest.mark.parametrize(("sig", "trial"), CASES)
 def test_a_stopped_run_resumes_to_the_same_end(reference, tmp_path, sig, trial):
     _stop_and_resume(reference, tmp_path, sig, f"fault:{sig}:{trial}", [])
@@ -90,6 +98,11 @@ def test_a_stopped_run_resumes_to_the_same_end(reference, tmp_path, sig, trial):
 @pytest.mark.parametrize(("sig", "trial"), TOOL_CASES)
 def test_a_stopped_run_with_tools_resumes_to_the_same_end(tool_reference, tmp_path, sig, trial):
     _stop_and_resume(tool_reference, tmp_path, sig, f"fault:tools:{sig}:{trial}", TOOLS)
+
+
+@pytest.mark.parametrize(("sig", "trial"), ASYNC_CASES)
+def test_a_stopped_async_run_resumes_to_the_same_end(async_reference, tmp_path, sig, trial):
+    _stop_and_resume(async_reference, tmp_path, sig, f"fault:async:{sig}:{trial}", ASYNC)
 
 
 def _stop_and_resume(reference, tmp_path, sig, seed, extra):

@@ -311,6 +311,9 @@ def test_choice_names_are_the_core_registries_and_the_presets():
         (config.AdvScale, core.ADVANTAGE_SCALES),
         (config.KLEstimator, core.KL_ESTIMATORS),
         (config.Algo, PRESETS),
+        (config.CorrectionName, core.CORRECTIONS),
+        (config.WeightLevel, core.WEIGHT_LEVELS),
+        (config.MaskLevel, core.MASK_LEVELS),
     ):
         assert set(get_args(choices)) == set(registry), choices
 

@@ -200,6 +200,16 @@ CASES = {
         {},
         set(),
     ),
+    "mismatch_growing": (  # the sampler drifts from the trainer (an async run, no correction)
+        dict(logp_mismatch_kl=ramp(1e-4, 0.03)),
+        {},
+        {("logp_mismatch_growing", "warning")},
+    ),
+    "mismatch_steady": (  # a small, steady gap (vLLM in fp32, or bf16): no finding
+        dict(logp_mismatch_kl=lambda s: 2e-5),
+        {},
+        set(),
+    ),
     "gaming": (
         dict(reward_mean=ramp(0.2, 0.8)),
         {"evals": {0: 0.3, 15: 0.31, 30: 0.29, 45: 0.3, 60: 0.3}},

@@ -143,3 +143,25 @@ def test_check_measures_the_step_train_takes(tmp_path, monkeypatch, capsys, args
     if "--micro-batch-size" in args:
         assert report["memory"]["completions_per_forward"] == 3
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.numerics
+def test_check_certifies_the_fp32_sampler_is_the_trainer_and_measures_bf16(tmp_path, monkeypatch,
+                                                                            capsys):  # fmt: skip
+    """grouprl's sampler in fp32 computes the trainer's log-probs to the float32 bound of two
+    forwards of one function (`forward_bound`, from the weights' logit bound); under bf16 the
+    gap is measured and is far larger (bf16 keeps 8 bits of mantissa)."""
+    from grouprl.models import load_model
+    from numerics import forward_bound, logit_magnitude
+
+    monkeypatch.chdir(tmp_path)
+    model = load_model("builtin:arith")
+    bound = forward_bound(model.config, logit_magnitude(model))
+    code, report = _check(capsys)
+    mm = report["mismatch"]
+    assert code == 0 and mm["sampler"] == "hf" and mm["tokens"] > 0
+    assert mm["logp_mismatch_max"] <= bound
+    assert not any(f["code"] == "logp_mismatch" for f in report["findings"])
+    _, report = _check(capsys, "--precision", "bf16")
+    assert report["mismatch"]["sampler"] == "hf bf16"
+    assert report["mismatch"]["logp_mismatch_max"] > bound  # not the same function any more

@@ -125,6 +125,12 @@ def print_report(report: Any, console: Console) -> None:
         f"update (one step's, as train runs it): loss {step.get('loss', float('nan')):.3g}, "
         f"gradient norm {step.get('grad_norm', float('nan')):.3g}{kl}"
     )
+    mm = report.mismatch
+    console.print(
+        f"sampler ({mm['sampler']}) against the trainer's log-probs: mean |d| "
+        f"{mm['logp_mismatch_mean']:.2e}, max {mm['logp_mismatch_max']:.2e}, KL "
+        f"{mm['logp_mismatch_kl']:.2e} per token, over {mm['tokens']} tokens"
+    )
     console.print(
         f"memory: update peak {m['peak_gb']:.2f} GB ({m['method']}; "
         f"{m['completions_per_forward']} completions per forward)"

@@ -42,6 +42,19 @@ EvalSplit = Literal["heldout", "train", "all"]
 ToolFormat = Literal["tags", "chat"]
 Engine = Literal["hf", "vllm"]  # grouprl.train.build.build_engine
 VllmDtype = Literal["auto", "float32", "bfloat16", "float16"]
+CorrectionName = Literal[  # grouprl.core.CORRECTIONS
+    "none",
+    "token_tis",
+    "seq_tis",
+    "token_mis",
+    "seq_mis",
+    "icepop",
+    "geo_mask",
+    "geo_mask_token_tis",
+]
+WeightLevel = Literal["token", "sequence"]  # grouprl.core.WEIGHT_LEVELS
+MaskLevel = Literal["token", "sequence", "geometric"]  # grouprl.core.MASK_LEVELS
+Proximal = Literal["recompute", "behaviour"]
 
 
 #: The trackers `--report-to` may name, with the module each needs and what installs it
@@ -312,6 +325,46 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Use the sample (Bessel) std, as TRL and verl do, instead of the population std."""
     adv_eps: float = 1e-4
     """Added to the std before dividing."""
+
+    # ----- off-policy: a sampler that is not the trainer, or is behind it -----
+    correction: CorrectionName = "none"
+    """Importance-sampling correction of the sampler's log-probs (the behaviour policy) against
+    the trainer's (the proximal policy): token_tis (truncated at 2), seq_tis (the product of
+    token ratios, truncated at 2), token_mis / seq_mis (masked above 2 / 3: TRL's default is
+    seq_mis), icepop (tokens outside [0.5, 2] masked), geo_mask (sequences whose geometric-mean
+    ratio leaves [0.99, 1.01] masked), geo_mask_token_tis (verl's). The --correction-* fields
+    below change a part. Needs something to correct: --engine vllm, --precision bf16 or
+    --max-staleness > 0."""
+    correction_weight: WeightLevel | None = None
+    """The correction's truncated-IS weight: per token, or the sequence's product. None: the
+    preset's."""
+    correction_weight_low: float | None = None
+    """Lower bound of the weight (None: the preset's; none in any preset)."""
+    correction_weight_high: float | None = None
+    """Upper bound of the weight (None: the preset's)."""
+    correction_mask: MaskLevel | None = None
+    """The correction's mask: tokens, sequences (product) or sequences (geometric mean) whose
+    ratio leaves the band get no gradient. None: the preset's."""
+    correction_mask_low: float | None = None
+    """Lower edge of the mask's band (None: the preset's)."""
+    correction_mask_high: float | None = None
+    """Upper edge of the mask's band (None: the preset's)."""
+    off_policy_mask: float | None = None
+    """DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose
+    mean log(sampler / current) per token exceeds this gets no gradient (TRL's
+    off_policy_mask_threshold; it suggests 0.5). None: off."""
+    proximal: Proximal = "recompute"
+    """The policy the ratio is clipped against when the sampler is not the trainer: recompute,
+    the trainer's own no-grad forward (decoupled PPO: the correction weighs trainer/sampler);
+    behaviour, the sampler's log-probs as they are (bypass: no extra forward; the clip then
+    bounds the sampler's gap too, so only masks may be added)."""
+    max_staleness: int = 0
+    """Sample ahead asynchronously: batch k is sampled by the policy of step max(0, k - K) while
+    the trainer updates, always (the faster side waits), so the run is a function of its seed
+    and K. 0: every batch by the current policy (synchronous)."""
+    sampler_threads: int | None = None
+    """torch threads of the asynchronous sampler (its own copy of the weights, in a thread of
+    this process); the trainer keeps --threads. None: half the cores (at least 1)."""
 
     # ----- rewards and shaping -----
     dynamic_sampling: bool | None = None

@@ -3,6 +3,7 @@ one a single line (`UserError`) and each dubious one a warning."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import typing
@@ -14,7 +15,7 @@ from grouprl.config.options import KNOBS, TRACKERS, DataOptions, EvalConfig, Run
 from grouprl.errors import UserError
 
 if TYPE_CHECKING:  # core imports torch: only when a run is validated
-    from grouprl.core import LossOptions
+    from grouprl.core import Correction, LossOptions
 
 #: The one rule for a sampling temperature wherever a command takes one (the sampler itself
 #: also decodes greedily at 0, which no command exposes).
@@ -172,8 +173,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _raise_first(checks, _choice_problems(cfg))
     try:
         loss_options(cfg)
+        corr = correction(cfg)
     except ValueError as err:  # LossOptions owns the loss's rules; here they are one line
         raise UserError(f"invalid config: {err}") from None
+    _raise_first(_offpolicy_checks(cfg, corr, world_size))
     report_targets(cfg.report_to)  # a tracker that is unknown or not installed: one line
     _warn_dubious(cfg)
 
@@ -201,6 +204,72 @@ def loss_options(cfg: RunConfig) -> LossOptions:
         agg=cfg.loss_agg,
         norm_len=cfg.norm_len,
     )
+
+
+def correction(cfg: RunConfig) -> Correction:
+    """The run's off-policy correction (`grouprl.core.Correction`): the --correction preset with
+    any --correction-* field that is set put in its place (raises ValueError, as `Correction`
+    does, for bounds it cannot take)."""
+    from grouprl.core import CORRECTIONS
+
+    base = CORRECTIONS[cfg.correction]
+    parts = {
+        "weight": cfg.correction_weight,
+        "weight_low": cfg.correction_weight_low,
+        "weight_high": cfg.correction_weight_high,
+        "mask": cfg.correction_mask,
+        "mask_low": cfg.correction_mask_low,
+        "mask_high": cfg.correction_mask_high,
+        "opsm_delta": cfg.off_policy_mask,
+    }
+    for side in ("weight", "mask"):
+        bounds = [f"--correction-{side}-{end}" for end in ("low", "high")
+                  if parts[f"{side}_{end}"] is not None]  # fmt: skip
+        if bounds and parts[side] is None and getattr(base, side) is None:
+            raise ValueError(
+                f"{' and '.join(bounds)} bound a {side} that is not there: name one with "
+                f"--correction-{side} or a --correction preset that has one"
+            )
+    return dataclasses.replace(base, **{k: v for k, v in parts.items() if v is not None})
+
+
+def sampler_differs(cfg: RunConfig) -> bool:
+    """Whether the policy that samples a batch is not the trainer's fp32 forward at that step:
+    another engine, another precision (bf16 forwards, a bf16 LoRA base) or an older version."""
+    low_precision = cfg.precision != "fp32" or (cfg.lora_r is not None and cfg.base_dtype != "fp32")
+    return cfg.engine != "hf" or low_precision or cfg.max_staleness > 0
+
+
+def _offpolicy_checks(cfg: RunConfig, corr: Correction, world_size: int) -> list[tuple[bool, str]]:
+    return [
+        (
+            not corr.active or sampler_differs(cfg),
+            "--correction has nothing to correct: grouprl's sampler in fp32 is the trainer (its "
+            "log-probs are the trainer's to float rounding); it applies with --engine vllm, "
+            "--precision bf16 or --max-staleness > 0",
+        ),
+        (
+            cfg.proximal != "behaviour" or corr.weight is None,
+            "--proximal behaviour clips the ratio against the sampler itself, so an importance "
+            "weight on top counts the sampler's gap twice; use a mask (icepop, geo_mask, "
+            "seq_mis) or --proximal recompute",
+        ),
+        (cfg.max_staleness >= 0, "max_staleness must be >= 0 (0: synchronous)"),
+        (
+            cfg.sampler_threads is None or cfg.sampler_threads >= 1,
+            "sampler_threads must be at least 1",
+        ),
+        (
+            cfg.max_staleness == 0 or cfg.engine == "hf",
+            "--max-staleness > 0 samples with grouprl's sampler on its own copy of the weights; "
+            "with --engine vllm it is not supported yet: use --engine hf, or --max-staleness 0",
+        ),
+        (
+            cfg.max_staleness == 0 or world_size == 1 or cfg.strategy != "fsdp",
+            "--max-staleness > 0 keeps a whole copy of the weights for the sampler, which a "
+            "sharded (--strategy fsdp) model has not; use --strategy ddp or --max-staleness 0",
+        ),
+    ]
 
 
 def _warn_dubious(cfg: RunConfig) -> None:

@@ -4,7 +4,7 @@ Imports torch and the standard library only: no models, configs, I/O or torch.di
 the trainer, the distributed code and the tests all call the same few functions. See
 advantages.py (group-relative advantages), loss.py (ratios, KL, aggregation, the clipped loss),
 objectives.py (CISPO, SAPO, GMPO, VESPO), shaping.py (DAPO's overlong penalty) and offpolicy.py
-(how far a sampler's log-probs are from the trainer's) for the formulas and their papers.
+(how far a sampler's log-probs are from the trainer's, and the corrections for it) for the formulas and their papers.
 """
 
 from .advantages import (
@@ -35,17 +35,31 @@ from .loss import (
     sapo_objective,
     vespo_objective,
 )
-from .offpolicy import MismatchSums, logp_mismatch
+from .offpolicy import (
+    CORRECTIONS,
+    MASK_LEVELS,
+    WEIGHT_LEVELS,
+    Correction,
+    CorrectionSums,
+    MismatchSums,
+    correction_weights,
+    logp_mismatch,
+)
 from .shaping import overlong_penalty
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_SCALES",
     "AGGREGATIONS",
+    "CORRECTIONS",
     "KL_ESTIMATORS",
+    "MASK_LEVELS",
     "MAX_LOG_RATIO",
     "OBJECTIVES",
     "RATIO_LEVELS",
+    "WEIGHT_LEVELS",
+    "Correction",
+    "CorrectionSums",
     "LossOptions",
     "LossStats",
     "MismatchSums",
@@ -53,6 +67,7 @@ __all__ = [
     "aggregate",
     "cispo_objective",
     "clipped_objective",
+    "correction_weights",
     "gdpo_advantages",
     "gmpo_objective",
     "group_advantages",

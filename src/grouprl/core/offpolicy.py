@@ -17,6 +17,7 @@ tokens whose probability differs by a factor of 2; the max and k3 show them (Yao
 efficient RL framework secretly brings you off-policy RL training", 2025).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,3 +53,168 @@ def logp_mismatch(behaviour_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Mis
     k3 = torch.expm1(d) - d  # e^d − 1 − d, accurate near d = 0
     stats = torch.stack([d.abs().sum(), d.abs().max(), k3.sum()]).tolist()  # one host sync
     return MismatchSums(stats[0], stats[1], stats[2], int(d.numel()))
+
+
+# --- corrections: a weight or a mask per token from d_t = log π_old − log π_b -----------------
+#
+# The three policies (AReaL's decoupled PPO, arXiv 2505.24298): the behaviour policy π_b that
+# sampled, the proximal policy π_old the ratio is clipped against, the current π_θ. The loss
+# per token becomes  w_t · l_t  with l_t the objective's term and w_t (detached) one of:
+#
+#   truncated IS (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you
+#   off-policy RL training"):  token      w_t = clamp(ρ_t, low, high),  ρ_t = π_old/π_b
+#                              sequence   w_t = clamp(Π_t ρ_t, low, high)       (the product)
+#   masked IS (MIS; Liu, Li et al. 2025, "When speed kills stability"): w_t = 1 inside the band,
+#   0 outside, the statistic being ρ_t (token: IcePop, arXiv 2510.18855, is the two-sided band),
+#   Π_t ρ_t (sequence: TRL's sequence_mask) or (Π_t ρ_t)^(1/|y|) (geometric: SkyRL's mask,
+#   verl's seq_mean_k1 "Geo-RS");
+#   DeepSeek-V3.2's off-policy sequence mask (arXiv 2512.02556): w = 0 on a sequence with
+#   Â < 0 whose mean log(π_b/π_θ) over its tokens exceeds δ.
+#
+# A weight and masks compose (they multiply). Everything is computed in log space and float64:
+# a product of 100 ratios of 1.1 is 13,780 (the "length trap" of sequence products), and a
+# bound is a comparison of logs, so nothing overflows. Denominators are not touched: a masked
+# token keeps its place in the loss's token and sequence counts (AReaL's rule: the counts are
+# taken before rejection), which is why masks are zero weights, not a smaller loss mask.
+
+WEIGHT_LEVELS = ("token", "sequence")
+MASK_LEVELS = ("token", "sequence", "geometric")
+
+
+@dataclass(frozen=True)
+class Correction:
+    """One correction: an optional truncated-IS weight, an optional band mask, and an optional
+    off-policy sequence mask. Bounds are on ratios (not logs); None is no bound on that side."""
+
+    weight: str | None = None  # WEIGHT_LEVELS: truncated importance sampling
+    weight_low: float | None = None
+    weight_high: float | None = None
+    mask: str | None = None  # MASK_LEVELS: masked importance sampling
+    mask_low: float | None = None
+    mask_high: float | None = None
+    opsm_delta: float | None = None  # DeepSeek-V3.2's threshold on mean log(π_b/π_θ)
+
+    def __post_init__(self) -> None:
+        if self.weight is not None and self.weight not in WEIGHT_LEVELS:
+            raise ValueError(f"weight level must be one of {WEIGHT_LEVELS}; got {self.weight!r}")
+        if self.mask is not None and self.mask not in MASK_LEVELS:
+            raise ValueError(f"mask level must be one of {MASK_LEVELS}; got {self.mask!r}")
+        for what, level, low, high in (("weight", self.weight, self.weight_low, self.weight_high),
+                                       ("mask", self.mask, self.mask_low, self.mask_high)):  # fmt: skip
+            if level is None:
+                continue
+            if low is None and high is None:
+                raise ValueError(f"a {level} {what} needs a bound (low, high or both)")
+            if any(b is not None and not b > 0 for b in (low, high)):
+                raise ValueError(
+                    f"the {what}'s bounds are ratios and must be > 0; got {low}, {high}"
+                )
+            if low is not None and high is not None and not low < high:
+                raise ValueError(f"the {what}'s band needs low < high; got [{low}, {high}]")
+        if self.opsm_delta is not None and not self.opsm_delta >= 0:
+            raise ValueError(f"the off-policy mask's delta must be >= 0; got {self.opsm_delta}")
+
+    @property
+    def active(self) -> bool:
+        return self.weight is not None or self.mask is not None or self.opsm_delta is not None
+
+
+#: Named corrections, each with its source's default bounds.
+CORRECTIONS: dict[str, Correction] = {
+    "none": Correction(),
+    # Yao et al.'s TIS-2 (verl rollout_is_threshold 2.0, slime --tis-clip 2.0)
+    "token_tis": Correction(weight="token", weight_high=2.0),
+    # verl's decoupled_seq_is (the sequence product, truncated at 2)
+    "seq_tis": Correction(weight="sequence", weight_high=2.0),
+    # a one-sided token mask at 2 (TRL's token_mask with its clip_max)
+    "token_mis": Correction(mask="token", mask_high=2.0),
+    # TRL 1.16's default: sequence_mask, clip_max 3, over the product of token ratios
+    "seq_mis": Correction(mask="sequence", mask_high=3.0),
+    # IcePop, the two-sided token band (arXiv 2510.18855; verl's icepop presets use [0.5, 5])
+    "icepop": Correction(mask="token", mask_low=0.5, mask_high=2.0),
+    # SkyRL's geometric sequence mask
+    "geo_mask": Correction(mask="geometric", mask_low=0.99, mask_high=1.01),
+    # verl's decoupled_geo_rs_token_tis: Geo-RS at ±0.1% and token TIS at 2
+    "geo_mask_token_tis": Correction(
+        weight="token", weight_high=2.0, mask="geometric", mask_low=0.999, mask_high=1.001
+    ),
+}
+
+
+@dataclass(frozen=True)
+class CorrectionSums:
+    """What a correction did over some trained tokens: Σ w, min w and max w over the tokens it
+    kept, tokens truncated (the weight's bound acted), tokens masked, tokens seen."""
+
+    weight_sum: float = 0.0
+    weight_min: float = float("inf")
+    weight_max: float = float("-inf")
+    truncated: int = 0
+    masked: int = 0
+    tokens: int = 0
+
+    def __add__(self, other: "CorrectionSums") -> "CorrectionSums":
+        return CorrectionSums(
+            self.weight_sum + other.weight_sum,
+            min(self.weight_min, other.weight_min),
+            max(self.weight_max, other.weight_max),
+            self.truncated + other.truncated,
+            self.masked + other.masked,
+            self.tokens + other.tokens,
+        )
+
+
+def _row_statistic(d: Tensor, mask: Tensor, level: str) -> Tensor:
+    """(N, T) log statistic of a level: d_t itself, or the row's Σ d (sequence) or mean d
+    (geometric) on each of its tokens."""
+    if level == "token":
+        return d
+    total = d.sum(-1, keepdim=True)  # (N, 1)
+    if level == "geometric":
+        total = total / mask.sum(-1, keepdim=True).clamp(min=1)
+    return total.expand_as(d)
+
+
+def correction_weights(
+    proximal_logp: Tensor,  # (N, T) π_old (or, in bypass mode, the current policy, detached)
+    behaviour_logp: Tensor,  # (N, T) π_b
+    mask: Tensor,  # (N, T) the trained tokens
+    correction: Correction,
+    *,
+    logp: Tensor | None = None,  # (N, T) current policy (the off-policy sequence mask's π_θ)
+    advantages: Tensor | None = None,  # (N,)
+) -> tuple[Tensor, CorrectionSums]:
+    """The detached weight (N, T) float32 that multiplies each token's objective term, 0 at
+    padding and on masked tokens, and what it did over the trained tokens. See the section's
+    comment for the formulas; all in float64 log space."""
+    mask = mask.bool()
+    d = torch.where(mask, proximal_logp.detach().double() - behaviour_logp.detach().double(), 0.0)
+    log_w = torch.zeros_like(d)  # (N, T)
+    truncated = torch.zeros_like(mask)
+    keep = mask.clone()
+    if correction.weight is not None:
+        stat = _row_statistic(d, mask, correction.weight)
+        lo = -math.inf if correction.weight_low is None else math.log(correction.weight_low)
+        hi = math.inf if correction.weight_high is None else math.log(correction.weight_high)
+        log_w = stat.clamp(lo, hi)
+        truncated = mask & ((stat < lo) | (stat > hi))
+    if correction.mask is not None:
+        stat = _row_statistic(d, mask, correction.mask)
+        lo = -math.inf if correction.mask_low is None else math.log(correction.mask_low)
+        hi = math.inf if correction.mask_high is None else math.log(correction.mask_high)
+        keep &= (stat >= lo) & (stat <= hi)
+    if correction.opsm_delta is not None:
+        if logp is None or advantages is None:
+            raise ValueError("the off-policy sequence mask needs the current logp and advantages")
+        drift = torch.where(mask, behaviour_logp.detach().double() - logp.detach().double(), 0.0)
+        mean_drift = drift.sum(-1) / mask.sum(-1).clamp(min=1)  # (N,)
+        keep &= ((advantages.detach() >= 0) | (mean_drift <= correction.opsm_delta))[:, None]
+    weight = torch.where(keep, log_w.exp(), 0.0)  # (N, T) float64
+    kept = weight[keep]
+    if kept.numel():
+        stats = torch.stack([kept.sum(), kept.min(), kept.max()]).tolist()  # one host sync
+    else:
+        stats = [0.0, math.inf, -math.inf]
+    counts = torch.stack([truncated.sum(), (mask & ~keep).sum(), mask.sum()]).tolist()
+    sums = CorrectionSums(stats[0], stats[1], stats[2], *(int(c) for c in counts))
+    return weight.float(), sums

@@ -128,6 +128,9 @@ TRL_NAMES = {
     "lr": "learning_rate",
     "logp_mismatch_mean": "sampling/sampling_logp_difference/mean",
     "logp_mismatch_max": "sampling/sampling_logp_difference/max",
+    "is_weight_min": "sampling/importance_sampling_ratio/min",
+    "is_weight_mean": "sampling/importance_sampling_ratio/mean",
+    "is_weight_max": "sampling/importance_sampling_ratio/max",
 }
 
 

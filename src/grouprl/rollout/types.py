@@ -55,6 +55,9 @@ class Rollout:
             them); 0 where old_logp is. The trainer then recomputes `old_logp` with its own
             forward and logs how far apart the two are (`grouprl.core.logp_mismatch`). None: the
             sampler is the policy itself, and `old_logp` is its log-prob.
+        version: (N,) int64 or None: the policy version (optimizer steps taken) that sampled
+            each row, set by the trainer (an asynchronous run samples behind the trainer);
+            None where nobody recorded it (evaluation, `generate`).
         turns: for a rollout with tools (`grouprl.rollout.turns`), each row's transcript
             (role-tagged assistant and tool turns) and tool counts; None otherwise. A
             trajectory is the sampled ids and the observation ids fed, exactly; its `texts` are
@@ -77,6 +80,7 @@ class Rollout:
     loss_mask: torch.Tensor | None = None  # (N, T), ⊆ mask; None: mask
     turns: TurnRecord | None = None  # multi-turn rollouts: transcripts and tool counts
     behaviour_logp: torch.Tensor | None = None  # (N, T); None: old_logp is the sampler's
+    version: torch.Tensor | None = None  # (N,) int64: the policy version that sampled each row
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -91,6 +95,8 @@ class Rollout:
             raise ValueError("entropy must be (N, T) like mask")
         if self.behaviour_logp is not None and self.behaviour_logp.shape != self.mask.shape:
             raise ValueError("behaviour_logp must be (N, T) like mask")
+        if self.version is not None and self.version.shape != (n,):
+            raise ValueError("version must be (N,): one policy version per row")
         if self.loss_mask.shape != self.mask.shape:
             raise ValueError("loss_mask must be (N, T) like mask")
         if self.loss_mask is not self.mask and bool((self.loss_mask & ~self.mask).any()):
@@ -153,6 +159,7 @@ class Rollout:
             loss_mask=self._loss_mask_or_none(ri),
             turns=None if self.turns is None else self.turns.select(rows.tolist()),
             behaviour_logp=None if self.behaviour_logp is None else self.behaviour_logp[ri],
+            version=None if self.version is None else self.version[ri.to(self.version.device)],
         )
 
     def _loss_mask_or_none(self, rows: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -167,7 +174,7 @@ class Rollout:
         tensors = ("prompt_ids", "prompt_mask", "completion_ids", "mask", "old_logp", "truncated")
         moved = {name: getattr(self, name).to(device) for name in tensors}
         optional = {name: None if (t := getattr(self, name)) is None else t.to(device)
-                    for name in ("entropy", "behaviour_logp")}  # fmt: skip
+                    for name in ("entropy", "behaviour_logp", "version")}  # fmt: skip
         loss_mask = self._loss_mask_or_none()
         loss_mask = None if loss_mask is None else loss_mask.to(device)
         return dataclasses.replace(self, **moved, **optional, loss_mask=loss_mask)
@@ -272,6 +279,11 @@ class Rollout:
                 None
                 if all(p.behaviour_logp is None for p in parts)
                 else torch.cat([right(p.sampler_logp, 0.0) for p in parts])
+            ),
+            version=(
+                torch.cat([p.version for p in parts])
+                if all(p.version is not None for p in parts)
+                else None
             ),
         )
 

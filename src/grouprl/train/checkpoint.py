@@ -240,7 +240,12 @@ def _restore_rng(states: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-def _write(tmp: Path, step: int, model, tokenizer, optimizer, scheduler, state, full) -> None:
+#: The asynchronous sampler's weight versions a checkpoint keeps (`grouprl.train.ahead`).
+SAMPLER_VERSIONS = "sampler_versions.safetensors"
+
+
+def _write(tmp: Path, step: int, model, tokenizer, optimizer, scheduler, state, full,
+           versions) -> None:  # fmt: skip
     weights, optimizer_state = full if full is not None else (None, None)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
     if tokenizer is not None:
@@ -249,6 +254,10 @@ def _write(tmp: Path, step: int, model, tokenizer, optimizer, scheduler, state, 
     opt_tensors, opt_meta = _optimizer_to_files(optimizer, optimizer_state)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file(_rng_states(), str(tmp / "rng.safetensors"))
+    if versions:
+        flat = {f"{v}/{name}": t.detach().contiguous().cpu()
+                for v, weights in versions.items() for name, t in weights.items()}  # fmt: skip
+        save_file(flat, str(tmp / SAMPLER_VERSIONS))
     version, internal, gauss = random.getstate()
     meta = {
         **state,
@@ -292,6 +301,7 @@ def save_checkpoint(
     keep_last: int,
     tokenizer: Any = None,
     full_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
+    sampler_versions: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically, verify it, then delete all but the newest `keep_last`.
 
@@ -302,6 +312,8 @@ def save_checkpoint(
 
     `full_state`: the (weights, optimizer state) of a sharded model, gathered on this rank
     (`fsdp.gather_full_state`); they are written in place of the model's own.
+    `sampler_versions`: older versions of the trainable weights an asynchronous sampler still
+    samples with (`grouprl.train.ahead`), by version.
     """
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -315,7 +327,7 @@ def save_checkpoint(
         tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from a crash mid-write
     tmp.mkdir()
-    _write(tmp, step, model, tokenizer, optimizer, scheduler, state, full_state)
+    _write(tmp, step, model, tokenizer, optimizer, scheduler, state, full_state, sampler_versions)
     reason = damage(tmp)  # re-read from disk before anything older goes
     if reason is not None:
         raise OSError(f"checkpoint {final.name} did not verify after writing: {reason}")
@@ -358,3 +370,15 @@ def load_checkpoint(
     version, internal, gauss = meta["python_random"]
     random.setstate((version, tuple(internal), gauss))
     return meta
+
+
+def load_sampler_versions(path: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """The sampler weight versions checkpoint `path` keeps (empty when it keeps none)."""
+    file = path / SAMPLER_VERSIONS
+    if not file.exists():
+        return {}
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(file)).items():
+        version, name = key.split("/", 1)
+        out.setdefault(int(version), {})[name] = tensor
+    return out

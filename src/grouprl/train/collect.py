@@ -98,7 +98,8 @@ class Collected:
     position: int  # the data position after this step's draws
     skipped_prompts: int  # prompts over the prompt budget, drawn and skipped (alike on all ranks)
     logged: dict[str, float]  # what reward functions logged with log_metric (mean over ranks)
-    seconds: float  # wall time of the sampling
+    seconds: float  # wall time of the sampling (asynchronous: of the trainer's wait for it)
+    sampler_seconds: float | None = None  # asynchronous: the sampler's own time on it
 
     @property
     def filtered(self) -> bool:

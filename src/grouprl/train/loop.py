@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import math
+import os
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,7 +58,9 @@ from grouprl.config.options import TrainConfig
 from grouprl.errors import UserError
 from grouprl.faults import fault
 from grouprl.report.doctor import diagnose
-from grouprl.train.collect import collect_batch
+from grouprl.train.ahead import AheadSampler, stamped
+from grouprl.train.checkpoint import load_sampler_versions
+from grouprl.train.collect import Collected, collect_batch
 from grouprl.train.evaluate import run_eval
 from grouprl.train.events import RunEvent
 from grouprl.train.parallel import distributed
@@ -101,7 +104,11 @@ def train(
     Under torchrun every rank calls this; rank 0 prints and writes the run directory."""
     run = setup_run(cfg, console=console, callbacks=tuple(callbacks), live=live)
     with contextlib.closing(run.sampler.engine):  # an engine's own model copy is freed at the end
-        return _train(run)
+        try:
+            return _train(run)
+        finally:
+            if run.ahead is not None:  # the sampler's thread ends with the run, however it ends
+                run.ahead.close()
 
 
 def _train(run: Run) -> TrainSummary:
@@ -110,6 +117,8 @@ def _train(run: Run) -> TrainSummary:
     if finished:
         return TrainSummary(run.run_dir, state.step, state.initial_eval, None,
                             policy=run.policy, tokenizer=run.tokenizer)  # fmt: skip
+    if run.cfg.max_staleness:
+        run.ahead = start_ahead(run, state)
     steps, final_eval = run.cfg.steps, None
     # From the first checkpoint on, SIGINT/SIGTERM finish the current step, save and stop.
     with open_sinks(run, state), _StopFlag() as stop, _StepBar(run, state) as bar:
@@ -124,8 +133,10 @@ def _train(run: Run) -> TrainSummary:
                 state = dataclasses.replace(state, initial_eval=held_out[1])
         while state.step < steps and stopping is None and not run.stop_asked:
             with committed(run, state):  # the weights are still `state`'s
-                collected = collect_batch(run.cfg, run.sampler, state.step, state.data_position)
+                collected = take_batch(run, state)
             state, log = learn(run, state, collected)  # changes the weights in place
+            if run.ahead is not None:
+                run.ahead.publish(state.step, run.policy)  # the version batch step + K samples
             with committed(run, state):
                 log_step(run, state, log, bar)
                 notify(run, "step", state.step, log.metrics)
@@ -154,6 +165,28 @@ def _train(run: Run) -> TrainSummary:
             finish(run, state, final_eval)
     return TrainSummary(run.run_dir, state.step, state.initial_eval, final_eval,
                         policy=run.policy, tokenizer=run.tokenizer)  # fmt: skip
+
+
+def start_ahead(run: Run, state: RunState, *, overlap: bool = True) -> AheadSampler:
+    """The asynchronous sampler from `state` on: the versions a resumed checkpoint kept for its
+    in-flight batches, and the trainer's own weights as version `state.step`. With
+    GROUPRL_SEQUENTIAL_AHEAD set (or `overlap` False) each batch is sampled in the trainer's
+    thread when it is taken, on the same schedule: the sequential run an overlapped one equals."""
+    saved = {} if run.resumed_from is None else load_sampler_versions(run.resumed_from)
+    overlap = overlap and not os.environ.get("GROUPRL_SEQUENTIAL_AHEAD")
+    ahead = AheadSampler(run.cfg, run.sampler, run.policy, start_step=state.step,
+                         start_position=state.data_position, saved=saved, overlap=overlap)  # fmt: skip
+    ahead.publish(state.step, run.policy)
+    return ahead
+
+
+def take_batch(run: Run, state: RunState) -> Collected:
+    """Step `state.step`'s batch: sampled now by the current policy, or taken from the
+    asynchronous sampler (sampled by version max(0, step − K))."""
+    if run.ahead is not None:
+        return run.ahead.take(state.step)
+    collected = collect_batch(run.cfg, run.sampler, state.step, state.data_position)
+    return stamped(collected, state.step, state.step)
 
 
 def notify(run: Run, kind: str, step: int, metrics: dict[str, float]) -> None:

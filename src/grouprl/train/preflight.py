@@ -47,6 +47,10 @@ GROUP_SIZES = (2, 4, 8, 16, 32, 64)
 NO_GRADIENT_TARGET = 0.5  # a group size is suggested that brings the no-gradient share below this
 NO_GRADIENT_STOP = 0.9  # above this share of groups without gradient, the run would not learn
 SAME_SCORE = 0.95  # a weighted reward giving one score to this share of completions is a finding
+# The sampler's log-probs against the trainer's, k3's KL per token (verl's rollout-correction
+# docs: negligible needs no correction; its k3 rejection thresholds run 1e-3 to 1e-2):
+MISMATCH_INFO = 1e-4  # from here a correction is suggested
+MISMATCH_WARN = 1e-2  # and from here the run is warned: the gap is the size of a policy update
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,7 @@ class Report:
     timing: dict[str, float]
     memory: dict[str, Any]
     step: dict[str, float]  # the measured step's metrics, as train logs them (timings aside)
+    mismatch: dict[str, Any] = field(default_factory=dict)  # sampler against trainer log-probs
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -204,6 +209,7 @@ def measure(run: Run, options: CheckOptions) -> Report:
             "steps": cfg.steps,
             "max_new_tokens": cfg.max_new_tokens,
             "temperature": cfg.temperature,
+            "correction": cfg.correction,
         },
         prompts=_first_prompts(run, sampled[0], G),
         rewards=rewards,
@@ -217,6 +223,7 @@ def measure(run: Run, options: CheckOptions) -> Report:
         timing=timing,
         memory=memory,
         step=step_metrics,
+        mismatch=_mismatch(run, batches[0]),
     )
     report.findings = findings(report, sampled, sampler.rewards.pass_reward)
     return report
@@ -267,6 +274,21 @@ def _measure_update(run: Run, collected: Collected) -> dict[str, Any]:
         "memory": _memory(run, rss, len(collected.kept.rollout.texts)),
         "step": {k: v for k, v in log.metrics.items() if k not in TIMINGS},
     }
+
+
+def _mismatch(run: Run, collected: Collected) -> dict[str, Any]:
+    """How far the sampler's log-probs of the first step's trained tokens are from the
+    trainer's own forward of them, whatever the options make the sampler (grouprl's, in fp32:
+    the same function to float rounding; under bf16; vLLM): one no-grad forward."""
+    from grouprl.core import logp_mismatch
+    from grouprl.train.update import mismatch_metrics, no_grad_logprobs
+
+    batch = collected.kept or collected.sampled
+    rollout = batch.rollout
+    trainer = no_grad_logprobs(run.cfg, run.policy, rollout, run.sampler.dtype)  # (N, T)
+    sums = logp_mismatch(rollout.sampler_logp, trainer, rollout.loss_mask)
+    return {**mismatch_metrics(sums), "tokens": sums.tokens,
+            "sampler": run.cfg.engine + ("" if run.sampler.dtype is None else " bf16")}  # fmt: skip
 
 
 def _memory(run: Run, rss: _PeakRSS, completions: int) -> dict[str, Any]:
@@ -436,6 +458,17 @@ def findings(report: Report, sampled: list[Any], pass_reward: str) -> list[Findi
                 f"unscored_{name}", "info", f"reward {name} leaves most completions unscored",
                 f"{s['unscored']:.0%} None", "check the columns it reads and when it returns None",
             ))  # fmt: skip
+    kl = report.mismatch.get("logp_mismatch_kl", math.nan)
+    if kl >= MISMATCH_INFO and report.config.get("correction", "none") == "none":
+        out.append(Finding(
+            "logp_mismatch", "warning" if kl >= MISMATCH_WARN else "info",
+            "the sampler's log-probs differ from the trainer's",
+            f"KL {kl:.2e} per token (k3), mean |d log p| "
+            f"{report.mismatch['logp_mismatch_mean']:.2e}, max "
+            f"{report.mismatch['logp_mismatch_max']:.2e}, over {report.mismatch['tokens']} tokens",
+            "correct for it: --correction token_tis (truncated importance weights), or "
+            "--correction geo_mask_token_tis for long completions",
+        ))  # fmt: skip
     memory = report.memory
     if "limit_gb" in memory and memory["predicted_gb"] > memory["limit_gb"]:
         fits = memory["micro_batch_size_that_fits"]

@@ -118,6 +118,8 @@ class Run:
     callbacks: tuple[Callable[..., Any], ...] = ()  # told of every step and evaluation
     live: dict[str, str] | None = None  # what identifies each live object (from Python)
     stop_asked: bool = False  # a callback asked the run to end after the current step
+    ahead: Any = None  # the asynchronous sampler (`grouprl.train.ahead`), --max-staleness > 0
+    resumed_from: Path | None = None  # the checkpoint a resume loaded
 
     def warn(self, message: str) -> None:
         self.console.print(f"[yellow]warning:[/] {message}")
@@ -247,6 +249,7 @@ def restore(run: Run) -> tuple[RunState, bool]:
         )
         if checkpoint is not None:
             state = _load(run, checkpoint)
+            run.resumed_from = checkpoint
             run.sampler.engine.policy_updated(state.step)  # the weights are the checkpoint's
             if (
                 state.step >= cfg.steps
@@ -352,6 +355,7 @@ def save(run: Run, state: RunState) -> None:
     if run.scaler is not None:
         extra["grad_scaler"] = run.scaler.state_dict()
     full = full_state(run.policy, run.optimizer, run.dist)
+    versions = None if run.ahead is None else run.ahead.pending(state.step)
 
     def write() -> Path:
         return ckpt.save_checkpoint(
@@ -364,6 +368,7 @@ def save(run: Run, state: RunState) -> None:
             state={**state.to_json(), **extra},
             keep_last=run.cfg.keep_last,
             full_state=full,
+            sampler_versions=versions,
         )
 
     try:

@@ -51,11 +51,17 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
         run.sampler.engine.policy_updated(state.step + 1)  # an engine's own copy follows
     lr = run.optimizer.param_groups[0]["lr"]  # the rate this step's updates used
     metrics = step_metrics(collected, trained, dist=dist, weights=weights, lr=lr)
+    if cfg.max_staleness and batch is not None and batch.rollout.version is not None:
+        # the trainer's version less the sampler's, over this rank's rows (one schedule: alike)
+        metrics["staleness"] = float(state.step - batch.rollout.version.double().mean())
     run.scheduler.step()
     seconds = collected.seconds + time.perf_counter() - start
     (generated,) = dist.sum(int(collected.sampled.rollout.sampled_lengths.sum()))  # every rank's
     metrics.update(step_seconds=seconds, rollout_seconds=collected.seconds,
                    tokens_per_s=generated / seconds)  # fmt: skip
+    if collected.sampler_seconds is not None:  # asynchronous: rollout_seconds is the wait
+        metrics.update(sampler_seconds=collected.sampler_seconds,
+                       update_seconds=seconds - collected.seconds)  # fmt: skip
     state = RunState(state.step + 1, collected.position, nonfinite, state.initial_eval)
     return state, StepLog(metrics, samples, ratios)
 

@@ -12,14 +12,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from grouprl.config.options import RunConfig
-from grouprl.config.validation import loss_options
-from grouprl.core import LossOptions, LossStats, MismatchSums, logp_mismatch, mean_over, policy_loss
+from grouprl.config.validation import correction, loss_options
+from grouprl.core import (
+    Correction,
+    CorrectionSums,
+    LossOptions,
+    LossStats,
+    MismatchSums,
+    correction_weights,
+    logp_mismatch,
+    mean_over,
+    policy_loss,
+)
 from grouprl.faults import fault
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models.lora import adapter_dropout
@@ -90,12 +100,18 @@ def update(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     plans, mismatch = _plans(cfg, policy, rollout, advantages, mask, dtype, dist,
                              lockstep or Lockstep(dist))  # fmt: skip
-    inputs = _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype)
+    corr = correction(cfg)
+    differs = dtype is not None or rollout.behaviour_logp is not None  # the sampler is not us
+    inputs = _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype,
+                         corr if corr.active and differs else None,
+                         differs and cfg.proximal == "behaviour")  # fmt: skip
     sums = UpdateSums(has_kl=ref_logp is not None)
-    for _ in range(cfg.epochs):
+    applied, bypass_mismatch = CorrectionSums(), MismatchSums()
+    for epoch in range(cfg.epochs):
         for plan in plans:
             optimizer.zero_grad(set_to_none=True)
-            passes = _backward(cfg, policy, plan, inputs, scaler)
+            passes = _backward(cfg, policy, plan, inputs, scaler, first_epoch=epoch == 0)
+            applied, bypass_mismatch = applied + passes.applied, bypass_mismatch + passes.mismatch
             if passes.trained_rows == 0:  # nothing trained here: a zero gradient (AdamW steps)
                 for p in params:
                     if p.grad is None:
@@ -112,9 +128,34 @@ def update(
     if dist.enabled:
         dist.all_reduce(sums.extremes, "max")
     metrics = sums.metrics()
+    if inputs.bypass:  # measured against each minibatch's forward, before its step
+        mismatch = bypass_mismatch
     if mismatch is not None:
         metrics.update(mismatch_metrics(mismatch, dist))
+    if inputs.correction is not None:
+        metrics.update(correction_metrics(applied, dist))
     return metrics
+
+
+def correction_metrics(sums: CorrectionSums, dist: Dist = SINGLE) -> dict[str, float]:
+    """What the correction did over every trained token of the job's passes: the weight's mean,
+    min and max over the tokens it kept, and the shares truncated and masked."""
+    if dist.enabled:
+        total = dist.all_reduce(torch.tensor(
+            [sums.weight_sum, sums.truncated, sums.masked, sums.tokens], dtype=torch.float64,
+            device=dist.device))  # fmt: skip
+        ends = dist.all_reduce(torch.tensor([-sums.weight_min, sums.weight_max],
+                                            dtype=torch.float64, device=dist.device), "max")  # fmt: skip
+        sums = CorrectionSums(float(total[0]), -float(ends[0]), float(ends[1]),
+                              int(total[1]), int(total[2]), int(total[3]))  # fmt: skip
+    kept = sums.tokens - sums.masked
+    return {
+        "is_weight_mean": mean_over(sums.weight_sum, kept),
+        "is_weight_min": sums.weight_min if kept else math.nan,
+        "is_weight_max": sums.weight_max if kept else math.nan,
+        "is_truncated_frac": mean_over(sums.truncated, sums.tokens),
+        "is_masked_frac": mean_over(sums.masked, sums.tokens),
+    }
 
 
 def mismatch_metrics(sums: MismatchSums, dist: Dist = SINGLE) -> dict[str, float]:
@@ -158,8 +199,8 @@ def _plans(
     )
     plans = with_global_counts(plans, dist)
     plans = pad_passes(plans, rollout, lockstep)
-    if dtype is None and rollout.behaviour_logp is None:
-        return plans, None
+    if (dtype is None and rollout.behaviour_logp is None) or cfg.proximal == "behaviour":
+        return plans, None  # the sampler's log-probs are the proximal policy's
     return trainer_old_logp(cfg, policy, plans, dtype)
 
 
@@ -175,6 +216,10 @@ class PassSums:
     trained_rows: float
     rows: float
     extremes: torch.Tensor  # (len(LossStats.EXTREMES),) float64 on the CPU
+    applied: CorrectionSums = field(default_factory=CorrectionSums)  # this rank's (reduced
+    # once, by the caller)
+    mismatch: MismatchSums = field(default_factory=MismatchSums)  # bypass: the sampler
+    # against these passes' forward
 
     def over_ranks(self, dist: Dist) -> PassSums:
         """The sums of every rank's passes: one all-reduce (float64)."""
@@ -183,7 +228,8 @@ class PassSums:
         packed = torch.tensor([self.loss, *self.stats, self.trained_rows, self.rows],
                               dtype=torch.float64, device=dist.device)  # fmt: skip
         loss, *stats, trained_rows, rows = dist.all_reduce(packed).tolist()
-        return PassSums(loss, stats, trained_rows, rows, self.extremes)
+        return dataclasses.replace(self, loss=loss, stats=stats, trained_rows=trained_rows,
+                                   rows=rows)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -195,6 +241,8 @@ class _LossInputs:
     mask: torch.Tensor  # (N, T) the loss mask
     ref_logp: torch.Tensor | None  # (N, T)
     dtype: torch.dtype | None  # the forwards' autocast dtype
+    correction: Correction | None = None  # None: off, or nothing to correct
+    bypass: bool = False  # the ratio's anchor is the sampler's log-probs (`--proximal behaviour`)
 
 
 def _backward(
@@ -203,14 +251,20 @@ def _backward(
     plan: Minibatch,
     inputs: _LossInputs,
     scaler: torch.amp.GradScaler | None,
+    *,
+    first_epoch: bool = True,
 ) -> PassSums:
     """Forward and backward of every pass of a minibatch, gradients accumulated; what they add
-    up to on this rank (a lockstep filler adds nothing)."""
+    up to on this rank (a lockstep filler adds nothing).
+
+    With a correction, each chunk's weight (`grouprl.core.correction_weights`) multiplies its
+    objective term: from the trainer's old_logp against the sampler's, or in bypass mode from
+    this forward's (detached) log-probs, as verl's bypass mode computes it."""
     device = model_device(policy)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     sums = torch.zeros(len(LossStats.SUMS), dtype=torch.float64, device=device)
     extremes = torch.full((len(LossStats.EXTREMES),), -math.inf, dtype=torch.float64, device=device)
-    trained_rows = 0
+    trained_rows, applied, mismatch = 0, CorrectionSums(), MismatchSums()
     for chunk in plan.chunks:
         with (
             autocast(device, inputs.dtype),
@@ -219,6 +273,18 @@ def _backward(
         ):
             logp = logprobs(policy, chunk.rollout, temperature=cfg.temperature,
                             buckets=chunk.buckets)  # (n, T) fp32  # fmt: skip
+        sampled, chunk_mask = chunk.rollout, inputs.mask[chunk.rows]
+        weight = None
+        if inputs.correction is not None:
+            proximal = logp.detach() if inputs.bypass else sampled.old_logp
+            weight, done = correction_weights(
+                proximal, sampled.sampler_logp, chunk_mask, inputs.correction, logp=logp,
+                advantages=inputs.advantages[chunk.rows],
+            )  # fmt: skip
+            if chunk.weight:
+                applied += done
+        if inputs.bypass and first_epoch and chunk.weight:
+            mismatch += logp_mismatch(sampled.sampler_logp, logp.detach(), chunk_mask)
         out = policy_loss(
             logp,
             chunk.rollout.old_logp,
@@ -228,6 +294,7 @@ def _backward(
             ref_logp=None if inputs.ref_logp is None else inputs.ref_logp[chunk.rows],
             num_tokens=plan.num_tokens,
             num_seqs=plan.num_seqs,
+            token_weight=weight,
         )
         loss = out.loss if chunk.weight == 1.0 else out.loss * chunk.weight
         (loss if scaler is None else scaler.scale(loss)).backward()
@@ -238,7 +305,7 @@ def _backward(
             trained_rows += len(chunk.rows)
     shared = torch.cat([loss_sum[None], sums]).tolist()  # one host sync
     return PassSums(shared[0], shared[1:], float(trained_rows), float(plan.num_rows),
-                    extremes.cpu())  # fmt: skip
+                    extremes.cpu(), applied, mismatch)  # fmt: skip
 
 
 def optimizer_step(
@@ -297,9 +364,13 @@ def trainer_old_logp(
             if chunk.weight:  # a lockstep filler's rows are not trained
                 sampled = chunk.rollout
                 mismatch += logp_mismatch(sampled.sampler_logp, old_logp, sampled.loss_mask)
+            behaviour = chunk.rollout.sampler_logp  # kept: the correction reads it
             chunks.append(
                 dataclasses.replace(
-                    chunk, rollout=dataclasses.replace(chunk.rollout, old_logp=old_logp)
+                    chunk,
+                    rollout=dataclasses.replace(
+                        chunk.rollout, old_logp=old_logp, behaviour_logp=behaviour
+                    ),
                 )
             )
         out.append(dataclasses.replace(plan, chunks=tuple(chunks)))

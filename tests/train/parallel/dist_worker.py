@@ -9,6 +9,7 @@ the test asserts on them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -105,6 +106,18 @@ def fixed_batch(policy, tokenizer) -> Batch:
     return Batch(rollout, list(rows), rewards, {"correct": rewards, "second": second})
 
 
+def behind(batch: Batch) -> Batch:
+    """`batch` as a sampler other than the trainer would give it: behaviour log-probs off the
+    sampled ones by up to 0.8 a token (some token ratios beyond 2, some below 1/2)."""
+    rollout = batch.rollout
+    n, t = rollout.old_logp.shape
+    d = 0.8 * torch.sin(torch.arange(n * t, dtype=torch.float64).reshape(n, t) * 0.7)
+    behaviour = torch.where(rollout.mask, rollout.old_logp - d.to(rollout.old_logp.dtype), 0.0)
+    return dataclasses.replace(
+        batch, rollout=dataclasses.replace(rollout, behaviour_logp=behaviour)
+    )
+
+
 def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
     whole = fixed_batch(policy, tokenizer)
     cases = [(algo, strategy, False, None) for algo in ("grpo", "gspo", "dapo")
@@ -112,18 +125,38 @@ def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
     # LoRA; and micro-batches, where ranks run different numbers of chunks (FSDP pads)
     cases += [("grpo", "ddp", True, None), ("gspo", "ddp", True, None), ("dapo", "fsdp", False, 3)]
     cases += [("gdpo", "ddp", False, None)]  # advantages from the gathered per-reward scores
+    # a sampler behind the trainer: behaviour log-probs apart from the trainer's, corrected
+    cases += [("grpo", "ddp", False, "token_tis"), ("gspo", "fsdp", False, "icepop")]
     for algo, strategy, lora, micro in cases:
         extra = {"minibatches": 2} if algo == "gspo" else {}
+        batch, correction = whole, None
+        if isinstance(micro, str):  # an off-policy case: micro names the correction
+            micro, correction = None, micro
+            extra.update(max_staleness=1, correction=correction)
+            batch = behind(whole)
         cfg = config(algo, micro_batch_size=micro, **extra)
-        ref_grads, ref_weights, ref_diag = train_three_steps(cfg, SINGLE, policy, whole, lora)
+        ref_grads, ref_weights, ref_diag = train_three_steps(cfg, SINGLE, policy, batch, lora)
         here = Dist(dist.rank, dist.world_size, dist.local_rank, strategy, dist.device)
-        mine = whole.select_groups(dist.my_groups(B, cfg.minibatches))
+        mine = batch.select_groups(dist.my_groups(B, cfg.minibatches))
         grads, weights, diag = train_three_steps(cfg, here, policy, mine, lora)
         if lora:  # the adapters' B matrices start at 0
             moved = scale({n: w for n, w in ref_weights.items() if "lora_B" in n})
         else:
             moved = worst(ref_weights, {n: p for n, p in policy.named_parameters()})
-        out[f"{algo}-{strategy}{'-lora' if lora else ''}{f'-micro{micro}' if micro else ''}"] = {
+        name = f"{algo}-{strategy}{'-lora' if lora else ''}{f'-micro{micro}' if micro else ''}"
+        if correction:
+            name += f"-{correction}"
+        off = (
+            "is_weight_mean",
+            "is_weight_min",
+            "is_weight_max",
+            "is_truncated_frac",
+            "is_masked_frac",
+            "logp_mismatch_mean",
+            "logp_mismatch_max",
+            "logp_mismatch_kl",
+        )
+        out[name] = {
             "grad_rel": worst(grads, ref_grads) / scale(ref_grads),
             "weights_rel": worst(weights, ref_weights) / scale(ref_weights),
             "dtype": str(next(iter(weights.values())).dtype),
@@ -131,7 +164,14 @@ def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
             "trained_frac": [diag["trained_frac"], ref_diag["trained_frac"]],
             "diagnostics": {
                 k: [diag[k], ref_diag[k]]
-                for k in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "ratio_mean")
+                for k in (
+                    "loss",
+                    "grad_norm",
+                    "clip_frac_low",
+                    "clip_frac_high",
+                    "ratio_mean",
+                    *(off if correction else ()),
+                )
             },
         }
 

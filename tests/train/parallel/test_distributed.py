@@ -18,7 +18,8 @@ from numerics import F64_SAME
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 CASES = ["grpo-ddp", "grpo-fsdp", "gspo-ddp", "gspo-fsdp", "dapo-ddp", "dapo-fsdp",
-         "grpo-ddp-lora", "gspo-ddp-lora", "dapo-fsdp-micro3", "gdpo-ddp"]  # fmt: skip
+         "grpo-ddp-lora", "gspo-ddp-lora", "dapo-fsdp-micro3", "gdpo-ddp",
+         "grpo-ddp-token_tis", "gspo-fsdp-icepop"]  # fmt: skip
 
 
 def torchrun(*args, cwd, timeout=240, env=None):

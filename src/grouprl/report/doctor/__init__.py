@@ -28,7 +28,12 @@ from grouprl.report.doctor.learning import (
     check_reward_vs_heldout,
     check_zero_variance,
 )
-from grouprl.report.doctor.updates import check_blowups, check_clipping, check_nonfinite
+from grouprl.report.doctor.updates import (
+    check_blowups,
+    check_clipping,
+    check_mismatch,
+    check_nonfinite,
+)
 from grouprl.report.runs import RunLog, load_run
 
 __all__ = ["CHECKS", "Finding", "diagnose", "format_findings"]
@@ -40,6 +45,7 @@ CHECKS: list[Callable[[RunLog], list[Finding]]] = [
     check_clipping,
     check_blowups,
     check_nonfinite,
+    check_mismatch,
     check_length,
     check_reward_vs_heldout,
     check_reward_health,

@@ -10,6 +10,7 @@ from grouprl.report.doctor.findings import (
     Finding,
     finite_series,
     is_off_policy,
+    window_medians,
     window_size,
 )
 from grouprl.report.runs import RunLog
@@ -201,3 +202,36 @@ def check_nonfinite(run: RunLog) -> list[Finding]:
             "lower --lr, check the reward functions for NaN or inf, or use fp32 (--precision)",
         )
     ]
+
+
+# ----- the sampler against the trainer (another engine, precision or an older version) ------
+#: k3's KL(sampler ‖ trainer) per token, as a last-window median, above which the gap is the
+#: size of a policy update (PPO's 0.01 target KL) and counts as growing when it is this many
+#: times the first window's. prime-rl's docs call this metric the early warning of off-policy
+#: collapse.
+MISMATCH_KL_WARN = 0.01
+MISMATCH_GROWTH = 4.0
+
+
+def check_mismatch(run: RunLog) -> list[Finding]:
+    """The sampler's log-probs drifting from the trainer's: `logp_mismatch_kl` grown past
+    MISMATCH_GROWTH x its first window and above MISMATCH_KL_WARN at the end."""
+    medians = window_medians(run, "logp_mismatch_kl")
+    if medians is None:
+        return []
+    first, last, early, late = medians
+    if not (last > MISMATCH_KL_WARN and last > MISMATCH_GROWTH * first):
+        return []
+    corrected = (run.config.get("correction") or "none") != "none"
+    return [
+        Finding(
+            "logp_mismatch_growing",
+            "warning",
+            "the sampler's log-probs are drifting from the trainer's",
+            f"KL(sampler || trainer) per token {first:.2e} ({early}) -> {last:.2e} ({late})",
+            ("the correction is not holding it: lower --max-staleness or --lr, or mask harder "
+             "(--correction geo_mask_token_tis)") if corrected else
+            ("correct for it (--correction token_tis, or geo_mask_token_tis for long "
+             "completions), lower --max-staleness, or sample in the trainer's precision"),
+        )
+    ]  # fmt: skip

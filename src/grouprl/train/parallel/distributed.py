@@ -24,6 +24,7 @@ same step with the same message (`check`), and none is left waiting in a collect
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,14 @@ class Dist:
     local_rank: int = 0
     strategy: str = "ddp"
     device: torch.device = _CPU  # where collective tensors live
+    group: Any = None  # the process group of these collectives (None: the default one)
+
+    def own_group(self) -> Dist:
+        """The same place on a process group of its own, for collectives that run beside this
+        one's (the asynchronous sampler's thread). Every rank calls it, in the same order."""
+        if not self.enabled:
+            return self
+        return dataclasses.replace(self, group=dist.new_group(backend=dist.get_backend()))
 
     @property
     def enabled(self) -> bool:
@@ -76,7 +85,7 @@ class Dist:
         """`tensor` reduced over ranks (sum, max or min), in place; returned for chaining."""
         if self.enabled:
             moved = tensor.to(self.device)
-            dist.all_reduce(moved, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+            dist.all_reduce(moved, group=self.group, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                                        "min": dist.ReduceOp.MIN}[op])  # fmt: skip
             if moved is not tensor:
                 tensor.copy_(moved)
@@ -97,7 +106,7 @@ class Dist:
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast(self, obj: Any) -> Any:
@@ -105,14 +114,14 @@ class Dist:
         if not self.enabled:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def barrier(self) -> None:
         """Wait for every rank: before a rank leaves with a non-zero status, so that torchrun,
         which then ends the other ranks, does not end rank 0 while it writes a checkpoint."""
         if self.enabled:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def all_done(self, done: bool) -> bool:
         """True once every rank is done: the `all_done` callable of sampling under FSDP."""
