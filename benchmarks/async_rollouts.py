@@ -36,7 +36,9 @@ from vllm_engine import write_data
 class Args:
     cells: tuple[str, ...] = ("builtin:0:38:8", "20m:150:128:8")
     arms: tuple[str, ...] = ("k0:t2", "k1:t2:s1", "k1:t1:s1", "k1:t2:s2", "k2:t2:s1")
-    """K:trainer threads[:sampler threads] (K = 0 has no sampler thread)."""
+    """K:trainer threads[:sampler threads] (K = 0 has no sampler thread), or with K = 0
+    k0:t2:bf16 (bf16 forwards, the trainer recomputing old_logp) and k0:t2:bf16-bypass (bf16
+    with --correction icepop --proximal behaviour: no recompute)."""
     warmup_steps: int = 2
     measured_steps: int = 6
     rounds: int = 2
@@ -45,9 +47,15 @@ class Args:
     """Where runs, data and results.json go. None: runs/bench/async-<date>-<time>."""
 
 
+PRECISION = {"bf16": ["--precision", "bf16"],
+             "bf16-bypass": ["--precision", "bf16", "--correction", "icepop", "--proximal",
+                             "behaviour"]}  # fmt: skip
+
+
 def arm_parts(arm: str) -> tuple[int, int, int | None]:
     k, t, *s = arm.split(":")
-    return int(k[1:]), int(t[1:]), int(s[0][1:]) if s else None
+    sampler = int(s[0][1:]) if s and s[0] not in PRECISION else None
+    return int(k[1:]), int(t[1:]), sampler
 
 
 def command(args: Args, spec: str, arm: str, run_dir: Path, out: Path) -> list[str]:
@@ -63,6 +71,7 @@ def command(args: Args, spec: str, arm: str, run_dir: Path, out: Path) -> list[s
            "--algo", "grpo", "--max-staleness", str(k)]  # fmt: skip
     if sampler is not None:
         cmd += ["--sampler-threads", str(sampler)]
+    cmd += PRECISION.get(arm.split(":")[-1], [])
     if model == "builtin":
         return cmd
     path = random_llama_dir(out / "model-20m", LLAMA_20M, eos=False)

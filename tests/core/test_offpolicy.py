@@ -139,3 +139,32 @@ def test_impossible_bounds_are_refused():
                 dict(opsm_delta=-0.1)):  # fmt: skip
         with pytest.raises(ValueError):
             Correction(**bad)
+
+
+def test_a_correction_weighs_grpo_gspo_and_cispo_by_hand():
+    """The weight multiplies each objective's per-token term, denominators unchanged. On the
+    proximal policy's own log-probs (every ratio 1, nothing clipped), with Â = (1, −1) and
+    token TIS's w = [[2, 0.6, 1], [1.01, 1.02, pad]], seq_mean_token_mean:
+      value  −(2 + 0.6 + 1)/3 · 1/2 + (1.01 + 1.02)/2 · 1/2 = −0.0925 for GRPO and GSPO (s_i = 1);
+      d/d logp[0, 0]: GRPO −w/|y|/N = −2/3/2; GSPO spreads row 0's −Σw/|y| over its tokens
+      through s_i = exp(mean log ρ): −(3.6/3)/3/2 = −0.2 on each; CISPO's sg(min(r, cap))·Â·log π
+      has GRPO's gradient at r = 1."""
+    from grouprl.core import policy_loss
+
+    proximal, behaviour = _logps()
+    weight, _ = correction_weights(proximal, behaviour, _MASK, CORRECTIONS["token_tis"])
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    for objective, level, value, grad00, grad01 in (
+        ("clip", "token", -0.0925, -1 / 3, -0.6 / 3 / 2),
+        ("clip", "sequence", -0.0925, -0.2, -0.2),
+        ("cispo", "token", None, -1 / 3, -0.6 / 3 / 2),
+    ):
+        logp = proximal.clone().requires_grad_(True)
+        out = policy_loss(logp, proximal, adv, _MASK, objective=objective, level=level,
+                          token_weight=weight.double())  # fmt: skip
+        out.loss.backward()
+        if value is not None:
+            assert math.isclose(float(out.loss.detach()), value, rel_tol=1e-6), (objective, level)
+        assert math.isclose(float(logp.grad[0, 0]), grad00, rel_tol=1e-6), (objective, level)
+        assert math.isclose(float(logp.grad[0, 1]), grad01, rel_tol=1e-6), (objective, level)
+        assert float(logp.grad[1, 2]) == 0.0  # padding

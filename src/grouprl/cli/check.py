@@ -125,12 +125,7 @@ def print_report(report: Any, console: Console) -> None:
         f"update (one step's, as train runs it): loss {step.get('loss', float('nan')):.3g}, "
         f"gradient norm {step.get('grad_norm', float('nan')):.3g}{kl}"
     )
-    mm = report.mismatch
-    console.print(
-        f"sampler ({mm['sampler']}) against the trainer's log-probs: mean |d| "
-        f"{mm['logp_mismatch_mean']:.2e}, max {mm['logp_mismatch_max']:.2e}, KL "
-        f"{mm['logp_mismatch_kl']:.2e} per token, over {mm['tokens']} tokens"
-    )
+    _print_mismatch(report.mismatch, console)
     console.print(
         f"memory: update peak {m['peak_gb']:.2f} GB ({m['method']}; "
         f"{m['completions_per_forward']} completions per forward)"
@@ -151,6 +146,14 @@ def print_report(report: Any, console: Console) -> None:
             console.print(
                 f"        e.g. {ex.get('prompt')!r} -> {ex.get('completion')!r}", markup=False
             )
+
+
+def _print_mismatch(mm: dict[str, Any], console: Console) -> None:
+    console.print(
+        f"sampler ({mm['sampler']}) against the trainer's log-probs: mean |d| "
+        f"{mm['logp_mismatch_mean']:.2e}, max {mm['logp_mismatch_max']:.2e}, KL "
+        f"{mm['logp_mismatch_kl']:.2e} per token, over {mm['tokens']} tokens"
+    )
 
 
 def _fits(micro_batch_size: int) -> str:

@@ -260,9 +260,9 @@ def _offpolicy_checks(cfg: RunConfig, corr: Correction, world_size: int) -> list
             "sampler_threads must be at least 1",
         ),
         (
-            cfg.max_staleness == 0 or cfg.engine == "hf",
-            "--max-staleness > 0 samples with grouprl's sampler on its own copy of the weights; "
-            "with --engine vllm it is not supported yet: use --engine hf, or --max-staleness 0",
+            cfg.max_staleness == 0 or cfg.engine == "hf" or world_size == 1,
+            "--max-staleness with --engine vllm runs vLLM in a process of its own beside one "
+            "trainer; under torchrun use --engine hf",
         ),
         (
             cfg.max_staleness == 0 or world_size == 1 or cfg.strategy != "fsdp",

@@ -193,8 +193,10 @@ class VLLMEngine:
         *,
         tools: TurnHandler | None = None,
         weights: Callable[[], dict[str, torch.Tensor]] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.policy, self.tokenizer, self.options, self.tools = policy, tokenizer, options, tools
+        self.device = device or _device(policy)  # where rollouts go (the policy's, by default)
         # the policy's tensors by checkpoint name (a LoRA policy's merged: the trainer's
         # `grouprl.models.lora.checkpoint_weights`); default: its state dict
         self.weights = weights or (lambda: dict(policy.state_dict()))
@@ -257,10 +259,9 @@ class VLLMEngine:
         texts, record = _texts(self.tokenizer, out.tokens[:, :width], out.lengths, out.ended,
                                self.eos_ids, stop, settings.turns)  # fmt: skip
         rollout = out.rollout(prompt_ids, prompt_mask, texts, prompt_texts, settings, record)
-        device = _device(self.policy)
         return dataclasses.replace(
             rollout, entropy=None, behaviour_logp=rollout.old_logp.clone()
-        ).to(device)
+        ).to(self.device)
 
     def policy_updated(self, version: int) -> None:
         """The policy's weights changed (`version` optimizer steps): load them before the next

@@ -28,11 +28,13 @@ import dataclasses
 import os
 import threading
 import time
+from typing import Any
 
 import torch
 from torch import nn
 
 from grouprl.config.options import RunConfig
+from grouprl.errors import UserError
 from grouprl.rollout import HFRolloutEngine
 from grouprl.train.batch import Batch
 from grouprl.train.collect import Collected, Sampler, collect_batch
@@ -94,8 +96,9 @@ class AheadSampler:
         for p in model.parameters():
             p.requires_grad_(False)
         self.model = model
-        engine = HFRolloutEngine(model, sampler.tokenizer, tools=sampler.engine.tools)
-        self.sampler = dataclasses.replace(sampler, engine=engine, dist=sampler.dist.own_group())
+        self.engine = _engine(cfg, model, sampler)
+        self.sampler = dataclasses.replace(sampler, engine=self.engine,
+                                           dist=sampler.dist.own_group())  # fmt: skip
         self.versions: dict[int, Weights] = dict(saved or {})
         self.loaded: int | None = None  # the version the copy holds
         self.ready: dict[int, Collected] = {}
@@ -152,6 +155,7 @@ class AheadSampler:
             self.changed.notify_all()
         if self.thread is not None:
             self.thread.join()
+        self.engine.close()
 
     # -- the sampler's side ----------------------------------------------------------------
 
@@ -188,6 +192,7 @@ class AheadSampler:
                 for name, tensor in weights.items():
                     params[name].copy_(tensor)
             self.loaded = version
+            self.engine.policy_updated(version)  # vLLM's process loads the copy's weights
         threads = torch.get_num_threads()
         if inline:
             torch.set_num_threads(self.threads)
@@ -200,3 +205,24 @@ class AheadSampler:
             self.ready[step] = stamped(collected, version, step)
             self.position, self.next_step = collected.position, step + 1
             self.changed.notify_all()
+
+
+def _engine(cfg: RunConfig, model: nn.Module, sampler: Sampler) -> Any:
+    """The sampler's engine over its copy: grouprl's own, or vLLM in a process of its own (the
+    trainer's process keeps the one that evaluates the current policy), sized for a step."""
+    if cfg.engine == "hf":
+        return HFRolloutEngine(model, sampler.tokenizer, tools=sampler.engine.tools)
+    if sampler.tools is not None:
+        raise UserError(
+            "--max-staleness with --engine vllm samples in vLLM's own process, which answers no "
+            "tool calls yet; use --engine hf for tools and environments"
+        )
+    from grouprl.models.lora import checkpoint_weights
+    from grouprl.rollout.vllm_process import VLLMProcessEngine
+    from grouprl.train.build import vllm_options
+
+    budget = None if sampler.budget is None else sampler.budget + cfg.max_new_tokens
+    options = vllm_options(cfg, model, sampler.dtype, cfg.prompts_per_step * cfg.group_size,
+                           budget, cfg.seed)  # fmt: skip
+    return VLLMProcessEngine(model, sampler.tokenizer, options,
+                             weights=lambda: checkpoint_weights(model))  # fmt: skip

@@ -100,11 +100,7 @@ def update(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     plans, mismatch = _plans(cfg, policy, rollout, advantages, mask, dtype, dist,
                              lockstep or Lockstep(dist))  # fmt: skip
-    corr = correction(cfg)
-    differs = dtype is not None or rollout.behaviour_logp is not None  # the sampler is not us
-    inputs = _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype,
-                         corr if corr.active and differs else None,
-                         differs and cfg.proximal == "behaviour")  # fmt: skip
+    inputs = _loss_inputs(cfg, rollout, advantages, mask, ref_logp, dtype)
     sums = UpdateSums(has_kl=ref_logp is not None)
     applied, bypass_mismatch = CorrectionSums(), MismatchSums()
     for epoch in range(cfg.epochs):
@@ -125,16 +121,45 @@ def update(
             fault("update")
             sums.add(plan, passes.loss, passes.stats, passes.extremes, passes.trained_rows,
                      passes.rows, grad_norm)  # fmt: skip
+    if inputs.bypass:  # measured against each minibatch's forward, before its step
+        mismatch = bypass_mismatch
+    return _update_metrics(sums, inputs, mismatch, applied, dist)
+
+
+def _update_metrics(
+    sums: UpdateSums,
+    inputs: _LossInputs,
+    mismatch: MismatchSums | None,
+    applied: CorrectionSums,
+    dist: Dist,
+) -> dict[str, float]:
+    """The update's diagnostics over the whole job: the loss's, the sampler's mismatch (where
+    the sampler is not the trainer), the correction's (where one applies)."""
     if dist.enabled:
         dist.all_reduce(sums.extremes, "max")
     metrics = sums.metrics()
-    if inputs.bypass:  # measured against each minibatch's forward, before its step
-        mismatch = bypass_mismatch
     if mismatch is not None:
         metrics.update(mismatch_metrics(mismatch, dist))
     if inputs.correction is not None:
         metrics.update(correction_metrics(applied, dist))
     return metrics
+
+
+def _loss_inputs(
+    cfg: RunConfig,
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    dtype: torch.dtype | None,
+) -> _LossInputs:
+    """What every pass's loss reads: the correction only where the sampler is not the
+    trainer's fp32 forward (another dtype, engine or version), bypass only there too."""
+    corr = correction(cfg)
+    differs = dtype is not None or rollout.behaviour_logp is not None
+    return _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype,
+                       corr if corr.active and differs else None,
+                       differs and cfg.proximal == "behaviour")  # fmt: skip
 
 
 def correction_metrics(sums: CorrectionSums, dist: Dist = SINGLE) -> dict[str, float]:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from numerics import F64_SAME
 
@@ -182,3 +183,32 @@ def test_every_rank_identifies_live_objects_alike(tmp_path):
         ranks[0]["model"].startswith("LlamaForCausalLM")
         and "parameters sha256:" in ranks[0]["model"]
     )
+
+
+def test_a_two_process_async_run_equals_its_sequential_simulation(tmp_path):
+    """--max-staleness 1 under torchrun: each rank's sampler thread samples its share on a
+    process group of its own (its collectives never meet the trainer's), on the same fixed
+    schedule as the run that samples in the trainer's thread."""
+    from safetensors.torch import load_file
+
+    args = [*TRAIN, "--steps", "3", "--max-staleness", "1", "--sampler-threads", "1",
+            "--eval-every", "0", "--log-ratios", "0"]  # fmt: skip
+    done = torchrun(*args, "--output-dir", "overlapped", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = torchrun(*args, "--output-dir", "sequential", cwd=tmp_path,
+                    env={"GROUPRL_SEQUENTIAL_AHEAD": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    timing = {"step_seconds", "rollout_seconds", "tokens_per_s", "sampler_seconds",
+              "update_seconds"}  # fmt: skip
+
+    def metrics(run):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k not in timing} for x in lines]
+
+    overlapped, sequential = metrics("overlapped"), metrics("sequential")
+    assert overlapped == sequential
+    assert [r["staleness"] for r in overlapped] == [0.0, 1.0, 1.0]
+    assert all(r["groups"] == 8 for r in overlapped)  # the global batch
+    a = load_file(str(tmp_path / "overlapped/final/model.safetensors"))
+    b = load_file(str(tmp_path / "sequential/final/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
