@@ -2,8 +2,9 @@
 (`--max-staleness K`) with and without an importance-sampling correction, and for bf16 sampling.
 
 Every arm is the default run (`grouprl train`: GSPO, 200 steps, evaluations every 25) with
-its options added, over several seeds, each run a child process with one torch thread (and one
-sampler thread), `--jobs` at a time. Reported: mean (min-max over seeds) held-out pass@1 at
+its options added, over several seeds, each run a child process with one torch thread (an
+asynchronous run sampling in that thread between updates: the same schedule, and so the same
+run, as an overlapped one), `--jobs` at a time. Reported: mean (min-max over seeds) held-out pass@1 at
 the chosen steps, and a figure of the mean curves (docs/async_learning.png with --figure).
 
 Usage (from the repository root; ~40 minutes on 2 cores with the defaults):
@@ -66,7 +67,7 @@ def run(args: Args, arm: str, seed: int, out: Path) -> Path:
     if (run_dir / "eval.jsonl").exists() and (run_dir / "final").exists():
         return run_dir  # done before: a rerun of the script continues
     cmd = [sys.executable, "-m", "grouprl", "train", "--steps", str(args.steps), "--seed",
-           str(seed), "--threads", "1", "--sampler-threads", "1", "--no-progress",
+           str(seed), "--threads", "1", "--sampler-threads", "0", "--no-progress",
            "--output-dir", str(run_dir), *ARMS[arm]]  # fmt: skip
     with run_dir.with_suffix(".log").open("w") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(1))

@@ -165,3 +165,18 @@ def test_check_certifies_the_fp32_sampler_is_the_trainer_and_measures_bf16(tmp_p
     _, report = _check(capsys, "--precision", "bf16")
     assert report["mismatch"]["sampler"] == "hf bf16"
     assert report["mismatch"]["logp_mismatch_max"] > bound  # not the same function any more
+
+
+def test_a_large_mismatch_is_a_finding_that_names_a_correction(tmp_path, monkeypatch, capsys):
+    """From a KL of 1e-4 per token check suggests a correction (info), from 1e-2 it warns."""
+    from grouprl.train import preflight
+
+    monkeypatch.chdir(tmp_path)
+    for kl, severity in ((5e-4, "info"), (2e-2, "warning")):
+        monkeypatch.setattr(preflight, "_mismatch", lambda run, collected, kl=kl: {
+            "logp_mismatch_mean": 0.01, "logp_mismatch_max": 0.5, "logp_mismatch_kl": kl,
+            "tokens": 100, "sampler": "vllm"})  # fmt: skip
+        code, report = _check(capsys)
+        (finding,) = [f for f in report["findings"] if f["code"] == "logp_mismatch"]
+        assert finding["severity"] == severity and "--correction token_tis" in finding["suggestion"]
+        assert f"{kl:.2e}" in finding["evidence"]

@@ -256,8 +256,8 @@ def _offpolicy_checks(cfg: RunConfig, corr: Correction, world_size: int) -> list
         ),
         (cfg.max_staleness >= 0, "max_staleness must be >= 0 (0: synchronous)"),
         (
-            cfg.sampler_threads is None or cfg.sampler_threads >= 1,
-            "sampler_threads must be at least 1",
+            cfg.sampler_threads is None or cfg.sampler_threads >= 0,
+            "sampler_threads must be >= 0 (0: sample in the trainer's thread, between updates)",
         ),
         (
             cfg.max_staleness == 0 or cfg.engine == "hf" or world_size == 1,

@@ -47,10 +47,21 @@ def lag_version(step: int, staleness: int) -> int:
     return max(0, step - staleness)
 
 
-def default_sampler_threads() -> int:
-    """Half the cores this process may use, at least 1 (measured on 2 cores: BENCHMARKS.md)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // 2)
+def cores() -> int:
+    """The cores this process may use."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def sampler_threads(cfg: RunConfig) -> int:
+    """The sampler's torch threads, 0 for "in the trainer's thread, between updates":
+    `--sampler-threads`, or by default half the cores, at least 2 where there are 2. Measured on
+    2 cores (BENCHMARKS.md): a sampler of 2 threads beside a trainer of 2 beat 1 + 1, 2 + 1 and
+    sampling between updates."""
+    if cfg.sampler_threads is not None:
+        return cfg.sampler_threads
+    return min(cores(), max(2, cores() // 2))
 
 
 def stamped(collected: Collected, version: int, step: int) -> Collected:
@@ -87,10 +98,11 @@ class AheadSampler:
         start_step: int,
         start_position: int,
         saved: dict[int, Weights] | None = None,
+        threads: int = 0,
         overlap: bool = True,
     ) -> None:
         self.cfg, self.staleness = cfg, cfg.max_staleness
-        self.threads = cfg.sampler_threads or default_sampler_threads()
+        self.threads = threads or torch.get_num_threads()  # 0: the trainer's own count
         self.names = [name for name, p in policy.named_parameters() if p.requires_grad]
         model = copy.deepcopy(policy).eval()
         for p in model.parameters():

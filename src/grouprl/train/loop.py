@@ -58,7 +58,7 @@ from grouprl.config.options import TrainConfig
 from grouprl.errors import UserError
 from grouprl.faults import fault
 from grouprl.report.doctor import diagnose
-from grouprl.train.ahead import AheadSampler, stamped
+from grouprl.train.ahead import AheadSampler, sampler_threads, stamped
 from grouprl.train.checkpoint import load_sampler_versions
 from grouprl.train.collect import Collected, collect_batch
 from grouprl.train.evaluate import run_eval
@@ -170,12 +170,14 @@ def _train(run: Run) -> TrainSummary:
 def start_ahead(run: Run, state: RunState, *, overlap: bool = True) -> AheadSampler:
     """The asynchronous sampler from `state` on: the versions a resumed checkpoint kept for its
     in-flight batches, and the trainer's own weights as version `state.step`. With
-    GROUPRL_SEQUENTIAL_AHEAD set (or `overlap` False) each batch is sampled in the trainer's
-    thread when it is taken, on the same schedule: the sequential run an overlapped one equals."""
+    `--sampler-threads 0`, GROUPRL_SEQUENTIAL_AHEAD set or `overlap` False, each batch is sampled in the trainer's thread when it is taken, on the
+    same schedule: the sequential run an overlapped one equals."""
     saved = {} if run.resumed_from is None else load_sampler_versions(run.resumed_from)
-    overlap = overlap and not os.environ.get("GROUPRL_SEQUENTIAL_AHEAD")
+    threads = sampler_threads(run.cfg)
+    overlap = overlap and threads > 0 and not os.environ.get("GROUPRL_SEQUENTIAL_AHEAD")
     ahead = AheadSampler(run.cfg, run.sampler, run.policy, start_step=state.step,
-                         start_position=state.data_position, saved=saved, overlap=overlap)  # fmt: skip
+                         start_position=state.data_position, saved=saved, threads=threads,
+                         overlap=overlap)  # fmt: skip
     ahead.publish(state.step, run.policy)
     return ahead
 
