@@ -177,6 +177,7 @@ def test_a_large_mismatch_is_a_finding_that_names_a_correction(tmp_path, monkeyp
             "logp_mismatch_mean": 0.01, "logp_mismatch_max": 0.5, "logp_mismatch_kl": kl,
             "tokens": 100, "sampler": "vllm"})  # fmt: skip
         code, report = _check(capsys)
+        assert code == 0  # a gap to correct, not a run that would not learn
         (finding,) = [f for f in report["findings"] if f["code"] == "logp_mismatch"]
         assert finding["severity"] == severity and "--correction token_tis" in finding["suggestion"]
         assert f"{kl:.2e}" in finding["evidence"]
