@@ -162,6 +162,10 @@ def _train(run: Run) -> TrainSummary:
             return stopped(run, state, stopping)
         with committed(run, state):
             final_eval = held_out[1] if held_out[0] == state.step else evaluate_at(run, state.step)
+        stopping = run.dist.first_signal(stop.requested)  # during the final evaluation: the
+        if stopping is not None:  # run is saved; a resume evaluates again and writes final/
+            return stopped(run, state, stopping)
+        with committed(run, state):
             finish(run, state, final_eval)
     return TrainSummary(run.run_dir, state.step, state.initial_eval, final_eval,
                         policy=run.policy, tokenizer=run.tokenizer)  # fmt: skip
