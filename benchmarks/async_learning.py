@@ -16,6 +16,7 @@ Usage (from the repository root; ~40 minutes on 2 cores with the defaults):
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def run(args: Args, arm: str, seed: int, out: Path) -> Path:
     run_dir = out / f"{arm.replace(' ', '-')}-seed{seed}"
     if (run_dir / "eval.jsonl").exists() and (run_dir / "final").exists():
         return run_dir  # done before: a rerun of the script continues
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run the last invocation left unfinished
     cmd = [sys.executable, "-m", "grouprl", "train", "--steps", str(args.steps), "--seed",
            str(seed), "--threads", "1", "--sampler-threads", "0", "--no-progress",
            "--output-dir", str(run_dir), *ARMS[arm]]  # fmt: skip
