@@ -113,7 +113,7 @@ def main(args: Args) -> None:
             ax.plot(steps, [statistics.mean(curves[arm][s]) for s in steps], marker=".",
                     label=arm, linestyle="--" if "tis" in arm or "icepop" in arm else "-")  # fmt: skip
         ax.set_xlabel("step")
-        ax.set_ylabel(f"held-out pass@1 (mean of {len(args.seeds)} seeds)")
+        ax.set_ylabel(f"held-out pass@1 (mean of {len(args.seeds)} seed(s))")
         ax.set_title("built-in task: staleness K, with and without token TIS")
         ax.legend(fontsize=7, ncol=2)
         ax.grid(alpha=0.3)
