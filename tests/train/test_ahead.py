@@ -150,3 +150,14 @@ def test_incompatible_off_policy_options_are_one_line(tmp_path, capsys, flags, m
     err = " ".join(capsys.readouterr().err.split())
     assert message in err and "Traceback" not in err
     assert not run.exists()
+
+
+def test_a_resume_that_raises_the_staleness_is_refused_in_one_line(tmp_path, capsys):
+    """A synchronous checkpoint at step 2 keeps no version 1, which batch 2 needs at K = 1."""
+    run = tmp_path / "run"
+    assert train(run, "--steps", "2") == 0
+    assert main(["train", "--resume", str(run), "--steps", "4", "--max-staleness", "1",
+                 "--allow-change", "max_staleness"]) == 2  # fmt: skip
+    err = " ".join(capsys.readouterr().err.split())
+    assert "versions 1 of the weights, which this checkpoint does not keep" in err
+    assert ckpt.latest_checkpoint(run).name == "step_000002"

@@ -210,11 +210,9 @@ def correction_weights(
         mean_drift = drift.sum(-1) / mask.sum(-1).clamp(min=1)  # (N,)
         keep &= ((advantages.detach() >= 0) | (mean_drift <= correction.opsm_delta))[:, None]
     weight = torch.where(keep, log_w.exp(), 0.0)  # (N, T) float64
-    kept = weight[keep]
-    if kept.numel():
-        stats = torch.stack([kept.sum(), kept.min(), kept.max()]).tolist()  # one host sync
-    else:
-        stats = [0.0, math.inf, -math.inf]
-    counts = torch.stack([truncated.sum(), (mask & ~keep).sum(), mask.sum()]).tolist()
-    sums = CorrectionSums(stats[0], stats[1], stats[2], *(int(c) for c in counts))
+    kept = torch.cat([weight[keep], weight.new_full((1,), math.nan)])  # NaN: never a min or max
+    stats = torch.stack([kept.nansum(), kept.nan_to_num(math.inf).min(),
+                         kept.nan_to_num(-math.inf).max(), truncated.sum(),
+                         (mask & ~keep).sum(), mask.sum()]).tolist()  # one host sync  # fmt: skip
+    sums = CorrectionSums(stats[0], stats[1], stats[2], *(int(c) for c in stats[3:]))
     return weight.float(), sums

@@ -85,6 +85,7 @@ class VLLMProcessEngine:
             )
         if not self.loaded or self.synced != self.version:
             path = self._directory / f"weights-{self.version}.safetensors"
+            # a file is read by another process: host tensors, whatever the policy's device
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.weights().items()}
             save_file(tensors, str(path))
             self._call(("weights", str(path), self.version))
@@ -152,6 +153,8 @@ def _serve(conn: Any, spec: tuple) -> None:
         if generation is not None:
             skeleton.generation_config = generation
         current: dict[str, str] = {}
+        # rollouts stay on the host here: they cross the pipe, and the parent moves them to
+        # the policy's device (CUDA or not); vLLM itself runs where `options` say
         engine = VLLMEngine(skeleton, tokenizer, options, device=torch.device("cpu"),
                             weights=lambda: load_file(current["path"]))  # fmt: skip
         conn.send(("ok", None))

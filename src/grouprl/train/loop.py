@@ -58,7 +58,7 @@ from grouprl.config.options import TrainConfig
 from grouprl.errors import UserError
 from grouprl.faults import fault
 from grouprl.report.doctor import diagnose
-from grouprl.train.ahead import AheadSampler, sampler_threads, stamped
+from grouprl.train.ahead import AheadSampler, lag_version, sampler_threads, stamped
 from grouprl.train.checkpoint import load_sampler_versions
 from grouprl.train.collect import Collected, collect_batch
 from grouprl.train.evaluate import run_eval
@@ -177,6 +177,15 @@ def start_ahead(run: Run, state: RunState, *, overlap: bool = True) -> AheadSamp
     `--sampler-threads 0`, GROUPRL_SEQUENTIAL_AHEAD set or `overlap` False, each batch is sampled in the trainer's thread when it is taken, on the
     same schedule: the sequential run an overlapped one equals."""
     saved = {} if run.resumed_from is None else load_sampler_versions(run.resumed_from)
+    K = run.cfg.max_staleness
+    missing = sorted({lag_version(k, K) for k in range(state.step, state.step + K)}
+                     - {*saved, state.step})  # fmt: skip
+    if missing:  # a staleness the checkpoint cannot honour is never silently reduced
+        raise UserError(
+            f"--max-staleness {K} samples step {state.step}'s batches with versions "
+            f"{', '.join(map(str, missing))} of the weights, which this checkpoint does not keep "
+            "(it was saved with a smaller staleness); resume with the staleness it was saved with"
+        )
     threads = sampler_threads(run.cfg)
     overlap = overlap and threads > 0 and not os.environ.get("GROUPRL_SEQUENTIAL_AHEAD")
     ahead = AheadSampler(run.cfg, run.sampler, run.policy, start_step=state.step,
