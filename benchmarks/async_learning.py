@@ -32,11 +32,11 @@ from harness import child_env, md_table, read_jsonl, versions
 ARMS = {
     "k0": [],
     "k0 bf16": ["--precision", "bf16"],
-    "k0 bf16 icepop bypass": [
+    "k0 bf16 token_band bypass": [
         "--precision",
         "bf16",
         "--correction",
-        "icepop",
+        "token_band",
         "--proximal",
         "behaviour",
     ],
@@ -111,7 +111,7 @@ def main(args: Args) -> None:
         for arm in args.arms:
             steps = sorted(curves[arm])
             ax.plot(steps, [statistics.mean(curves[arm][s]) for s in steps], marker=".",
-                    label=arm, linestyle="--" if "tis" in arm or "icepop" in arm else "-")  # fmt: skip
+                    label=arm, linestyle="--" if "tis" in arm or "token_band" in arm else "-")  # fmt: skip
         ax.set_xlabel("step")
         ax.set_ylabel(f"held-out pass@1 (mean of {len(args.seeds)} seed(s))")
         ax.set_title("built-in task: staleness K, with and without token TIS")

@@ -38,7 +38,7 @@ class Args:
     arms: tuple[str, ...] = ("k0:t2", "k1:t2:s1", "k1:t1:s1", "k1:t2:s2", "k2:t2:s1")
     """K:trainer threads[:sampler threads] (K = 0 has no sampler thread), or with K = 0
     k0:t2:bf16 (bf16 forwards, the trainer recomputing old_logp) and k0:t2:bf16-bypass (bf16
-    with --correction icepop --proximal behaviour: no recompute); a last part `bypass` adds
+    with --correction token_band --proximal behaviour: no recompute); a last part `bypass` adds
     --proximal behaviour to any arm (no recompute of old_logp)."""
     warmup_steps: int = 2
     measured_steps: int = 6
@@ -49,7 +49,7 @@ class Args:
 
 
 PRECISION = {"bf16": ["--precision", "bf16"],
-             "bf16-bypass": ["--precision", "bf16", "--correction", "icepop", "--proximal",
+             "bf16-bypass": ["--precision", "bf16", "--correction", "token_band", "--proximal",
                              "behaviour"],
              "bypass": ["--proximal", "behaviour"]}  # fmt: skip
 

@@ -86,7 +86,7 @@ def test_sequence_tis_is_the_product_of_token_ratios_truncated():
 
 
 def test_masks_zero_the_tokens_or_sequences_outside_their_band():
-    w, sums = _weights(CORRECTIONS["icepop"])  # token band [0.5, 2]: only the 3 goes
+    w, sums = _weights(CORRECTIONS["token_band"])  # token band [0.5, 2]: only the 3 goes
     assert w[0].tolist() == [0.0, 1.0, 1.0] and w[1].tolist() == [1.0, 1.0, 0.0]
     assert (sums.masked, sums.truncated) == (1, 0)
     w, sums = _weights(Correction(mask="sequence", mask_high=1.2))  # products 1.8 and 1.0302
@@ -96,6 +96,22 @@ def test_masks_zero_the_tokens_or_sequences_outside_their_band():
     assert w.abs().sum() == 0 and sums.masked == 5 and sums.weight_sum == 0
     w, _ = _weights(Correction(mask="geometric", mask_low=0.99, mask_high=1.015))
     assert w[1].tolist() == [1.0, 1.0, 0.0] and w[0].abs().sum() == 0
+
+
+def test_masked_is_keeps_the_ratio_inside_its_band_and_zero_outside():
+    # IcePop, M(ρ) = ρ on [0.5, 2], else 0: the 3 goes, 0.6 and the rest keep their ratio
+    w, sums = _weights(CORRECTIONS["icepop"])
+    expected = torch.tensor([[0.0, 0.6, 1.0], [1.01, 1.02, 0.0]], dtype=torch.float64)
+    assert torch.allclose(w, expected, rtol=1e-6, atol=0)
+    assert (sums.masked, sums.truncated) == (1, 0)  # a dropped token is not "truncated"
+    # TRL's sequence_mask at 3: Π ρ = 1.8 and 1.0302 both <= 3, so each row's product stays
+    w, _ = _weights(CORRECTIONS["seq_mis"])
+    expected = torch.tensor([[1.8] * 3, [1.0302, 1.0302, 0.0]], dtype=torch.float64)
+    assert torch.allclose(w, expected, rtol=1e-6, atol=0)
+    # TRL's token_mask at 2: ρ_t, the 3 dropped
+    w, _ = _weights(CORRECTIONS["token_mis"])
+    assert torch.allclose(w, torch.tensor([[0.0, 0.6, 1.0], [1.01, 1.02, 0.0]],
+                                          dtype=torch.float64), rtol=1e-6, atol=0)  # fmt: skip
 
 
 def test_trl_sequence_mask_default_falls_into_the_length_trap():

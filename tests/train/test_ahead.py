@@ -142,6 +142,10 @@ def test_an_error_in_the_sampler_ends_the_run_in_one_line_and_saves(tmp_path, mo
         (["--max-staleness", "1", "--correction", "icepop", "--correction-mask-low", "3"],
          "low < high"),
         (["--max-staleness", "-1"], "max_staleness must be >= 0"),
+        (["--max-staleness", "1", "--proximal", "behaviour", "--correction", "icepop"],
+         "counts the sampler's gap twice"),  # IcePop is a weight: ρ inside its band
+        (["--minibatches", "1", "--off-policy-mask", "0.5"], "no drift to mask"),
+        (["--vllm-mode", "server"], "--vllm-mode says where"),
     ],
 )  # fmt: skip
 def test_incompatible_off_policy_options_are_one_line(tmp_path, capsys, flags, message):
@@ -150,6 +154,17 @@ def test_incompatible_off_policy_options_are_one_line(tmp_path, capsys, flags, m
     err = " ".join(capsys.readouterr().err.split())
     assert message in err and "Traceback" not in err
     assert not run.exists()
+
+
+def test_the_off_policy_mask_acts_on_the_drift_of_later_minibatches(tmp_path):
+    """On grouprl's own fp32 sampler the first minibatch trains the policy that sampled (drift
+    0 to rounding, nothing masked at δ = 0.05); the second, after an update at lr 0.05, has
+    drifted, and some of its negative-advantage completions are masked."""
+    run = tmp_path / "run"
+    assert train(run, "--steps", "1", "--minibatches", "2", "--lr", "0.05",
+                 "--off-policy-mask", "0.05") == 0  # fmt: skip
+    (step,) = rows(run / "metrics.jsonl")
+    assert 0 < step["is_masked_frac"] < 1 and step["is_weight_max"] == 1.0  # a mask: no weight
 
 
 def test_a_resume_that_raises_the_staleness_is_refused_in_one_line(tmp_path, capsys):

@@ -39,25 +39,27 @@ def test_the_fields_and_defaults_are_the_installed_trls():
     ours = {f.name: getattr(GRPOConfig(), f.name) for f in dataclasses.fields(GRPOConfig)}
     assert list(ours) == list(theirs)
     assert ours == theirs
-    assert {kind for _, kind in FIELDS.values()} == {MAPPED, REFUSED, WARNED}
+    assert {spec.kind for spec in FIELDS.values()} == {MAPPED, REFUSED, WARNED}
 
 
-@pytest.mark.parametrize("name", [n for n, (_, kind) in FIELDS.items() if kind == REFUSED])
+@pytest.mark.parametrize("name", [n for n, spec in FIELDS.items() if spec.kind == REFUSED])
 def test_a_refused_field_set_raises_naming_it(name):
     with pytest.raises(UserError, match=f"GRPOConfig\\({name}="):
-        options_from(GRPOConfig(**{name: other(FIELDS[name][0])}), rows=100)
+        options_from(GRPOConfig(**{name: other(FIELDS[name].default)}), rows=100)
 
 
 def test_a_warned_field_never_changes_the_options():
     base = options_from(GRPOConfig(), rows=100)
-    warned = [n for n, (_, kind) in FIELDS.items() if kind == WARNED]
+    warned = [n for n, spec in FIELDS.items() if spec.kind == WARNED]
     for name in warned:
         with pytest.warns(UserWarning, match=name):
-            assert options_from(GRPOConfig(**{name: other(FIELDS[name][0])}), rows=100) == base
+            assert options_from(GRPOConfig(**{name: other(FIELDS[name].default)}), rows=100) == base
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # bf16=False: on a CPU without bf16, TRL's default bf16 adds a warning of its own
-        options_from(GRPOConfig(bf16=False, **{n: other(FIELDS[n][0]) for n in warned}), rows=100)
+        options_from(
+            GRPOConfig(bf16=False, **{n: other(FIELDS[n].default) for n in warned}), rows=100
+        )
     assert len(caught) == 1  # one warning, listing them all
     assert all(n in str(caught[0].message) for n in warned)
 
@@ -140,3 +142,133 @@ def test_the_readme_says_what_becomes_of_every_field():
     section = readme[readme.index("## From TRL") : readme.index("## Tools: a model")]
     missing = [name for name in FIELDS if f"`{name}`" not in section]
     assert missing == []
+
+
+def trls_is_ratio(old, sampled, mask, mode, low, high):
+    """TRL 1.16's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions),
+    transcribed: (B, T) for token modes, (B, 1) for sequence modes."""
+    import math
+
+    import torch
+
+    d = (old - sampled) * mask
+    d = d.sum(-1, keepdim=True) if mode.startswith("sequence") else d
+    ratio = torch.exp(d)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=low, max=high)
+    lo, hi = -math.inf if low is None else low, math.inf if high is None else high
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+
+@pytest.mark.parametrize(
+    ("mode", "low", "high"),
+    [("sequence_mask", None, 3.0), ("token_mask", None, 3.0), ("token_mask", 0.5, 2.0),
+     ("token_truncate", None, 3.0), ("token_truncate", 0.5, 2.0), ("sequence_truncate", 0.8, 1.5),
+     ("token_mask", 0.9, None)],
+)  # fmt: skip
+def test_trls_vllm_importance_sampling_is_grouprls_correction(mode, low, high):
+    import torch
+
+    from grouprl.core import Correction, correction_weights
+
+    args = GRPOConfig(use_vllm=True, bf16=False, vllm_importance_sampling_mode=mode,
+                      vllm_importance_sampling_clip_min=low,
+                      vllm_importance_sampling_clip_max=high)  # fmt: skip
+    o = options_from(args, rows=8)
+    parts = {k.removeprefix("correction_"): v for k, v in o.items() if k.startswith("correction_")}
+    assert o["engine"] == "vllm" and "correction" not in o  # the preset stays grouprl's none
+    correction = Correction(**parts)
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(16, 9, generator=g, dtype=torch.float64) * 3
+    sampled = old + torch.randn(16, 9, generator=g, dtype=torch.float64) * 0.6
+    mask = torch.ones(16, 9, dtype=torch.bool)
+    mask[2, 5:] = mask[4, 1:] = False
+    theirs = trls_is_ratio(old, sampled, mask.double(), mode, low, high).expand(16, 9)[mask]
+    ours, _ = correction_weights(old, sampled, mask, correction)
+    acted = (theirs == 0) if mode.endswith("mask") else (theirs == high) | (theirs == low)
+    assert 0 < acted.sum() < theirs.numel()  # the bounds act on some tokens, not all
+    # the same ratio, rounded once to float32 (the weight's dtype): relative 2^-24
+    torch.testing.assert_close(ours[mask].double(), theirs, rtol=2**-24, atol=0)
+
+
+def test_trls_vllm_fields_with_trls_defaults_and_refusals():
+    o = options_from(GRPOConfig(use_vllm=True, bf16=False), rows=8)
+    # TRL 1.16's real default: sequence_mask over the product, at 3 (the ratio, or 0 above)
+    assert {k: v for k, v in o.items() if k.startswith("correction")} == {
+        "correction_mask": "sequence", "correction_mask_high": 3.0,
+        "correction_weight": "sequence", "correction_weight_high": 3.0}  # fmt: skip
+    assert "correction_mask" not in options_from(GRPOConfig(bf16=False), rows=8)  # no vLLM
+    off = options_from(GRPOConfig(use_vllm=True, vllm_importance_sampling_correction=False),
+                       rows=8)  # fmt: skip
+    assert not any(k.startswith("correction") for k in off)
+    capped = options_from(GRPOConfig(use_vllm=True, vllm_importance_sampling_cap=5.0), rows=8)
+    assert capped["correction_mask_high"] == 5.0  # TRL's deprecated name for clip_max
+    server = options_from(GRPOConfig(use_vllm=True, vllm_mode="server"), rows=8)
+    assert (server["engine"], server["vllm_mode"]) == ("vllm", "server")
+    for kwargs, message in [
+        ({"vllm_importance_sampling_mode": "token_truncate",
+          "vllm_importance_sampling_clip_max": None}, "with no bound"),
+        ({"vllm_importance_sampling_clip_max": None}, "with no bound"),
+        ({"vllm_importance_sampling_clip_min": 4.0}, "must be less than"),
+        ({"vllm_importance_sampling_mode": "geometric"}, "token_truncate, token_mask"),
+        ({"loss_type": "vespo"}, "gamma weights"),
+        ({"vllm_mode": "remote"}, "colocate or server"),
+    ]:  # fmt: skip
+        with pytest.raises(UserError, match=message):
+            options_from(GRPOConfig(use_vllm=True, **kwargs), rows=8)
+
+
+def test_trls_off_policy_mask_where_something_can_drift():
+    vllm = options_from(GRPOConfig(use_vllm=True, off_policy_mask_threshold=0.5), rows=8)
+    assert vllm["off_policy_mask"] == 0.5
+    reuse = options_from(GRPOConfig(bf16=False, num_iterations=2, max_steps=4,
+                                    off_policy_mask_threshold=0.5), rows=8)  # fmt: skip
+    assert reuse["off_policy_mask"] == 0.5  # a second epoch drifts from the sampler
+    with pytest.warns(UserWarning, match="the mask never acts"):
+        alone = options_from(GRPOConfig(bf16=False, off_policy_mask_threshold=0.5), rows=8)
+    assert "off_policy_mask" not in alone
+
+
+def test_model_init_kwargs_are_honoured():
+    import torch
+
+    o = options_from(GRPOConfig(bf16=False, model_init_kwargs={
+        "dtype": torch.bfloat16, "attn_implementation": "eager", "revision": "main"}),
+        rows=8, lora=True)  # fmt: skip
+    assert (o["base_dtype"], o["attn_implementation"], "revision" in o) == ("bf16", "eager", False)
+    o = options_from(GRPOConfig(bf16=False, model_init_kwargs='{"dtype": "float16", '
+                                '"revision": "v2", "trust_remote_code": true}', beta=0.04),
+                     rows=8)  # fmt: skip
+    assert (o["base_dtype"], o["revision"], o["trust_remote_code"]) == ("fp16", "v2", True)
+    with pytest.warns(UserWarning, match="trains the weights in fp32"):
+        o = options_from(GRPOConfig(bf16=False, model_init_kwargs={"dtype": "bfloat16"}), rows=8)
+    assert "base_dtype" not in o  # no frozen weights: nothing to put in bf16
+    assert "base_dtype" not in options_from(GRPOConfig(model_init_kwargs={"dtype": "auto"}),
+                                            rows=8, lora=True)  # fmt: skip
+    with pytest.raises(UserError, match="not device_map"):
+        options_from(GRPOConfig(model_init_kwargs={"device_map": "auto"}), rows=8)
+    with pytest.raises(UserError, match="dtype is auto"):
+        options_from(GRPOConfig(model_init_kwargs={"dtype": "int8"}), rows=8)
+
+
+def test_trls_async_config_is_grouprls_fixed_lag():
+    from grouprl.trl import AsyncGRPOConfig
+    from grouprl.trl.async_grpo import async_options_from
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # TRL's async defaults are nothing to warn about
+        o = async_options_from(AsyncGRPOConfig(bf16=False, max_steps=4), rows=8)
+    assert (o["max_staleness"], o["proximal"], o["unbiased_std"], o["adv_eps"]) == (
+        4, "behaviour", False, 1e-8)  # fmt: skip
+    assert (o["lr_schedule"], o["max_new_tokens"], o["loss_agg"], o["beta"], o["steps"]) == (
+        "constant", 2048, "token_mean", 0.0, 4)  # fmt: skip
+    assert not any(k.startswith("correction") for k in o) and "engine" not in o
+    lora = async_options_from(AsyncGRPOConfig(dtype="bfloat16", max_staleness=0), rows=8,
+                              lora=True)  # fmt: skip
+    assert (lora["base_dtype"], lora["max_staleness"]) == ("bf16", 0)
+    with pytest.raises(UserError, match="weight_sync_steps=2"):
+        async_options_from(AsyncGRPOConfig(weight_sync_steps=2), rows=8)
+    with pytest.warns(UserWarning, match="queue_maxsize=5"):
+        async_options_from(AsyncGRPOConfig(queue_maxsize=5), rows=8)
+    with pytest.warns(UserWarning, match="logging_steps=3"):
+        async_options_from(AsyncGRPOConfig(logging_steps=3), rows=8)

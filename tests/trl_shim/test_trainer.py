@@ -19,7 +19,7 @@ from grouprl.trl import GRPOConfig, GRPOTrainer, options_from
 
 ROWS = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "solution": str(a + b)}
         for a in range(10) for b in range(10)]  # fmt: skip
-TIMINGS = {"step_seconds", "rollout_seconds", "tokens_per_s"}
+TIMINGS = {"step_seconds", "rollout_seconds", "tokens_per_s", "sampler_seconds", "update_seconds"}
 
 
 def right(completions, solution, **kwargs):
@@ -138,3 +138,36 @@ def test_a_datasetdict_is_one_line_naming_its_splits(model_dir, tmp_path):
     with pytest.raises(UserError, match=r"DatasetDict of splits \(train, test\); give one"):
         GRPOTrainer(model=model_dir, reward_funcs=right, train_dataset=splits,
                     args=_args(tmp_path / "run"))  # fmt: skip
+
+
+def test_trls_async_trainer_is_grouprls_run_at_a_fixed_lag(model_dir, tmp_path):
+    from grouprl.trl import AsyncGRPOConfig, AsyncGRPOTrainer
+    from grouprl.trl.async_grpo import async_options_from
+
+    data = Dataset.from_list(ROWS)
+
+    def args(output_dir):
+        return AsyncGRPOConfig(output_dir=str(output_dir), per_device_train_batch_size=4,
+                               gradient_accumulation_steps=2, num_generations=4, max_steps=3,
+                               max_completion_length=8, learning_rate=1e-3, max_staleness=1,
+                               bf16=False, disable_tqdm=True)  # fmt: skip
+
+    with pytest.warns(UserWarning, match="exactly that many optimizer steps before"):
+        shim = AsyncGRPOTrainer(model=model_dir, reward_funcs=[right, short],
+                                args=args(tmp_path / "shim"), train_dataset=data)  # fmt: skip
+    shim.train()
+    options = async_options_from(args(tmp_path / "api"), rows=len(ROWS))
+    assert (options["prompts_per_step"], options["max_staleness"], options["proximal"]) == (
+        2, 1, "behaviour")  # fmt: skip
+    grouprl.Trainer(model=model_dir, train_dataset=data, rewards=[right, short],
+                    **options).train()  # fmt: skip
+    ours, theirs = _record(tmp_path / "shim"), _record(tmp_path / "api")
+    assert len(ours[0]) == 3 and ours == theirs
+    # each batch after the first sampled by the weights of one optimizer step before
+    assert [m["staleness"] for m in ours[0]] == [0, 1, 1]
+    with pytest.raises(UserError, match="weight_sync_steps=2"):
+        AsyncGRPOTrainer(model=model_dir, reward_funcs=right, train_dataset=data,
+                         args=AsyncGRPOConfig(weight_sync_steps=2, max_steps=2))  # fmt: skip
+    with pytest.raises(UserError, match="rollout_worker"):
+        AsyncGRPOTrainer(model=model_dir, reward_funcs=right, train_dataset=data,
+                         rollout_worker=object())  # fmt: skip

@@ -1,6 +1,7 @@
 """Training with `--engine vllm`: full fine-tuning and LoRA, 3 steps, a run stopped after 2 and
 resumed equal to the straight one bit for bit; the float32 mismatch within rounding; the
-engine's bad inputs as one line before anything is written; a TRL script with use_vllm=True."""
+engine's bad inputs as one line before anything is written; a TRL script with use_vllm=True,
+and TRL's own trl grpo script with use_vllm in server mode."""
 
 from __future__ import annotations
 
@@ -135,13 +136,55 @@ def test_a_trl_script_with_use_vllm_runs_on_the_vllm_engine(
     monkeypatch.setenv("TINY_MODEL", str(vllm_model_dir))
     monkeypatch.setenv("SUMS", str(files / "sums.jsonl"))
     monkeypatch.chdir(tmp_path)
-    with pytest.warns(UserWarning, match="does not yet correct"):
-        runpy.run_path(str(SCRIPT), run_name="__main__")
+    runpy.run_path(str(SCRIPT), run_name="__main__")
     import yaml
 
     run = tmp_path / "trainer_output"
     record = yaml.safe_load((run / "config.yaml").read_text())
     assert record["engine"] == "vllm" and record["vllm_gpu_memory_utilization"] == 0.5
+    # TRL's default correction, sequence_mask at 3: the product's weight, 0 above 3
+    assert (record["correction_weight"], record["correction_weight_high"],
+            record["correction_mask"], record["correction_mask_high"]) == (
+        "sequence", 3.0, "sequence", 3.0)  # fmt: skip
     steps = metrics(run)
     assert [m["step"] for m in steps] == [1, 2] and "logp_mismatch_mean" in steps[0]
+    for m in steps:  # the weights kept are products of ratios at most 3 (the mask's bound)
+        assert 0 < m["is_weight_min"] <= m["is_weight_mean"] <= m["is_weight_max"] <= 3
+        assert 0 <= m["is_masked_frac"] <= 1
     assert (run / "final" / "model.safetensors").is_file()
+
+
+def test_trls_grpo_script_with_use_vllm_in_server_mode(vllm_model_dir, tmp_path, monkeypatch):
+    """TRL's own trl/scripts/grpo.py (TRL installed here), import changed, with use_vllm in
+    server mode: vLLM in a process of its own, no `trl vllm-serve` to start."""
+    pytest.importorskip("trl")
+    import sys
+
+    import yaml
+    from tests.trl_shim.trl_scripts import dataset_dir, trl_grpo_script
+
+    dataset_dir(tmp_path / "sums", {"train": 64, "test": 8})
+    script = trl_grpo_script(tmp_path)
+    # a random model scores 0 on accuracy: a reward that spreads, by TRL's dotted-path route
+    (tmp_path / "spread.py").write_text(
+        "def length(completions, **kwargs):\n"
+        "    return [len(c[0]['content']) / 40 for c in completions]\n"
+    )
+    argv = ["--model_name_or_path", str(vllm_model_dir), "--dataset_name", "sums",
+            "--reward_funcs", "accuracy_reward", "spread.length", "--max_steps", "2",
+            "--max_completion_length", "12", "--per_device_train_batch_size", "4",
+            "--num_generations", "4", "--use_vllm", "--vllm_mode", "server",
+            "--vllm_importance_sampling_mode", "token_truncate", "--bf16", "false"]  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
+    runpy.run_path(str(script), run_name="__main__")
+    run = tmp_path / "trainer_output"
+    record = yaml.safe_load((run / "config.yaml").read_text())
+    assert (record["engine"], record["vllm_mode"], record["correction_weight"],
+            record["correction_weight_high"]) == ("vllm", "server", "token", 3.0)  # fmt: skip
+    steps = metrics(run)
+    assert [m["step"] for m in steps] == [1, 2]
+    # vLLM's process samples the trainer's weights: fp32 log-probs equal to rounding (the
+    # float32 test above bounds them; here, far below the truncation at 3)
+    assert all(m["logp_mismatch_max"] < 1e-3 and m["is_weight_max"] <= 3 for m in steps)
+    assert (run / "model.safetensors").is_file()

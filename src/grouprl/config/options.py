@@ -41,6 +41,7 @@ KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
 EvalSplit = Literal["heldout", "train", "all"]
 ToolFormat = Literal["tags", "chat"]
 Engine = Literal["hf", "vllm"]  # grouprl.train.build.build_engine
+VllmMode = Literal["colocate", "server"]
 VllmDtype = Literal["auto", "float32", "bfloat16", "float16"]
 CorrectionName = Literal[  # grouprl.core.CORRECTIONS
     "none",
@@ -49,6 +50,7 @@ CorrectionName = Literal[  # grouprl.core.CORRECTIONS
     "token_mis",
     "seq_mis",
     "icepop",
+    "token_band",
     "geo_mask",
     "geo_mask_token_tis",
 ]
@@ -94,6 +96,12 @@ class ModelOptions:
     (builtin:arith; builtin:lookup for --task lookup)."""
     trust_remote_code: bool = False
     """Let from_pretrained run code shipped with the model (only for models you trust)."""
+    revision: str | None = None
+    """The hub revision (branch, tag or commit) of a hub --model and its tokenizer, as
+    from_pretrained's revision. None: the default branch. Not used for a local directory."""
+    attn_implementation: str | None = None
+    """The attention kernels the policy and reference model load with, as from_pretrained's
+    attn_implementation (eager, sdpa, flash_attention_2, ...). None: transformers' choice."""
     device: str = "auto"
     """auto (CUDA when available, else CPU), cpu, cuda or cuda:N."""
     base_dtype: Dtype = "fp32"
@@ -107,6 +115,11 @@ class ModelOptions:
     sampler is the trainer); vllm, vLLM's offline engine in this process (TRL's colocate mode:
     its own copy of the weights, synced after every update; the trainer recomputes old_logp and
     logs how far vLLM's log-probs are from it). pip install 'grouprl[vllm]'."""
+    vllm_mode: VllmMode = "colocate"
+    """Where --engine vllm runs: colocate, in the training process (TRL's colocate mode);
+    server, in a process of its own beside the trainer, weights pushed to it after each update
+    (TRL's server mode, on the trainer's device; answers no tool calls). An asynchronous run
+    (--max-staleness > 0) always runs vLLM in its own process."""
     vllm_dtype: VllmDtype = "auto"
     """vLLM's weight and activation dtype. auto: the trainer's forwards' (float32; bfloat16
     under --precision bf16 or a bf16 LoRA base)."""
@@ -330,11 +343,12 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     correction: CorrectionName = "none"
     """Importance-sampling correction of the sampler's log-probs (the behaviour policy) against
     the trainer's (the proximal policy): token_tis (truncated at 2), seq_tis (the product of
-    token ratios, truncated at 2), token_mis / seq_mis (masked above 2 / 3: TRL's default is
-    seq_mis), icepop (tokens outside [0.5, 2] masked), geo_mask (sequences whose geometric-mean
-    ratio leaves [0.99, 1.01] masked), geo_mask_token_tis (verl's). The --correction-* fields
-    below change a part. Needs something to correct: --engine vllm, --precision bf16 or
-    --max-staleness > 0."""
+    token ratios, truncated at 2), token_mis / seq_mis (the ratio, or 0 above 2 / 3: TRL's
+    token_mask and its default sequence_mask), icepop (ρ_t, or 0 outside [0.5, 2]), token_band
+    (icepop's band as a rejection alone, weight 1 inside: for --proximal behaviour), geo_mask
+    (sequences whose geometric-mean ratio leaves [0.99, 1.01] masked), geo_mask_token_tis
+    (verl's). The --correction-* fields below change a part. Needs something to correct:
+    --engine vllm, --precision bf16 or --max-staleness > 0."""
     correction_weight: WeightLevel | None = None
     """The correction's truncated-IS weight: per token, or the sequence's product. None: the
     preset's."""
@@ -352,7 +366,8 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     off_policy_mask: float | None = None
     """DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose
     mean log(sampler / current) per token exceeds this gets no gradient (TRL's
-    off_policy_mask_threshold; it suggests 0.5). None: off."""
+    off_policy_mask_threshold; it suggests 0.5). The drift is the sampler's gap and the
+    updates' since sampling, so it also applies with --minibatches or --epochs > 1. None: off."""
     proximal: Proximal = "recompute"
     """The policy the ratio is clipped against when the sampler is not the trainer: recompute,
     the trainer's own no-grad forward (decoupled PPO: the correction weighs trainer/sampler);

@@ -240,19 +240,36 @@ def sampler_differs(cfg: RunConfig) -> bool:
     return cfg.engine != "hf" or low_precision or cfg.max_staleness > 0
 
 
+def reuses_batches(cfg: RunConfig) -> bool:
+    """Whether a batch trains more than one update (minibatches or epochs), so that the policy
+    of a later update is not the one that sampled: the off-policy sequence mask's drift."""
+    return cfg.minibatches > 1 or cfg.epochs > 1
+
+
 def _offpolicy_checks(cfg: RunConfig, corr: Correction, world_size: int) -> list[tuple[bool, str]]:
+    importance = corr.weight is not None or corr.mask is not None
     return [
         (
-            not corr.active or sampler_differs(cfg),
+            not importance or sampler_differs(cfg),
             "--correction has nothing to correct: grouprl's sampler in fp32 is the trainer (its "
             "log-probs are the trainer's to float rounding); it applies with --engine vllm, "
             "--precision bf16 or --max-staleness > 0",
         ),
         (
+            corr.opsm_delta is None or sampler_differs(cfg) or reuses_batches(cfg),
+            "--off-policy-mask has no drift to mask: one update per batch of grouprl's fp32 "
+            "sampler trains the policy that sampled; it applies with --minibatches or --epochs "
+            "> 1, --engine vllm, --precision bf16 or --max-staleness > 0",
+        ),
+        (
+            cfg.vllm_mode == "colocate" or cfg.engine == "vllm",
+            "--vllm-mode says where --engine vllm runs; add --engine vllm (or leave --vllm-mode)",
+        ),
+        (
             cfg.proximal != "behaviour" or corr.weight is None,
             "--proximal behaviour clips the ratio against the sampler itself, so an importance "
-            "weight on top counts the sampler's gap twice; use a mask (icepop, geo_mask, "
-            "seq_mis) or --proximal recompute",
+            "weight on top counts the sampler's gap twice; use a rejection mask alone "
+            "(token_band, geo_mask) or --proximal recompute",
         ),
         (cfg.max_staleness >= 0, "max_staleness must be >= 0 (0: synchronous)"),
         (

@@ -64,14 +64,16 @@ def logp_mismatch(behaviour_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Mis
 #   truncated IS (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you
 #   off-policy RL training"):  token      w_t = clamp(ρ_t, low, high),  ρ_t = π_old/π_b
 #                              sequence   w_t = clamp(Π_t ρ_t, low, high)       (the product)
-#   masked IS (MIS; Liu, Li et al. 2025, "When speed kills stability"): w_t = 1 inside the band,
-#   0 outside, the statistic being ρ_t (token: IcePop, arXiv 2510.18855, is the two-sided band),
-#   Π_t ρ_t (sequence: TRL's sequence_mask) or (Π_t ρ_t)^(1/|y|) (geometric: SkyRL's mask,
-#   verl's seq_mean_k1 "Geo-RS");
+#   rejection masks (RS): w_t = 0 outside a band, 1 inside, the statistic being ρ_t (token),
+#   Π_t ρ_t (sequence) or (Π_t ρ_t)^(1/|y|) (geometric: SkyRL's mask, verl's seq_mean_k1
+#   "Geo-RS");
 #   DeepSeek-V3.2's off-policy sequence mask (arXiv 2512.02556): w = 0 on a sequence with
 #   Â < 0 whose mean log(π_b/π_θ) over its tokens exceeds δ.
 #
-# A weight and masks compose (they multiply). Everything is computed in log space and float64:
+# A weight and masks compose (they multiply). Masked IS (MIS; Liu, Li et al. 2025, "When speed
+# kills stability": ρ·1[ρ in band]) is a weight and a mask of one level and one band (the
+# weight's clamp never acts on a token the mask keeps): TRL's token_mask and sequence_mask, and
+# IcePop (arXiv 2510.18855: M(ρ_t) = ρ_t inside [α, β], 0 outside) as the token one. Everything is computed in log space and float64:
 # a product of 100 ratios of 1.1 is 13,780 (the "length trap" of sequence products), and a
 # bound is a comparison of logs, so nothing overflows. Denominators are not touched: a masked
 # token keeps its place in the loss's token and sequence counts (AReaL's rule: the counts are
@@ -126,12 +128,17 @@ CORRECTIONS: dict[str, Correction] = {
     "token_tis": Correction(weight="token", weight_high=2.0),
     # verl's decoupled_seq_is (the sequence product, truncated at 2)
     "seq_tis": Correction(weight="sequence", weight_high=2.0),
-    # a one-sided token mask at 2 (TRL's token_mask with its clip_max)
-    "token_mis": Correction(mask="token", mask_high=2.0),
-    # TRL 1.16's default: sequence_mask, clip_max 3, over the product of token ratios
-    "seq_mis": Correction(mask="sequence", mask_high=3.0),
-    # IcePop, the two-sided token band (arXiv 2510.18855; verl's icepop presets use [0.5, 5])
-    "icepop": Correction(mask="token", mask_low=0.5, mask_high=2.0),
+    # token MIS: ρ_t where ρ_t <= 2, else 0 (TRL's token_mask, at 2)
+    "token_mis": Correction(weight="token", weight_high=2.0, mask="token", mask_high=2.0),
+    # TRL 1.16's default sequence_mask: Π ρ_t where it is <= 3, else 0 (the product)
+    "seq_mis": Correction(weight="sequence", weight_high=3.0, mask="sequence", mask_high=3.0),
+    # IcePop: ρ_t inside [0.5, 2], else 0 (arXiv 2510.18855; verl's icepop presets use [0.5, 5])
+    "icepop": Correction(
+        weight="token", weight_low=0.5, weight_high=2.0, mask="token", mask_low=0.5, mask_high=2.0
+    ),
+    # IcePop's band as a rejection alone: weight 1 inside (for --proximal behaviour, where a
+    # weight would count the sampler's gap twice)
+    "token_band": Correction(mask="token", mask_low=0.5, mask_high=2.0),
     # SkyRL's geometric sequence mask
     "geo_mask": Correction(mask="geometric", mask_low=0.99, mask_high=1.01),
     # verl's decoupled_geo_rs_token_tis: Geo-RS at ±0.1% and token TIS at 2
@@ -144,7 +151,8 @@ CORRECTIONS: dict[str, Correction] = {
 @dataclass(frozen=True)
 class CorrectionSums:
     """What a correction did over some trained tokens: Σ w, min w and max w over the tokens it
-    kept, tokens truncated (the weight's bound acted), tokens masked, tokens seen."""
+    kept, tokens truncated (the weight's bound acted on a kept token), tokens masked, tokens
+    seen."""
 
     weight_sum: float = 0.0
     weight_min: float = float("inf")
@@ -209,6 +217,7 @@ def correction_weights(
         drift = torch.where(mask, behaviour_logp.detach().double() - logp.detach().double(), 0.0)
         mean_drift = drift.sum(-1) / mask.sum(-1).clamp(min=1)  # (N,)
         keep &= ((advantages.detach() >= 0) | (mean_drift <= correction.opsm_delta))[:, None]
+    truncated &= keep  # a masked token was not truncated: it was dropped
     weight = torch.where(keep, log_w.exp(), 0.0)  # (N, T) float64
     kept = torch.cat([weight[keep], weight.new_full((1,), math.nan)])  # NaN: never a min or max
     stats = torch.stack([kept.nansum(), kept.nan_to_num(math.inf).min(),

@@ -235,16 +235,21 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
+    revision: str | None = None,
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """A causal LM from a local directory, `builtin:NAME` or a hub id, in `dtype` on `device`,
-    in eval mode. A LoRA adapter directory loads its base with the adapter merged in."""
+    in eval mode. A LoRA adapter directory loads its base with the adapter merged in.
+    `revision` (a hub id's branch, tag or commit) and `attn_implementation` are
+    from_pretrained's (None: its defaults)."""
     source = resolve_model_path(spec)
     if isinstance(source, Path) and is_adapter_dir(source):
         from peft import PeftModel
 
         base = load_model(
-            adapter_base(source), dtype=dtype, device=device, trust_remote_code=trust_remote_code
-        )
+            adapter_base(source), dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+            revision=revision, attn_implementation=attn_implementation,
+        )  # fmt: skip
         with warnings.catch_warnings():  # peft reads attributes transformers 5 deprecates
             warnings.simplefilter("ignore", FutureWarning)
             return PeftModel.from_pretrained(base, source).merge_and_unload().eval()
@@ -257,6 +262,8 @@ def load_model(
         dtype=dtype,
         trust_remote_code=trust_remote_code,
         output_loading_info=True,
+        **_hub_kwargs(source, revision),
+        **({} if attn_implementation is None else {"attn_implementation": attn_implementation}),
     )
     fresh = sorted(
         {
@@ -273,7 +280,14 @@ def load_model(
     return model.to(device).eval()
 
 
-def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def _hub_kwargs(source: Path | str, revision: str | None) -> dict[str, str]:
+    """from_pretrained's revision for a hub id (a local directory has none)."""
+    return {} if revision is None or isinstance(source, Path) else {"revision": revision}
+
+
+def load_tokenizer(
+    spec: str | Path, *, trust_remote_code: bool = False, revision: str | None = None
+) -> PreTrainedTokenizerBase:
     """The tokenizer saved with a model, with a pad token.
 
     A tokenizer without one gets its EOS token as the pad token: no new token, so the
@@ -282,7 +296,9 @@ def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False) -> PreT
     source = resolve_model_path(spec)
     adapter = isinstance(source, Path) and is_adapter_dir(source)
     if adapter and not (source / "tokenizer_config.json").is_file():  # none saved: the base's
-        return load_tokenizer(adapter_base(source), trust_remote_code=trust_remote_code)
+        return load_tokenizer(
+            adapter_base(source), trust_remote_code=trust_remote_code, revision=revision
+        )
     if is_gguf(source):  # the tokenizer, chat template and EOS the file holds
         _check_gguf(source)
         tokenizer = _from_pretrained(
@@ -290,8 +306,9 @@ def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False) -> PreT
         )
     else:
         tokenizer = _from_pretrained(
-            AutoTokenizer, source, "tokenizer", trust_remote_code=trust_remote_code
-        )
+            AutoTokenizer, source, "tokenizer", trust_remote_code=trust_remote_code,
+            **_hub_kwargs(source, revision),
+        )  # fmt: skip
     return with_pad_token(tokenizer, spec)
 
 

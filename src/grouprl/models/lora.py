@@ -48,6 +48,16 @@ def apply_lora(
         raise UserError(
             f"cannot add LoRA adapters: {one_line(err)}; check --lora-target-modules"
         ) from None
+    if target_modules:  # peft is silent about a name that matches nothing if another matches
+        names = [name for name, _ in model.named_modules()]
+        unmatched = [t for t in target_modules
+                     if not any(n == t or n.endswith(f".{t}") for n in names)]  # fmt: skip
+        if unmatched:
+            warnings.warn(
+                f"LoRA target modules {', '.join(map(repr, unmatched))} match no module of the "
+                "model and get no adapter (a typo, or a stray comma on the command line?)",
+                stacklevel=2,
+            )
     return wrapped.eval()
 
 

@@ -218,7 +218,8 @@ def load_run_model(
     if is_live(spec):
         given = live_object(spec, "model")
         return copy.deepcopy(given).to(device=device, dtype=dtype).eval()
-    return load_model(spec, dtype=dtype, device=device, trust_remote_code=opts.trust_remote_code)
+    return load_model(spec, dtype=dtype, device=device, trust_remote_code=opts.trust_remote_code,
+                      revision=opts.revision, attn_implementation=opts.attn_implementation)  # fmt: skip
 
 
 def load_run_tokenizer(opts: ModelOptions, spec: str | None = None) -> Any:
@@ -227,7 +228,8 @@ def load_run_tokenizer(opts: ModelOptions, spec: str | None = None) -> Any:
     templates with `--chat-template-kwargs`."""
     spec = spec or opts.model
     if not is_live(spec):
-        tokenizer = load_tokenizer(spec, trust_remote_code=opts.trust_remote_code)
+        tokenizer = load_tokenizer(spec, trust_remote_code=opts.trust_remote_code,
+                                   revision=opts.revision)  # fmt: skip
     else:
         given = copy.deepcopy(live_object(live_tokenizer(spec), "tokenizer"))
         tokenizer = with_pad_token(given, spec)
@@ -269,10 +271,22 @@ def build_engine(
             "torchrun use --engine hf"
         )
     from grouprl.models.lora import checkpoint_weights
+
+    options = vllm_options(opts, policy, dtype, rows, max_len, seed)
+    if opts.vllm_mode == "server":
+        from grouprl.rollout.vllm_process import VLLMProcessEngine
+
+        if tools is not None:
+            raise UserError(
+                "--vllm-mode server runs vLLM in a process of its own, which answers no tool "
+                "calls yet; use --vllm-mode colocate for tools and environments"
+            )
+        return VLLMProcessEngine(policy, tokenizer, options,
+                                 weights=lambda: checkpoint_weights(policy))  # fmt: skip
     from grouprl.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(policy, tokenizer, vllm_options(opts, policy, dtype, rows, max_len, seed),
-                      tools=tools, weights=lambda: checkpoint_weights(policy))  # fmt: skip
+    return VLLMEngine(policy, tokenizer, options, tools=tools,
+                      weights=lambda: checkpoint_weights(policy))  # fmt: skip
 
 
 def vllm_options(

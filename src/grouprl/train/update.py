@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from grouprl.config.options import RunConfig
-from grouprl.config.validation import correction, loss_options
+from grouprl.config.validation import correction, loss_options, reuses_batches
 from grouprl.core import (
     Correction,
     CorrectionSums,
@@ -154,11 +154,16 @@ def _loss_inputs(
     dtype: torch.dtype | None,
 ) -> _LossInputs:
     """What every pass's loss reads: the correction only where the sampler is not the
-    trainer's fp32 forward (another dtype, engine or version), bypass only there too."""
+    trainer's fp32 forward (another dtype, engine or version), bypass only there too; the
+    off-policy sequence mask alone also where a batch trains several updates (its π_b is then
+    the sampler's log-probs, old_logp: the drift is the updates')."""
     corr = correction(cfg)
     differs = dtype is not None or rollout.behaviour_logp is not None
+    if not differs:
+        mask_only = corr.opsm_delta is not None and reuses_batches(cfg)
+        corr = Correction(opsm_delta=corr.opsm_delta) if mask_only else Correction()
     return _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype,
-                       corr if corr.active and differs else None,
+                       corr if corr.active else None,
                        differs and cfg.proximal == "behaviour")  # fmt: skip
 
 

@@ -6,18 +6,23 @@
                           train_dataset=..., peft_config=LoraConfig(...))
     trainer.train()
 
-`GRPOConfig` has every field of TRL 1.16's, with TRL's defaults (a test holds it to the installed
-TRL's); `trl` need not be installed. Each field is mapped onto grouprl's options (`FIELDS` says
+`GRPOConfig` has every field of TRL 1.16's, with TRL's types and defaults (a test holds it to the
+installed TRL's), so TRL's `TrlParser` parses it from flags and YAML as TRL's; `trl` need not be
+installed. Each field is mapped onto grouprl's options (`FIELDS` says
 which; the README's table says how), refused in one line when set to what grouprl does not
 implement, or, when it concerns only TRL's plumbing (hub pushing, dataloader workers, ...),
 listed in one warning; none is ignored silently. The run is `grouprl.Trainer`'s with the mapped
 options (the same to the bit), so it has grouprl's run directory, exact resume, evaluations and
 plots; the trackers also get TRL's metric names.
 
-`config` holds the table and the mapping, `trainer` the trainer, `callbacks` TRL's callbacks.
+`fields` holds the table, `config` the mapping, `trainer` the trainer, `callbacks` TRL's
+callbacks, `async_grpo` TRL's AsyncGRPOTrainer (grouprl's fixed-lag asynchronous runs), `scripts`
+TRL's `trl grpo` command (`grouprl trl grpo`).
 """
 
+from grouprl.trl.async_grpo import ASYNC_FIELDS, AsyncGRPOConfig, AsyncGRPOTrainer
 from grouprl.trl.config import FIELDS, GRPOConfig, options_from
 from grouprl.trl.trainer import GRPOTrainer
 
-__all__ = ["FIELDS", "GRPOConfig", "GRPOTrainer", "options_from"]
+__all__ = ["ASYNC_FIELDS", "FIELDS", "AsyncGRPOConfig", "AsyncGRPOTrainer", "GRPOConfig",
+           "GRPOTrainer", "options_from"]  # fmt: skip

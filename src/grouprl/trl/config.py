@@ -1,4 +1,4 @@
-"""TRL 1.16's GRPOConfig, every field with TRL's default, and its mapping onto grouprl's options.
+"""TRL 1.16's GRPOConfig (`grouprl.trl.fields`) mapped onto grouprl's options: `options_from`.
 
 TRL's meaning, decided: a step is an optimizer step; an optimizer step's batch is
 per_device_train_batch_size x gradient_accumulation_steps x world size completions, in groups of
@@ -16,228 +16,20 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.errors import UserError
-
-TRL_VERSION = "1.16"
-
-MAPPED, REFUSED, WARNED = "mapped", "refused", "warned"
-
-#: Every field of TRL 1.16's GRPOConfig: its default and what grouprl does with it. MAPPED: onto
-#: grouprl's options (`_options`; some values of some of these are refused there, in one line).
-#: REFUSED: grouprl does not implement it; any value but the default raises. WARNED: TRL's
-#: plumbing only (it cannot change what is trained); a value but the default is warned about.
-FIELDS: dict[str, tuple[Any, str]] = {
-    # -- transformers' TrainingArguments, with GRPOConfig's defaults --
-    "output_dir": (None, MAPPED),
-    "per_device_train_batch_size": (8, MAPPED),
-    "num_train_epochs": (3.0, MAPPED),
-    "max_steps": (-1, MAPPED),
-    "learning_rate": (1e-06, MAPPED),
-    "lr_scheduler_type": ("linear", MAPPED),
-    "lr_scheduler_kwargs": (None, REFUSED),
-    "warmup_steps": (0, MAPPED),
-    "optim": ("adamw_torch_fused", MAPPED),
-    "optim_args": (None, REFUSED),
-    "weight_decay": (0.0, MAPPED),
-    "adam_beta1": (0.9, MAPPED),
-    "adam_beta2": (0.999, MAPPED),
-    "adam_epsilon": (1e-08, REFUSED),
-    "optim_target_modules": (None, REFUSED),
-    "gradient_accumulation_steps": (1, MAPPED),
-    "average_tokens_across_devices": (True, REFUSED),
-    "max_grad_norm": (1.0, MAPPED),
-    "label_smoothing_factor": (0.0, WARNED),
-    "bf16": (None, MAPPED),
-    "fp16": (False, REFUSED),
-    "bf16_full_eval": (False, WARNED),
-    "fp16_full_eval": (False, WARNED),
-    "tf32": (None, WARNED),
-    "activation_checkpointing": (None, MAPPED),
-    "activation_checkpointing_kwargs": (None, WARNED),
-    "gradient_checkpointing": (True, MAPPED),
-    "gradient_checkpointing_kwargs": (None, WARNED),
-    "torch_compile": (False, WARNED),
-    "torch_compile_backend": (None, WARNED),
-    "torch_compile_mode": (None, WARNED),
-    "use_liger_kernel": (False, WARNED),
-    "liger_kernel_config": (None, WARNED),
-    "use_cache": (False, WARNED),
-    "neftune_noise_alpha": (None, REFUSED),
-    "torch_empty_cache_steps": (None, WARNED),
-    "auto_find_batch_size": (False, REFUSED),
-    "logging_strategy": ("steps", WARNED),
-    "logging_steps": (10, WARNED),
-    "logging_first_step": (False, WARNED),
-    "log_on_each_node": (True, WARNED),
-    "logging_nan_inf_filter": (True, WARNED),
-    "include_num_input_tokens_seen": ("no", WARNED),
-    "log_level": ("passive", WARNED),
-    "log_level_replica": ("warning", WARNED),
-    "disable_tqdm": (None, MAPPED),
-    "report_to": ("none", MAPPED),
-    "run_name": (None, MAPPED),
-    "project": ("huggingface", WARNED),
-    "trackio_space_id": (None, WARNED),
-    "trackio_bucket_id": (None, WARNED),
-    "trackio_static_space_id": (None, WARNED),
-    "eval_strategy": ("no", MAPPED),
-    "eval_steps": (None, MAPPED),
-    "eval_delay": (0, WARNED),
-    "per_device_eval_batch_size": (8, WARNED),
-    "prediction_loss_only": (False, WARNED),
-    "eval_on_start": (False, MAPPED),
-    "eval_do_concat_batches": (True, WARNED),
-    "eval_use_gather_object": (False, WARNED),
-    "eval_accumulation_steps": (None, WARNED),
-    "include_for_metrics": ([], WARNED),
-    "batch_eval_metrics": (False, WARNED),
-    "save_only_model": (False, WARNED),
-    "save_strategy": ("steps", MAPPED),
-    "save_steps": (500, MAPPED),
-    "save_on_each_node": (False, WARNED),
-    "save_total_limit": (None, MAPPED),
-    "enable_jit_checkpoint": (False, WARNED),
-    "push_to_hub": (False, WARNED),
-    "hub_token": (None, WARNED),
-    "hub_private_repo": (None, WARNED),
-    "hub_model_id": (None, WARNED),
-    "hub_strategy": ("every_save", WARNED),
-    "hub_always_push": (False, WARNED),
-    "hub_revision": (None, WARNED),
-    "load_best_model_at_end": (False, REFUSED),
-    "metric_for_best_model": (None, WARNED),
-    "greater_is_better": (None, WARNED),
-    "ignore_data_skip": (False, WARNED),
-    "restore_callback_states_from_checkpoint": (False, WARNED),
-    "full_determinism": (False, WARNED),
-    "seed": (42, MAPPED),
-    "data_seed": (None, REFUSED),
-    "use_cpu": (False, MAPPED),
-    "accelerator_config": (None, WARNED),
-    "parallelism_config": (None, REFUSED),
-    "dataloader_drop_last": (False, WARNED),
-    "dataloader_num_workers": (0, WARNED),
-    "dataloader_pin_memory": (True, WARNED),
-    "dataloader_persistent_workers": (False, WARNED),
-    "dataloader_prefetch_factor": (None, WARNED),
-    "dataloader_multiprocessing_context": (None, WARNED),
-    "dataloader_in_order": (True, WARNED),
-    "remove_unused_columns": (False, WARNED),
-    "label_names": (None, WARNED),
-    "train_sampling_strategy": ("random", REFUSED),
-    "length_column_name": ("length", WARNED),
-    "ddp_find_unused_parameters": (None, WARNED),
-    "ddp_bucket_cap_mb": (None, WARNED),
-    "ddp_broadcast_buffers": (None, WARNED),
-    "ddp_static_graph": (None, WARNED),
-    "ddp_backend": (None, WARNED),
-    "ddp_timeout": (1800, WARNED),
-    "fsdp": (None, MAPPED),
-    "fsdp_config": (None, WARNED),
-    "deepspeed": (None, REFUSED),
-    "debug": ("", WARNED),
-    "skip_memory_metrics": (True, WARNED),
-    "do_train": (False, WARNED),
-    "do_eval": (False, WARNED),
-    "do_predict": (False, WARNED),
-    "resume_from_checkpoint": (None, MAPPED),
-    "local_rank": (-1, WARNED),
-    # -- GRPOConfig's own --
-    "model_init_kwargs": (None, REFUSED),
-    "trust_remote_code": (False, MAPPED),
-    "router_aux_loss_coef": (None, REFUSED),
-    "disable_dropout": (False, MAPPED),
-    "cast_lm_head_to_fp32": (False, REFUSED),
-    "num_generations": (8, MAPPED),
-    "num_generations_eval": (None, MAPPED),
-    "max_completion_length": (512, MAPPED),
-    "ds3_gather_for_generation": (True, WARNED),
-    "shuffle_dataset": (True, REFUSED),
-    "pad_to_multiple_of": ("auto", WARNED),
-    "generation_batch_size": (None, MAPPED),
-    "steps_per_generation": (None, MAPPED),
-    "temperature": (1.0, MAPPED),
-    "top_p": (1.0, MAPPED),
-    "top_k": (0, MAPPED),
-    "min_p": (None, REFUSED),
-    "generation_kwargs": (None, REFUSED),
-    "chat_template_kwargs": (None, MAPPED),
-    "repetition_penalty": (1.0, REFUSED),
-    "cache_implementation": (None, WARNED),
-    "use_vllm": (False, MAPPED),
-    "vllm_mode": ("colocate", MAPPED),
-    "vllm_model_impl": ("vllm", WARNED),
-    "vllm_enable_sleep_mode": (False, MAPPED),
-    "vllm_structured_outputs_regex": (None, REFUSED),
-    "vllm_server_base_url": (None, WARNED),
-    "vllm_server_host": ("0.0.0.0", WARNED),
-    "vllm_server_port": (8000, WARNED),
-    "vllm_server_timeout": (240.0, WARNED),
-    "vllm_group_port": (51216, WARNED),
-    "vllm_gpu_memory_utilization": (0.3, MAPPED),
-    "vllm_max_model_length": (None, MAPPED),
-    "vllm_tensor_parallel_size": (1, MAPPED),
-    "beta": (0.0, MAPPED),
-    "num_iterations": (1, MAPPED),
-    "epsilon": (0.2, MAPPED),
-    "delta": (None, MAPPED),
-    "epsilon_high": (None, MAPPED),
-    "sapo_temperature_neg": (1.05, MAPPED),
-    "sapo_temperature_pos": (1.0, MAPPED),
-    "vespo_k_pos": (2.0, MAPPED),
-    "vespo_lambda_pos": (3.0, MAPPED),
-    "vespo_k_neg": (3.0, MAPPED),
-    "vespo_lambda_neg": (2.0, MAPPED),
-    "importance_sampling_level": ("token", MAPPED),
-    "reward_weights": (None, MAPPED),
-    "multi_objective_aggregation": ("sum_then_normalize", MAPPED),
-    "scale_rewards": ("group", MAPPED),
-    "loss_type": ("dapo", MAPPED),
-    "mask_truncated_completions": (False, MAPPED),
-    "sync_ref_model": (False, REFUSED),
-    "ref_model_mixup_alpha": (0.6, REFUSED),
-    "ref_model_sync_steps": (512, REFUSED),
-    "top_entropy_quantile": (1.0, REFUSED),
-    "entropy_coef": (0.0, REFUSED),
-    "use_adaptive_entropy": (False, REFUSED),
-    "entropy_coef_min": (0.0, REFUSED),
-    "entropy_coef_max": (1.0, REFUSED),
-    "entropy_coef_delta": (0.005, REFUSED),
-    "entropy_target": (0.2, REFUSED),
-    "max_tool_calling_iterations": (None, MAPPED),
-    "vllm_importance_sampling_correction": (True, REFUSED),
-    "vllm_importance_sampling_mode": ("sequence_mask", REFUSED),
-    "vllm_importance_sampling_clip_max": (3.0, REFUSED),
-    "vllm_importance_sampling_clip_min": (None, REFUSED),
-    "off_policy_mask_threshold": (None, REFUSED),
-    "use_bias_correction_kl": (True, MAPPED),
-    "log_completions": (False, MAPPED),
-    "log_multimodal": (True, WARNED),
-    "num_completions_to_print": (None, WARNED),
-    "log_unique_prompts": (False, WARNED),
-    "log_completions_hub_repo": (None, WARNED),
-    "use_transformers_continuous_batching": (False, WARNED),
-    "transformers_continuous_batching_config": (None, WARNED),
-    "use_transformers_paged": (False, WARNED),
-    "vllm_importance_sampling_cap": (None, REFUSED),
-}  # fmt: skip
-
-
-def _field(default: Any) -> Any:
-    if isinstance(default, list | dict):
-        return dataclasses.field(default_factory=lambda: type(default)(default))
-    return dataclasses.field(default=default)
-
-
-GRPOConfig = dataclasses.make_dataclass(
-    "GRPOConfig",
-    [(name, Any, _field(default)) for name, (default, _) in FIELDS.items()],
-    kw_only=True,
+from grouprl.trl.fields import (
+    FIELDS,
+    HELP,
+    MAPPED,
+    REFUSED,
+    TRL_VERSION,
+    WARNED,
+    Field,
+    GRPOConfig,
+    config_class,
 )
-GRPOConfig.__module__ = __name__
-GRPOConfig.__doc__ = (
-    "TRL 1.16's GRPOConfig: its fields and defaults, mapped onto grouprl's options when a "
-    "GRPOTrainer starts (grouprl.trl.FIELDS; the README's table)."
-)
+
+__all__ = ["FIELDS", "HELP", "MAPPED", "REFUSED", "TRL_VERSION", "WARNED", "Field", "GRPOConfig",
+           "config_class", "options_from", "refusal"]  # fmt: skip
 
 #: TRL's loss_type -> grouprl's loss aggregation (TRL's other losses are other objectives).
 _AGGREGATIONS = {"dapo": "token_mean", "bnpo": "token_mean", "grpo": "seq_mean_token_mean",
@@ -265,15 +57,15 @@ def _check_fields(args: Any) -> None:
             "args= takes grouprl.trl.GRPOConfig (TRL's fields); build it with "
             "`from grouprl.trl import GRPOConfig`"
         )
-    changed = {name: getattr(args, name) for name, (default, _) in FIELDS.items()
-               if getattr(args, name) != default}  # fmt: skip
+    changed = {name: getattr(args, name) for name, spec in FIELDS.items()
+               if getattr(args, name) != spec.default}  # fmt: skip
     for name, value in changed.items():
-        if FIELDS[name][1] == REFUSED:
+        if FIELDS[name].kind == REFUSED:
             raise UserError(
                 f"GRPOConfig({name}={value!r}): grouprl does not implement it; leave it at "
-                f"{FIELDS[name][0]!r} (the README's TRL table lists what grouprl maps)"
+                f"{FIELDS[name].default!r} (the README's TRL table lists what grouprl maps)"
             )
-    warned = [f"{n}={v!r}" for n, v in changed.items() if FIELDS[n][1] == WARNED]
+    warned = [f"{n}={v!r}" for n, v in changed.items() if FIELDS[n].kind == WARNED]
     if warned:
         warnings.warn(
             "grouprl ignores these GRPOConfig fields, which concern only TRL's plumbing: "
@@ -452,30 +244,114 @@ def _schedules(args: Any, steps: int, per_step: int, rows: int | None, prompts: 
 
 def _engine(args: Any) -> dict[str, Any]:
     """TRL's vLLM fields: use_vllm with vllm_mode colocate is grouprl's vLLM engine in the
-    training process; the memory, length and sleep fields are its options."""
+    training process, server its vLLM in a process of its own; the memory, length and sleep
+    fields are their options."""
     if not args.use_vllm:
         return {}
-    if args.vllm_mode != "colocate":
-        raise refusal("vllm_mode", args.vllm_mode,
-                      "grouprl runs vLLM in the training process only: use vllm_mode='colocate' "
-                      "(no trl vllm-serve server is needed)")  # fmt: skip
+    if args.vllm_mode not in ("colocate", "server"):
+        raise refusal("vllm_mode", args.vllm_mode, "colocate or server")
     if args.vllm_tensor_parallel_size != 1:
         raise refusal("vllm_tensor_parallel_size", args.vllm_tensor_parallel_size,
                       "grouprl's vLLM engine runs on one device")  # fmt: skip
-    if args.vllm_importance_sampling_correction:  # TRL's default
-        warnings.warn(
-            "use_vllm=True: grouprl recomputes old log-probs with the trainer and logs how far "
-            "vLLM's are from them (logp_mismatch_*), but does not yet correct for the gap as "
-            "TRL's vllm_importance_sampling_correction does",
-            UserWarning,
-            stacklevel=4,
-        )
     return {
         "engine": "vllm",
+        "vllm_mode": args.vllm_mode,
         "vllm_gpu_memory_utilization": float(args.vllm_gpu_memory_utilization),
         "vllm_max_model_length": args.vllm_max_model_length,
         "vllm_sleep": bool(args.vllm_enable_sleep_mode),
     }
+
+
+#: TRL's vllm_importance_sampling_mode: grouprl's correction part and level.
+_IS_MODES = {"token_truncate": ("weight", "token"), "token_mask": ("mask", "token"),
+             "sequence_truncate": ("weight", "sequence"), "sequence_mask": ("mask", "sequence")}  # fmt: skip
+
+
+def _correction(args: Any, reuses: bool, precision: str) -> dict[str, Any]:
+    """TRL's vLLM importance sampling (only with use_vllm, as TRL) and off-policy sequence mask
+    as grouprl's correction: the ratio is the trainer's recomputed old log-probs over vLLM's
+    (per token, or the product over a sequence), truncated to or masked outside
+    [clip_min, clip_max]; an unset bound is none on that side."""
+    out: dict[str, Any] = {}
+    delta = args.off_policy_mask_threshold
+    if delta is not None:
+        if args.use_vllm or reuses or precision != "fp32":
+            out["off_policy_mask"] = float(delta)
+        else:  # TRL's mask compares the policy with itself here: it never masks
+            warnings.warn(
+                f"off_policy_mask_threshold={delta}: nothing can drift (fp32, no vLLM, one "
+                "update per generation batch), so the mask never acts; not applied",
+                UserWarning,
+                stacklevel=4,
+            )
+    if not (args.use_vllm and args.vllm_importance_sampling_correction):
+        return out
+    mode = args.vllm_importance_sampling_mode
+    if mode not in _IS_MODES:
+        raise refusal("vllm_importance_sampling_mode", mode, ", ".join(_IS_MODES))
+    if args.loss_type == "vespo":
+        raise refusal("loss_type", "vespo",
+                      "TRL's VESPO takes vLLM's ratio into its gamma weights, which grouprl's "
+                      "does not; set vllm_importance_sampling_correction=False")  # fmt: skip
+    high = args.vllm_importance_sampling_clip_max
+    if args.vllm_importance_sampling_cap is not None:  # TRL's deprecated name for clip_max
+        high = args.vllm_importance_sampling_cap
+    low = args.vllm_importance_sampling_clip_min
+    low = None if low is None or low <= 0 else float(low)  # a ratio is >= 0: no bound at all
+    if low is not None and high is not None and low >= high:
+        raise refusal("vllm_importance_sampling_clip_min", low,
+                      f"must be less than vllm_importance_sampling_clip_max ({high})")  # fmt: skip
+    part, level = _IS_MODES[mode]
+    if low is None and high is None:
+        raise refusal("vllm_importance_sampling_mode", mode,
+                      "an importance weight with no bound; set vllm_importance_sampling_clip_max "
+                      "or _clip_min")  # fmt: skip
+    high = None if high is None else float(high)
+    # truncate: the ratio clamped to the band; mask: the ratio inside it and 0 outside (masked
+    # IS), a weight whose clamp never acts on what the mask keeps
+    parts = ("weight",) if part == "weight" else ("weight", "mask")
+    for name in parts:
+        out.update({f"correction_{name}": level, f"correction_{name}_low": low,
+                    f"correction_{name}_high": high})  # fmt: skip
+    return out
+
+
+#: model_init_kwargs' dtype as grouprl's dtype names (None: grouprl's fp32).
+_DTYPES = {None: None, "auto": None, "float32": None, "bfloat16": "bf16", "float16": "fp16"}
+_MODEL_INIT = {"dtype", "torch_dtype", "attn_implementation", "revision", "trust_remote_code"}
+
+
+def _model_init(args: Any, lora: bool) -> dict[str, Any]:
+    """TRL's model_init_kwargs: dtype is the frozen weights' (a LoRA base, the reference model;
+    trainable weights and AdamW stay fp32, bf16 forwards come from bf16), attn_implementation,
+    revision (main: the default branch) and trust_remote_code are from_pretrained's."""
+    kwargs = dict(args.model_init_kwargs or {})
+    unknown = sorted(set(kwargs) - _MODEL_INIT)
+    if unknown:
+        raise refusal("model_init_kwargs", kwargs,
+                      f"grouprl takes {', '.join(sorted(_MODEL_INIT))}, not {', '.join(unknown)}")  # fmt: skip
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    name = str(dtype).removeprefix("torch.") if dtype is not None else None
+    if name not in _DTYPES:
+        raise refusal("model_init_kwargs", kwargs, "dtype is auto, float32, bfloat16 or float16")
+    out: dict[str, Any] = {
+        "attn_implementation": kwargs.get("attn_implementation"),
+        "revision": None if kwargs.get("revision") in (None, "main") else kwargs["revision"],
+    }
+    if kwargs.get("trust_remote_code"):
+        out["trust_remote_code"] = True
+    frozen = _DTYPES[name]
+    if frozen is not None and (lora or args.beta != 0):
+        out["base_dtype"] = frozen
+    elif frozen is not None:
+        warnings.warn(
+            f"model_init_kwargs dtype={name}: grouprl trains the weights in fp32 (with AdamW's "
+            "state) and computes in bf16 when bf16=True; the dtype applies to frozen weights "
+            "(a LoRA base, the reference model), of which this run has none",
+            UserWarning,
+            stacklevel=4,
+        )
+    return out
 
 
 def _report_to(value: Any) -> list[str]:
@@ -509,9 +385,12 @@ def _precision(args: Any) -> str:
     return "bf16" if supported else "fp32"
 
 
-def options_from(args: Any, *, world: int = 1, rows: int | None = None) -> dict[str, Any]:
+def options_from(
+    args: Any, *, world: int = 1, rows: int | None = None, lora: bool = False
+) -> dict[str, Any]:
     """grouprl's options for TRL's `args` (a GRPOConfig) under `world` processes, with `rows`
-    training prompts (None: unknown). UserError for a value grouprl does not implement."""
+    training prompts (None: unknown), `lora`: whether the trainer was given a peft_config.
+    UserError for a value grouprl does not implement."""
     _check_fields(args)
     batches = _batches(args, world)
     per_step = batches["minibatches"] * args.num_iterations  # optimizer steps per grouprl step
@@ -543,8 +422,10 @@ def options_from(args: Any, *, world: int = 1, rows: int | None = None) -> dict[
         "device": "cpu" if args.use_cpu else "auto",
         "progress": not args.disable_tqdm,
         "strategy": "fsdp" if args.fsdp else "ddp",
+        **_model_init(args, lora),
         **_engine(args),
     }
+    options.update(_correction(args, per_step > 1, options["precision"]))
     # None where grouprl resolves a value itself (norm_len, adv_scale under GDPO, run_name):
     # left to it, so that a resumed run's record (which holds the resolved value) matches
     kept = ("dual_clip", "chat_template_kwargs")

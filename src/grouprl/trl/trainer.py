@@ -15,6 +15,22 @@ from grouprl.trl.callbacks import TRLCallbacks
 from grouprl.trl.config import GRPOConfig, options_from, refusal
 
 
+class _Accelerator:
+    """accelerate's Accelerator as TRL's scripts use it."""
+
+    @property
+    def process_index(self) -> int:
+        return int(os.environ.get("RANK", "0"))
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+
 class GRPOTrainer:
     """TRL 1.16's GRPOTrainer constructor and `train()`, running grouprl (see the module)."""
 
@@ -64,16 +80,27 @@ class GRPOTrainer:
         self.result: TrainResult | None = None
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rows = len(train_dataset) if hasattr(train_dataset, "__len__") else None
-        self.options = options_from(self.args, world=world, rows=rows)
+        self.options = self._options(world, rows)
         if tools or environment_factory is not None:  # TRL's tool calls: the chat template's
             self.options["tool_format"] = "chat"
+
+    def _options(self, world: int, rows: int | None) -> dict[str, Any]:
+        return options_from(self.args, world=world, rows=rows, lora=self.peft_config is not None)
+
+    @property
+    def accelerator(self) -> _Accelerator:
+        """What TRL's scripts read of accelerate's Accelerator: print, on the main process."""
+        return _Accelerator()
+
+    def end(self) -> None:
+        """TRL's Trainer.end(): grouprl closes its trackers and process group itself."""
 
     def _rewards(self) -> Any:
         funcs = self.reward_funcs
         if funcs is None:
             return None
         funcs = list(funcs) if isinstance(funcs, list | tuple) else [funcs]
-        weights = self.args.reward_weights
+        weights = getattr(self.args, "reward_weights", None)  # AsyncGRPOConfig has none
         if weights is None:
             return funcs
         if len(weights) != len(funcs):
