@@ -382,3 +382,32 @@ def test_one_prompt_copy_per_group_samples_what_per_row_copies_do(make_model, to
     monkeypatch.setattr(sampling, "SHARED_PROMPT_MIN_TOKENS", 32)
     sample_groups(model, tokenizer, PROMPTS, group_size=4, max_new_tokens=4, seed=3)
     assert built == []
+
+
+def test_the_shared_prompt_decoding_state_is_each_threads_own():
+    """An asynchronous run's sampler thread decodes while the trainer's thread evaluates: each
+    decode loop's cache layers must stay its own (a shared list made one thread attend over the
+    other's prompts: a shape error, or worse, a silent mix)."""
+    import threading
+    from types import SimpleNamespace
+
+    from grouprl.rollout import _hf
+
+    def model():
+        return SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+
+    mine, theirs = model(), model()
+    entered, seen = threading.Event(), []
+
+    def other_thread():
+        with _hf.SharedPromptDecoding(theirs, SimpleNamespace(layers=["theirs"])):
+            entered.set()
+            seen.append(list(_hf._active.layers))
+
+    with _hf.SharedPromptDecoding(mine, SimpleNamespace(layers=["mine"])):
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        entered.wait(10)
+        worker.join(10)
+        assert list(_hf._active.layers) == ["mine"] and seen == [["theirs"]]
+    assert tuple(_hf._active.layers) == () and mine.config._attn_implementation == "sdpa"

@@ -191,3 +191,20 @@ def test_grouprl_trl_grpo_takes_a_dotted_reward_from_the_working_directory(
     assert main(["trl", "grpo", *argv]) == 0
     steps = lines(tmp_path / "trainer_output" / "metrics.jsonl")
     assert len(steps) == 1 and steps[0]["reward_short"] < 0
+
+
+def test_trls_async_grpo_example(model_dir, tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    rows = [{"question": f"Tom has {a} apples and buys {b}. How many now?",
+             "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a in range(12) for b in range(6)]  # fmt: skip
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("GSM8K", str(tmp_path / "gsm8k.jsonl"))
+    with pytest.warns(UserWarning, match="max_staleness=4: grouprl samples every batch"):
+        run_script("async_grpo.py", model_dir, tmp_path, monkeypatch)
+    run = tmp_path / "async_grpo_gsm8k"
+    record = yaml.safe_load((run / "config.yaml").read_text())
+    # 16 x 2 completions an optimizer step, groups of TRL's default 8: 4 prompts a step
+    assert (record["prompts_per_step"], record["group_size"], record["max_staleness"],
+            record["proximal"], record["lr_schedule"]) == (4, 8, 4, "behaviour", "constant")  # fmt: skip
+    # batch k sampled by the weights of step max(0, k - 4)
+    assert [m["staleness"] for m in lines(run / "metrics.jsonl")] == [0, 1, 2, 3, 4, 4]

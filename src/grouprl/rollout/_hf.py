@@ -15,6 +15,7 @@ as plain algorithms:
 from __future__ import annotations
 
 import inspect
+import threading
 import weakref
 from typing import Any
 
@@ -292,7 +293,9 @@ SHARED_PROMPT_ATTENTION = "grouprl_shared_prompt"
 #: layer (no sliding window, logit soft-capping, attention sinks or ALiBi), so that the shared
 #: form below computes exactly what their SDPA path does.
 _PLAIN_ATTENTION_MODELS = {"llama", "qwen2", "qwen3", "mistral"}
-_active: list[Any] = []  # the decode loop's cache layers, by layer_idx, while it runs
+#: The decode loop's cache layers, by layer_idx, while it runs: per thread (an asynchronous
+#: run's sampler thread decodes while the trainer's thread evaluates).
+_active = threading.local()
 
 
 class SharedPromptLayer(DynamicLayer):
@@ -390,7 +393,8 @@ def shared_prompt_attention(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layer = _active[module.layer_idx] if module.layer_idx < len(_active) else None
+    layers = getattr(_active, "layers", ())
+    layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
     feed = getattr(layer, "feed", None)
     shared = isinstance(layer, SharedPromptLayer) and not layer.per_row and query.shape[2] == 1
     if feed is not None and not (shared and feed.batch is None):
@@ -463,13 +467,13 @@ class SharedPromptDecoding:
     def __enter__(self) -> SharedPromptDecoding:
         _register()
         self.previous = self.config._attn_implementation
-        _active[:] = self.layers
+        _active.layers = self.layers
         self.config._attn_implementation = SHARED_PROMPT_ATTENTION
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.config._attn_implementation = self.previous
-        _active.clear()
+        _active.layers = ()
 
 
 def _register() -> None:
