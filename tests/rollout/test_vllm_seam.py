@@ -91,3 +91,22 @@ def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install 'grouprl[vllm]'" in err[0], err
     assert not run.exists()
+
+
+def test_the_vllm_process_gets_tied_weights_as_a_file_it_can_read(tmp_path):
+    """A model with tied embeddings (the built-in one) hands vLLM's process the same tensor
+    under two names: the file holds a copy for the second, equal to the first."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from grouprl.rollout.vllm_process import _host_tensors
+
+    embed = torch.randn(5, 3)
+    weights = {"model.embed_tokens.weight": embed, "lm_head.weight": embed,
+               "layer.weight": torch.randn(3, 3)}  # fmt: skip
+    with pytest.raises(RuntimeError, match="share memory"):
+        save_file(dict(weights), str(tmp_path / "as_they_are.safetensors"))
+    save_file(_host_tensors(weights), str(tmp_path / "w.safetensors"))
+    loaded = load_file(str(tmp_path / "w.safetensors"))
+    assert loaded.keys() == weights.keys()
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)

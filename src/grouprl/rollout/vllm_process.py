@@ -85,9 +85,7 @@ class VLLMProcessEngine:
             )
         if not self.loaded or self.synced != self.version:
             path = self._directory / f"weights-{self.version}.safetensors"
-            # a file is read by another process: host tensors, whatever the policy's device
-            tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.weights().items()}
-            save_file(tensors, str(path))
+            save_file(_host_tensors(self.weights()), str(path))
             self._call(("weights", str(path), self.version))
             for old in self._directory.glob("weights-*.safetensors"):
                 if old != path:
@@ -135,6 +133,19 @@ class VLLMProcessEngine:
         if kind == "error":
             raise value
         return value
+
+
+def _host_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` as a file another process reads takes them: on the host, whatever the policy's
+    device, and none sharing memory with another (safetensors refuses tied embeddings: the
+    second name gets a copy)."""
+    tensors, storages = {}, set()
+    for name, value in weights.items():
+        tensor = value.detach().to("cpu").contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if storage in storages else tensor
+        storages.add(storage)
+    return tensors
 
 
 def _serve(conn: Any, spec: tuple) -> None:
