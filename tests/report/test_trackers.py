@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import struct
+import uuid
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,9 @@ import pytest
 from grouprl.cli import main
 from grouprl.report import trackers as trackers_module
 
-# found, not imported: trackio reads TRACKIO_DIR when first imported, which must happen after the
-# fixture below sets it (so no other test in this process may import trackio first)
+# found, not imported: trackio reads TRACKIO_DIR when first imported. Another test of this process
+# may have imported it first (TRL imports it), leaving trackio on its default store: the fixture
+# gives trackio a project of this test's own, so that store's earlier runs are never read here.
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("mlflow", "trackio", "wandb")),
     reason="the tracker extras are not installed: pip install -e '.[trackers]'",
@@ -32,7 +35,7 @@ def local_stores(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "grouprl-tests")
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
-    monkeypatch.setenv("TRACKIO_PROJECT", "grouprl-tests")
+    monkeypatch.setenv("TRACKIO_PROJECT", f"grouprl-tests-{uuid.uuid4().hex}")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_DIR", raising=False)
@@ -122,10 +125,11 @@ def test_every_tracker_gets_the_config_and_each_step_once_across_a_resume(
     # trackio: its local store
     from trackio.sqlite_storage import SQLiteStorage
 
-    logs = SQLiteStorage.get_logs("grouprl-tests", "tiny")
+    project = os.environ["TRACKIO_PROJECT"]
+    logs = SQLiteStorage.get_logs(project, "tiny")
     train_rows = [r for r in logs if "train/loss" in r]
     assert [(r["step"], r["train/loss"]) for r in train_rows] == sorted(loss.items())
-    assert SQLiteStorage.get_run_config("grouprl-tests", "tiny")["steps"] == 4
+    assert SQLiteStorage.get_run_config(project, "tiny")["steps"] == 4
 
     # W&B offline: the run's own .wandb files
     rows, config = _wandb_history(run)
