@@ -64,7 +64,7 @@ def test_clipping_example(data):
     )
 
 
-def test_run_prints_four_tables(capsys):
+def test_run_prints_five_tables(capsys):
     assert run() == 0
     out = capsys.readouterr().out
     for text in (
@@ -72,6 +72,7 @@ def test_run_prints_four_tables(capsys):
         "2. GSPO",
         "3. Where the clip binds",
         "4. The gradient each token keeps",
+        "5. Example 1's group [1, 0, 0, 0], by estimator",
         "e^200 ≈ 7.2e86",
         "1.105",
     ):
@@ -102,3 +103,16 @@ def test_objectives_example(data):
                 "A=-1": [-gate(1.05) * 2, -gate(-0.525) * 0.5]}  # fmt: skip
     for sign, values in expected.items():  # a few float64 operations: 1e-14 is ample
         assert slopes["sapo"][sign] == pytest.approx(values, rel=1e-14)
+
+
+def test_estimators_example(data):
+    """The group [1, 0, 0, 0] with 4, 8, 8, 8 tokens in example 1's batch (7 of 16 completions
+    rewarded): OPO's baseline 4/28 = 1/7; GPG's α = 16/7 times R − 1/4; Pass@k's margin 1 over
+    the sample std 0.5; GRPO's (R − 1/4)/√(3/16)."""
+    shown = {name: a[1] for name, a in data["estimators"]["advantages"].items()}
+    approx = lambda xs: pytest.approx(xs, rel=1e-12, abs=1e-15)  # noqa: E731
+    assert shown["opo"] == approx([6 / 7, -1 / 7, -1 / 7, -1 / 7])
+    assert shown["gpg"] == approx([12 / 7, -4 / 7, -4 / 7, -4 / 7])
+    assert shown["grpo_passk"] == approx([2.0, 0.0, 0.0, 0.0])
+    assert shown["grpo"] == approx([3**0.5, -(3**-0.5), -(3**-0.5), -(3**-0.5)])
+    assert data["objectives"]["slopes"]["gpg"] == {"A=+1": [1.0, 1.0], "A=-1": [-1.0, -1.0]}

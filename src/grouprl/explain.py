@@ -5,8 +5,11 @@
    length, while the product of 2000 token ratios is e^200 (kept in log space: no overflow).
 3. Where the clip binds: token ratios 2.0 and 0.5 are clipped by a token-level clip (ε = 0.2);
    their geometric mean, GSPO's sequence ratio 1.0, is not.
-4. The same two tokens under CISPO and SAPO: the gradient each token keeps, per unit of
-   ∇log π. The clip stops one token each way; CISPO's capped weight and SAPO's gate stop none.
+4. The same two tokens under CISPO, SAPO and GPG: the gradient each token keeps, per unit of
+   ∇log π. The clip stops one token each way; CISPO's capped weight, SAPO's gate and GPG's plain
+   REINFORCE stop none.
+5. Example 1's batch under verl's other baselines (grouprl.core.estimators): the group [1, 0, 0, 0]
+   as GRPO, RLOO, OPO, GPG, REINFORCE++ (with and without its baseline) and Pass@k see it.
 """
 
 import math
@@ -20,9 +23,14 @@ from rich.table import Table
 from grouprl.core import (
     cispo_objective,
     clipped_objective,
+    gpg_advantages,
+    gpg_objective,
     group_advantages,
     log_ratio,
+    opo_advantages,
+    passk_advantages,
     policy_loss,
+    reinforce_pp_advantages,
     sapo_objective,
 )
 
@@ -130,6 +138,8 @@ def _term(name: str, ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor)
         return cispo_objective(ratio, logp, adv)
     if name == "sapo":
         return sapo_objective(ratio, adv)
+    if name == "gpg":
+        return gpg_objective(logp, adv)
     return clipped_objective(ratio, adv, clip_low=EPSILON, clip_high=EPSILON)
 
 
@@ -139,7 +149,7 @@ def _objectives_example() -> dict:
     old_p, new_p = [0.20, 0.50], [0.40, 0.25]
     old_logp = torch.tensor(old_p, dtype=torch.float64).log()
     slopes: dict = {}
-    for name in ("clip", "cispo", "sapo"):
+    for name in ("clip", "cispo", "sapo", "gpg"):
         for sign, a in SIGNS.items():
             logp = torch.tensor(new_p, dtype=torch.float64).log().requires_grad_(True)
             ratio, adv = (logp - old_logp).exp(), torch.full((2,), a, dtype=torch.float64)
@@ -150,13 +160,36 @@ def _objectives_example() -> dict:
             "sapo_tau": [1.0, 1.05], "slopes": slopes}  # fmt: skip
 
 
+#: Example 1's groups with a trained-token count per completion (OPO and REINFORCE++ weigh by it).
+_LENGTHS = [[4, 8, 4, 8], [4, 8, 8, 8], [6, 6, 6, 6], [6, 6, 6, 6]]
+
+
+def _estimators_example() -> dict:
+    """Example 1's batch (eps 0) under each estimator; the group shown is [1, 0, 0, 0]."""
+    groups = _advantages_example()["groups"]
+    rewards = torch.tensor([g["rewards"] for g in groups], dtype=torch.float64)  # (B, G)
+    lengths = torch.tensor(_LENGTHS)
+    estimates = {
+        "grpo": group_advantages(rewards, eps=0.0),
+        "rloo": group_advantages(rewards, estimator="rloo", eps=0.0),
+        "opo": opo_advantages(rewards, lengths),
+        "gpg": gpg_advantages(rewards),
+        "reinforce_pp_baseline": reinforce_pp_advantages(rewards, lengths, baseline=True),
+        "reinforce_pp": reinforce_pp_advantages(rewards, lengths, baseline=False),
+        "grpo_passk": passk_advantages(rewards, eps=0.0),
+    }
+    return {"rewards": rewards.tolist(), "lengths": _LENGTHS, "shown": 1,
+            "advantages": {name: a.tolist() for name, a in estimates.items()}}  # fmt: skip
+
+
 def worked_examples() -> dict:
-    """All numbers of the four examples (what ``grouprl explain --json`` prints)."""
+    """All numbers of the five examples (what ``grouprl explain --json`` prints)."""
     return {
         "advantages": _advantages_example(),
         "sequence_ratio": _sequence_ratio_example(),
         "clipping": _clipping_example(),
         "objectives": _objectives_example(),
+        "estimators": _estimators_example(),
     }
 
 
@@ -177,22 +210,43 @@ def _table(title: str, columns: list[str]) -> Table:
 
 def _objectives_table(obj: dict) -> tuple[Table, list[str]]:
     table = _table(
-        "4. The gradient each token keeps, per unit of ∇log π: clip, CISPO, SAPO",
-        ["", "ratio r", "clip Â=+1", "Â=-1", "CISPO +1", "-1", "SAPO +1", "-1"],
+        "4. The gradient each token keeps, per unit of ∇log π: clip, CISPO, SAPO, GPG",
+        ["token", "r", "clip Â=+1", "-1", "CISPO +1", "-1", "SAPO +1", "-1", "GPG +1", "-1"],
     )
+    names = ("clip", "cispo", "sapo", "gpg")
     for i, (old, new) in enumerate(zip(obj["old_probs"], obj["new_probs"], strict=True)):
-        slopes = [obj["slopes"][n][s][i] for n in ("clip", "cispo", "sapo") for s in SIGNS]
-        table.add_row(f"token {i + 1}", _num(new / old, 2), *(_num(x, 2) for x in slopes))
+        slopes = [obj["slopes"][n][s][i] for n in names for s in SIGNS]
+        table.add_row(str(i + 1), _num(new / old, 2), *(_num(x, 2) for x in slopes))
     notes = [
         f"The clip (ε = {obj['epsilon']:g}) stops token 1 when Â > 0 and token 2 when Â < 0.",
         f"CISPO: sg(min(r, {obj['cispo_cap']:g}))·Â·log π: every token keeps r·Â.",
         "SAPO: σ(τ(r−1))·4/τ·Â: slope Â at r = 1, fading away from it, never 0.",
+        "GPG: Â·log π, no ratio: slope Â however far the policy moved.",
+    ]
+    return table, notes
+
+
+def _estimators_table(est: dict) -> tuple[Table, list[str]]:
+    b = est["shown"]
+    rewards, lengths = est["rewards"][b], est["lengths"][b]
+    table = _table(
+        f"5. Example 1's group {_vector(rewards, 0)}, by estimator",
+        ["estimator", *(f"o{i + 1}" for i in range(len(rewards)))],
+    )
+    for name, advantages in est["advantages"].items():
+        table.add_row(name, *(_num(x) for x in advantages[b]))
+    notes = [
+        f"Its completions' tokens: {', '.join(map(str, lengths))} (opo and reinforce_pp weigh by them).",
+        "rloo: against the others' mean; opo: the length-weighted mean 4/28, no std.",
+        "gpg: α = 16 completions / 7 rewarded = 2.29 times R − mean, no std.",
+        "reinforce_pp: R whitened over the batch's tokens; _baseline: R − mean first.",
+        "grpo_passk: only the best learns: its margin over the second / the std.",
     ]
     return table, notes
 
 
 def render(data: dict, console: Console) -> None:
-    """The four examples as tables, each with its notes."""
+    """The five examples as tables, each with its notes."""
     adv = data["advantages"]
     t1 = _table(
         "1. Group-relative advantages (GRPO): Â_i = (R_i − mean R) / std R",
@@ -258,8 +312,9 @@ def render(data: dict, console: Console) -> None:
     ]
 
     t4, notes4 = _objectives_table(data["objectives"])
-    console.print("GRPO and GSPO in four worked examples (every number computed by grouprl.core)")
-    for table, notes in ((t1, notes1), (t2, notes2), (t3, notes3), (t4, notes4)):
+    t5, notes5 = _estimators_table(data["estimators"])
+    console.print("GRPO and GSPO in five worked examples (every number computed by grouprl.core)")
+    for table, notes in ((t1, notes1), (t2, notes2), (t3, notes3), (t4, notes4), (t5, notes5)):
         console.print()
         console.print(table)
         for note in notes:

@@ -307,7 +307,8 @@ def test_choice_names_are_the_core_registries_and_the_presets():
     for choices, registry in (
         (config.RatioLevel, core.RATIO_LEVELS),
         (config.LossAgg, core.AGGREGATIONS),
-        (config.AdvEstimator, {*core.ADVANTAGE_ESTIMATORS, "gdpo"}),  # gdpo: gdpo_advantages
+        # gdpo: gdpo_advantages; the others: grouprl.core.estimators
+        (config.AdvEstimator, {*core.ADVANTAGE_ESTIMATORS, "gdpo", *core.ESTIMATORS}),
         (config.AdvScale, core.ADVANTAGE_SCALES),
         (config.KLEstimator, core.KL_ESTIMATORS),
         (config.Algo, PRESETS),

@@ -1,4 +1,4 @@
-"""CISPO, SAPO, GMPO, LUSPO and VESPO in `policy_loss`: hand-worked numbers, float64 gradients against
+"""CISPO, SAPO, GMPO, LUSPO, VESPO and GPG in `policy_loss`: hand-worked numbers, float64 gradients against
 each formula's derivative, and parity with independent transcriptions of TRL 1.16's and verl
 0.9.1's computations (written here, not imported); and the per-token weight.
 
@@ -73,6 +73,16 @@ def test_cispo_by_hand():
     close(out.loss, -(1.2 * ln(0.4) + ln(0.2) + 0.5 * ln(0.1) - 1.2 * ln(0.3) - 0.5 * ln(0.1)) / 5)
     close(grad, [[-1.2 / 5, -1 / 5, -0.5 / 5], [1.2 / 5, 0.5 / 5, 0.0]])
     assert out.stats.clipped_high == 2  # the weights the cap cut: r = 2 and r = 1.5
+
+
+def test_gpg_by_hand():
+    # GPG: Â·log π with no ratio and no clip, token mean over the 5 tokens: the gradient is
+    # −Â/5 on every token however far the ratio moved (r = 2 and 0.5 included)
+    out, grad = example(objective="gpg", agg="token_mean")
+    ln = math.log
+    close(out.loss, -(ln(0.4) + ln(0.2) + ln(0.1) - ln(0.3) - ln(0.1)) / 5)
+    close(grad, [[-1 / 5] * 3, [1 / 5, 1 / 5, 0.0]])
+    assert out.stats.clipped_high == out.stats.clipped_low == 0  # nothing bounds it
 
 
 def test_sapo_by_hand():

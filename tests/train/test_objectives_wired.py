@@ -111,3 +111,46 @@ def test_knobs_of_another_objective_are_one_line():
     with pytest.raises(UserError, match="needs ratio level 'token'"):
         run(algo="vespo", ratio_level="sequence")
     assert run(algo="grpo", objective="sapo").objective == "sapo"  # any preset, any objective
+
+
+@pytest.mark.parametrize("algo", ["reinforce_pp", "reinforce_pp_baseline", "opo", "gpg",
+                                  "grpo_passk"])  # fmt: skip
+def test_an_update_trains_on_verls_other_estimators(policy_and_batch, algo, seen):
+    """The trainer's advantages are core's estimator on the batch's rewards and trained-token
+    counts (over the whole batch), and each update's gradient is core's loss on them."""
+    from grouprl.core import estimators
+
+    policy, batch = policy_and_batch
+    cfg = resolve(TrainConfig(algo=algo, prompts_per_step=4, group_size=4, lr=1e-2),
+                  task_max_new_tokens=20)  # fmt: skip
+    rewards, lengths = batch.rewards.view(4, 4), batch.rollout.sampled_lengths.view(4, 4)
+    expected = {
+        "reinforce_pp": lambda: estimators.reinforce_pp_advantages(rewards, lengths, baseline=False),
+        "reinforce_pp_baseline": lambda: estimators.reinforce_pp_advantages(rewards, lengths,
+                                                                            baseline=True),
+        "opo": lambda: estimators.opo_advantages(rewards, lengths),
+        "gpg": lambda: estimators.gpg_advantages(rewards),
+        "grpo_passk": lambda: estimators.passk_advantages(rewards, eps=cfg.adv_eps,
+                                                          unbiased_std=cfg.unbiased_std),
+    }[algo]().reshape(-1).float()  # fmt: skip
+    advantages = train_step.batch_advantages(cfg, batch, SINGLE)
+    assert torch.equal(advantages, expected) and advantages.abs().sum() > 0
+    model = copy.deepcopy(policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    train_update.update(cfg, model, optimizer, batch, advantages, None)
+    assert seen
+    for call in seen:
+        assert call[4]["options"].objective == ("gpg" if algo == "gpg" else "clip")
+        assert torch.equal(recomputed(call), call[5])
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"algo": "opo", "minibatches": 2}, "opo's baseline is optimal only exactly on-policy"),
+    ({"algo": "opo", "beta": 0.04}, "no KL term"),
+    ({"algo": "reinforce_pp", "adv_scale": "group"}, "whitens over the batch's tokens"),
+    ({"algo": "grpo", "adv_estimator": "gpg", "adv_scale": "batch"}, "gpg scales by the share"),
+    ({"algo": "grpo_passk", "adv_scale": "batch"}, "grpo_passk divides"),
+])  # fmt: skip
+def test_estimators_refuse_what_they_cannot_do_in_one_line(options, message):
+    with pytest.raises(UserError, match=message):
+        resolve(TrainConfig(prompts_per_step=4, group_size=4, **options), task_max_new_tokens=8)

@@ -17,8 +17,9 @@ from typing import Literal
 # Choices: every named option's values, once (tests/config/test_config.py checks that the core
 # registries and the presets have exactly these names)
 
-Algo = Literal["grpo", "gspo", "dr_grpo", "dapo", "gdpo", "cispo", "sapo", "gmpo", "luspo", "vespo"]
-Objective = Literal["clip", "cispo", "sapo", "gmpo", "vespo"]  # grouprl.core.OBJECTIVES
+Algo = Literal["grpo", "gspo", "dr_grpo", "dapo", "gdpo", "cispo", "sapo", "gmpo", "luspo", "vespo",
+               "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk"]  # fmt: skip
+Objective = Literal["clip", "cispo", "sapo", "gmpo", "vespo", "gpg"]  # grouprl.core.OBJECTIVES
 #: Each objective's own knobs (grouprl.core.LossOptions fields, with its defaults); a knob of
 #: another objective is refused.
 KNOBS = {
@@ -35,7 +36,9 @@ LossAgg = Literal[  # grouprl.core.AGGREGATIONS
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
 ]
 # grouprl.core.ADVANTAGE_ESTIMATORS, and gdpo (grouprl.core.gdpo_advantages: one per reward)
-AdvEstimator = Literal["grpo", "rloo", "gdpo"]
+# and verl's others (grouprl.core.estimators)
+AdvEstimator = Literal["grpo", "rloo", "gdpo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg",
+                       "grpo_passk"]  # fmt: skip
 AdvScale = Literal["group", "batch", "none"]  # grouprl.core.ADVANTAGE_SCALES
 KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
 EvalSplit = Literal["heldout", "train", "all"]
@@ -292,8 +295,9 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     # ----- objective -----
     objective: Objective | None = None
     """The per-token term maximised: PPO's clip (GRPO, GSPO, Dr. GRPO, DAPO, LUSPO), CISPO's
-    capped-weight REINFORCE, SAPO's soft gate, GMPO's geometric mean, VESPO's gamma weight.
-    None: preset (--algo cispo, sapo, gmpo, vespo set their own; clip otherwise)."""
+    capped-weight REINFORCE, SAPO's soft gate, GMPO's geometric mean, VESPO's gamma weight,
+    GPG's plain Â·log π (no ratio, no clip). None: preset (--algo cispo, sapo, gmpo, vespo, gpg
+    set their own; clip otherwise)."""
     cispo_cap: float | None = None
     """CISPO: the cap on the detached importance weight (TRL's epsilon_high). None: 5.0."""
     sapo_tau_pos: float | None = None
@@ -330,8 +334,13 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Constant divisor for seq_mean_token_sum_norm. None: max_new_tokens."""
     adv_estimator: AdvEstimator | None = None
     """Baseline: the group mean (grpo), the mean of the other G-1 rewards (rloo), or gdpo: each
-    reward normalised in its group, their weighted sum then over the batch (arXiv 2601.05242;
-    sets its own scaling, so no --adv-scale). None: preset (gdpo for --algo gdpo, else grpo)."""
+    reward normalised in its group, their weighted sum then over the batch (arXiv 2601.05242);
+    verl's others (grouprl.core.estimators): reinforce_pp (the reward whitened over the batch's
+    tokens, arXiv 2501.03262), reinforce_pp_baseline (the group mean first), opo (the
+    length-weighted group mean, no std, exactly on-policy only: arXiv 2505.23585), gpg (the
+    group mean, scaled by the share of non-zero rewards: arXiv 2504.02546), grpo_passk (only
+    each group's best learns, by its margin over the second). All but grpo, rloo and grpo_passk
+    set their own scaling, so no --adv-scale. None: the preset's."""
     adv_scale: AdvScale | None = None
     """Advantage scaling: by the group std, the batch std, or none (Dr. GRPO). None: preset."""
     unbiased_std: bool = False

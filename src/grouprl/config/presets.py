@@ -85,10 +85,54 @@ PRESETS: dict[str, Preset] = {
     "vespo": Preset(
         "token", 0.2, 0.2, "token_mean", "group", 0.0, minibatches=4, objective="vespo"
     ),
+    # verl's other estimators (grouprl.core.estimators), each with the clip and verl's token
+    # mean. REINFORCE++ (arXiv 2501.03262): the reward whitened over the whole batch's tokens;
+    # -baseline: the group's mean subtracted first (verl's reinforce_plus_plus[_baseline]).
+    "reinforce_pp": Preset(
+        "token", 0.2, 0.2, "token_mean", "none", 0.0, minibatches=1, adv_estimator="reinforce_pp"
+    ),
+    "reinforce_pp_baseline": Preset(
+        "token",
+        0.2,
+        0.2,
+        "token_mean",
+        "none",
+        0.0,
+        minibatches=1,
+        adv_estimator="reinforce_pp_baseline",
+    ),
+    # OPO (arXiv 2505.23585): the length-weighted group mean, exactly on-policy (refused else).
+    "opo": Preset("token", 0.2, 0.2, "token_mean", "none", 0.0, minibatches=1, adv_estimator="opo"),
+    # GPG (arXiv 2504.02546): its advantage and plain REINFORCE, Â·log π, no ratio or clip.
+    "gpg": Preset(
+        "token",
+        0.2,
+        0.2,
+        "token_mean",
+        "none",
+        0.0,
+        minibatches=1,
+        adv_estimator="gpg",
+        objective="gpg",
+    ),
+    # Pass@k training (arXiv 2503.19595; verl's grpo_passk): GRPO where only each group's best
+    # completion learns, by its margin over the second, over the group's std.
+    "grpo_passk": Preset(
+        "token",
+        0.2,
+        0.2,
+        "seq_mean_token_mean",
+        "group",
+        0.0,
+        minibatches=1,
+        adv_estimator="grpo_passk",
+    ),
 }
+#: Estimators that set their own scaling (no --adv-scale): gdpo and verl's whitened or unscaled.
+SELF_SCALED = ("gdpo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg")
 
 #: The objectives the clip range does not bound (CISPO's bound is its cap).
-UNCLIPPED = ("cispo", "sapo", "vespo")
+UNCLIPPED = ("cispo", "sapo", "vespo", "gpg")
 
 
 def _objective_knobs(cfg: TrainConfig, values: dict[str, Any]) -> None:
@@ -163,12 +207,14 @@ def resolve(
             f"{cfg.adv_estimator}, or use --algo grpo --adv-estimator {cfg.adv_estimator}"
         )
     # (a saved config, resumed, holds the preset's scale: that one is no choice of the user's)
-    if "gdpo" in (cfg.algo, cfg.adv_estimator) and cfg.adv_scale not in (
-        None, PRESETS[cfg.algo].adv_scale
-    ):  # fmt: skip
+    estimator = cfg.adv_estimator or PRESETS[cfg.algo].adv_estimator
+    if estimator in SELF_SCALED and cfg.adv_scale not in (None, PRESETS[cfg.algo].adv_scale):
+        how = {"gdpo": "scales each reward by its group's std and the sum by the batch's",
+               "reinforce_pp": "whitens over the batch's tokens",
+               "reinforce_pp_baseline": "whitens over the batch's tokens",
+               "opo": "has no scale", "gpg": "scales by the share of non-zero rewards"}  # fmt: skip
         raise UserError(
-            "gdpo scales each reward by its group's std and the sum by the batch's; drop "
-            "--adv-scale, or use another --adv-estimator"
+            f"{estimator} {how[estimator]}; drop --adv-scale, or use another --adv-estimator"
         )
     values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
     for name, value in dataclasses.asdict(PRESETS[cfg.algo]).items():

@@ -149,6 +149,22 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         ),
         (cfg.adv_eps >= 0, "adv_eps must be >= 0"),
         (
+            cfg.adv_estimator != "grpo_passk" or cfg.adv_scale in ("group", "none"),
+            "--adv-estimator grpo_passk divides the best completion's margin by its group's std "
+            "or by nothing: --adv-scale group or none",
+        ),
+        (
+            cfg.adv_estimator != "opo"
+            or (
+                cfg.minibatches == 1
+                and cfg.epochs == 1
+                and cfg.beta == 0
+                and cfg.max_staleness == 0
+            ),
+            "--adv-estimator opo's baseline is optimal only exactly on-policy: one update per "
+            "batch (--minibatches 1 --epochs 1), no KL term (--beta 0) and --max-staleness 0",
+        ),
+        (
             0 < cfg.overlong_cache <= cfg.max_new_tokens,
             "overlong_cache must lie in [1, max_new_tokens]",
         ),

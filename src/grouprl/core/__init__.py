@@ -2,7 +2,7 @@
 
 Imports torch and the standard library only: no models, configs, I/O or torch.distributed, so
 the trainer, the distributed code and the tests all call the same few functions. See
-advantages.py (group-relative advantages), loss.py (ratios, KL, aggregation, the clipped loss),
+advantages.py (group-relative advantages), estimators.py (REINFORCE++, OPO, GPG, Pass@k), loss.py (ratios, KL, aggregation, the clipped loss),
 objectives.py (CISPO, SAPO, GMPO, VESPO), shaping.py (DAPO's overlong penalty) and offpolicy.py
 (how far a sampler's log-probs are from the trainer's, and the corrections for it) for the formulas and their papers.
 """
@@ -14,6 +14,13 @@ from .advantages import (
     group_advantages,
     mixed_groups,
     zero_variance_groups,
+)
+from .estimators import (
+    ESTIMATORS,
+    gpg_advantages,
+    opo_advantages,
+    passk_advantages,
+    reinforce_pp_advantages,
 )
 from .loss import (
     AGGREGATIONS,
@@ -28,6 +35,7 @@ from .loss import (
     cispo_objective,
     clipped_objective,
     gmpo_objective,
+    gpg_objective,
     kl_penalty,
     log_ratio,
     mean_over,
@@ -52,6 +60,7 @@ __all__ = [
     "ADVANTAGE_SCALES",
     "AGGREGATIONS",
     "CORRECTIONS",
+    "ESTIMATORS",
     "KL_ESTIMATORS",
     "MASK_LEVELS",
     "MAX_LOG_RATIO",
@@ -70,14 +79,19 @@ __all__ = [
     "correction_weights",
     "gdpo_advantages",
     "gmpo_objective",
+    "gpg_advantages",
+    "gpg_objective",
     "group_advantages",
     "kl_penalty",
     "log_ratio",
     "logp_mismatch",
     "mean_over",
     "mixed_groups",
+    "opo_advantages",
     "overlong_penalty",
+    "passk_advantages",
     "policy_loss",
+    "reinforce_pp_advantages",
     "sapo_objective",
     "vespo_objective",
     "zero_variance_groups",

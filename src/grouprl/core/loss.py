@@ -34,6 +34,7 @@ from .objectives import (
     OBJECTIVES,
     cispo_objective,
     gmpo_objective,
+    gpg_objective,
     sapo_objective,
     vespo_objective,
 )
@@ -228,6 +229,8 @@ def _objective(
     valid = torch.where(mask, logp, 0.0)  # (N, T)
     if opts.objective == "cispo":
         return cispo_objective(ratio, valid, adv, cap=opts.cispo_cap)
+    if opts.objective == "gpg":
+        return gpg_objective(valid, adv)
     token_log_ratio = valid - old_logp  # (N, T), 0 at padding
     if opts.objective == "gmpo":
         return gmpo_objective(token_log_ratio, adv, mask, clip_low=opts.clip_low,
@@ -242,7 +245,7 @@ def _bounded(opts: "LossOptions", ratio: Tensor, adv: Tensor) -> tuple[Tensor, T
     whatever Â's sign), GMPO's log-space clip (on token ratios), none for SAPO's or VESPO's."""
     if opts.objective == "cispo":
         return torch.zeros_like(ratio, dtype=torch.bool), ratio > opts.cispo_cap
-    if opts.objective in ("sapo", "vespo"):
+    if opts.objective in ("sapo", "vespo", "gpg"):
         none = torch.zeros_like(ratio, dtype=torch.bool)
         return none, none
     if opts.objective == "gmpo":  # the token log-ratios the log-space clip cut

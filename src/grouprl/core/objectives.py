@@ -97,4 +97,15 @@ def vespo_objective(
 #: GSPO, DAPO, Dr. GRPO, LUSPO: "clip"): CISPO's capped-weight REINFORCE, SAPO's soft gate,
 #: GMPO's geometric mean, VESPO's gamma weight. LUSPO (arXiv 2602.05261) is GSPO's clip with
 #: each sequence's token losses summed (`seq_mean_token_sum`), so it needs no term of its own.
-OBJECTIVES = ("clip", "cispo", "sapo", "gmpo", "vespo")
+def gpg_objective(logp: Tensor, advantages: Tensor) -> Tensor:
+    """GPG (arXiv 2504.02546; verl 0.9's ``gpg`` policy loss), the per-token term maximised:
+    plain REINFORCE on the advantage, with no ratio and no clip,
+
+        Â · log π_θ
+
+    (so its gradient is Â per unit of log π_θ whatever the policy has moved since sampling; it
+    is meant for one on-policy update per batch, with GPG's advantage `gpg_advantages`)."""
+    return advantages * logp
+
+
+OBJECTIVES = ("clip", "cispo", "sapo", "gmpo", "vespo", "gpg")

@@ -13,7 +13,15 @@ from typing import Any
 import torch
 
 from grouprl.config.options import RunConfig
-from grouprl.core import gdpo_advantages, group_advantages, overlong_penalty
+from grouprl.core import (
+    gdpo_advantages,
+    gpg_advantages,
+    group_advantages,
+    opo_advantages,
+    overlong_penalty,
+    passk_advantages,
+    reinforce_pp_advantages,
+)
 from grouprl.models.lora import base_model_context
 from grouprl.rollout import Rollout
 from grouprl.train.batch import Batch
@@ -94,7 +102,7 @@ def batch_advantages(
         gathered = torch.cat(dist.gather(components)) if dist.enabled else components
         advantages = gdpo_advantages(gathered.view(-1, G, len(w)), w, eps=cfg.adv_eps)
         advantages = advantages.to(batch.rewards.dtype)
-    else:
+    elif cfg.adv_estimator in ("grpo", "rloo"):
         rewards = torch.cat(dist.gather(batch.rewards)) if dist.enabled else batch.rewards
         advantages = group_advantages(
             rewards.view(-1, G),
@@ -103,8 +111,30 @@ def batch_advantages(
             eps=cfg.adv_eps,
             unbiased_std=cfg.unbiased_std,
         )
+    else:  # verl's other estimators, over the whole job's batch
+        lengths = batch.rollout.sampled_lengths.to(batch.rewards.device)  # (n,)
+        rewards, lengths = (
+            (torch.cat(dist.gather(batch.rewards)), torch.cat(dist.gather(lengths)))
+            if dist.enabled else (batch.rewards, lengths)
+        )  # fmt: skip
+        advantages = other_advantages(cfg, rewards.view(-1, G), lengths.view(-1, G))
+        advantages = advantages.to(batch.rewards.dtype)
     advantages = advantages.reshape(-1)  # (N_global,)
     return advantages[dist.rank * per * G : (dist.rank + 1) * per * G]
+
+
+def other_advantages(cfg: RunConfig, rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """(B, G) advantages of verl's other estimators (`grouprl.core.estimators`) from the
+    rewards and trained-token counts (B, G) of the whole job's batch."""
+    name = cfg.adv_estimator
+    if name in ("reinforce_pp", "reinforce_pp_baseline"):
+        return reinforce_pp_advantages(rewards, lengths, baseline=name == "reinforce_pp_baseline")
+    if name == "opo":
+        return opo_advantages(rewards, lengths)
+    if name == "gpg":
+        return gpg_advantages(rewards)
+    return passk_advantages(rewards, scale=cfg.adv_scale, eps=cfg.adv_eps,
+                            unbiased_std=cfg.unbiased_std)  # fmt: skip
 
 
 def gdpo_components(
