@@ -154,3 +154,110 @@ def test_an_update_trains_on_verls_other_estimators(policy_and_batch, algo, seen
 def test_estimators_refuse_what_they_cannot_do_in_one_line(options, message):
     with pytest.raises(UserError, match=message):
         resolve(TrainConfig(prompts_per_step=4, group_size=4, **options), task_max_new_tokens=8)
+
+
+def test_only_the_high_entropy_tokens_keep_a_weight(policy_and_batch, seen):
+    """--top-entropy-quantile 0.25: the loss's token weight is 1 exactly on the trained tokens
+    whose sampling entropy reaches the batch's 0.75 quantile (core's mask), the denominators
+    are the whole minibatch's, and the gradient is core's."""
+    from grouprl.core.entropy import entropy_threshold, high_entropy_mask
+
+    policy, batch = policy_and_batch
+    cfg = resolve(TrainConfig(algo="grpo", prompts_per_step=4, group_size=4, lr=1e-2,
+                              top_entropy_quantile=0.25), task_max_new_tokens=20)  # fmt: skip
+    mask = batch.rollout.loss_mask
+    threshold = entropy_threshold(batch.rollout.entropy[mask], 0.25)
+    keep = high_entropy_mask(batch.rollout.entropy, mask, threshold)
+    assert 0 < keep.sum() < mask.sum()
+    advantages = train_step.batch_advantages(cfg, batch, SINGLE)
+    metrics = train_update.update(cfg, copy.deepcopy(policy),
+                                  torch.optim.AdamW(policy.parameters(), lr=0.0), batch,
+                                  advantages, None)  # fmt: skip
+    assert metrics["entropy_threshold"] == pytest.approx(threshold, rel=1e-6)
+    for call in seen:
+        weight = call[4]["token_weight"]
+        assert weight is not None and set(weight.unique().tolist()) <= {0.0, 1.0}
+        assert call[4]["num_tokens"] == int(mask.sum())  # the kept and the dropped
+        assert torch.equal(recomputed(call), call[5])
+    weights = torch.cat([call[4]["token_weight"] for call in seen]).bool()
+    assert int(weights.sum()) == int(
+        keep[advantages.view(4, 4).ne(0).any(-1).repeat_interleave(4)].sum()
+    )
+
+
+def test_the_entropy_bonus_trains_every_completion(policy_and_batch):
+    """With every advantage 0 the policy term is 0 and its groups are skipped; the entropy
+    bonus trains them all, its loss −c · the mean entropy of the trained tokens."""
+    policy, batch = policy_and_batch
+    flat = Batch(batch.rollout, batch.rows, torch.ones(16), {"correct": torch.ones(16)},
+                 torch.ones(16, dtype=torch.bool))  # fmt: skip
+
+    def run(**options):
+        cfg = resolve(TrainConfig(algo="grpo", prompts_per_step=4, group_size=4, lr=1e-3,
+                                  **options), task_max_new_tokens=20)  # fmt: skip
+        advantages = train_step.batch_advantages(cfg, flat, SINGLE)
+        assert advantages.abs().sum() == 0
+        model = copy.deepcopy(policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        return train_update.update(cfg, model, optimizer, flat, advantages, None), model
+
+    plain, _ = run()
+    assert plain["trained_frac"] == 0.0  # nothing to learn: skipped
+    bonus, model = run(entropy_coef=0.05)
+    assert bonus["trained_frac"] == 1.0 and bonus["entropy_coef"] == 0.05
+    assert bonus["loss"] == pytest.approx(-0.05 * bonus["policy_entropy"], rel=1e-6)
+    before = dict(policy.named_parameters())
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_the_adaptive_coefficient_moves_per_optimizer_step(policy_and_batch):
+    """Four minibatches, a target above every entropy: the coefficient rises by delta after
+    each optimizer step (none applied before the first measurement), to its ceiling."""
+    policy, batch = policy_and_batch
+    cfg = resolve(TrainConfig(algo="grpo", prompts_per_step=4, group_size=4, minibatches=4,
+                              entropy_coef=0.01, entropy_target=50.0, entropy_coef_delta=0.004,
+                              entropy_coef_max=0.02), task_max_new_tokens=20)  # fmt: skip
+    advantages = train_step.batch_advantages(cfg, batch, SINGLE)
+    model = copy.deepcopy(policy)
+    metrics = train_update.update(cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  batch, advantages, None)  # fmt: skip
+    assert metrics["entropy_coef"] == pytest.approx(0.02)  # 0.01 + 0.004·4, capped at 0.02
+    assert 0 < metrics["entropy_last"] < 50
+    again = train_update.update(cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                batch, advantages, None, entropy_state=(0.001, 60.0))  # fmt: skip
+    assert again["entropy_coef"] == pytest.approx(0.001 + 0.016)  # from the state given
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"top_entropy_quantile": 0.0}, "top_entropy_quantile must lie in"),
+    ({"top_entropy_quantile": 0.2, "engine": "vllm"}, "does not give"),
+    ({"entropy_coef": -0.1}, "entropy_coef must be >= 0"),
+    ({"entropy_coef": 2.0, "entropy_target": 0.2}, "entropy_coef_min <= entropy_coef"),
+])  # fmt: skip
+def test_entropy_options_refuse_what_they_cannot_do_in_one_line(options, message):
+    with pytest.raises(UserError, match=message):
+        resolve(TrainConfig(prompts_per_step=4, group_size=4, **options), task_max_new_tokens=8)
+
+
+def test_a_resumed_run_continues_the_adaptive_coefficient_exactly(tmp_path):
+    """The coefficient and the last entropy are in the checkpoint's state: stopped after 2
+    steps and resumed, a run's metrics equal the straight run's."""
+    import json
+
+    from grouprl.cli import main
+
+    flags = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "2",
+             "--eval-samples", "1", "--eval-every", "0", "--no-progress", "--threads", "1",
+             "--entropy-coef", "0.01", "--entropy-target", "5", "--top-entropy-quantile", "0.5"]  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(["train", "--steps", "3", "--output-dir", str(straight), *flags]) == 0
+    assert main(["train", "--steps", "2", "--output-dir", str(resumed), *flags]) == 0
+    assert main(["train", "--resume", str(resumed), "--steps", "3"]) == 0
+
+    def rows(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items()
+                 if not k.endswith(("_seconds", "tokens_per_s"))} for line in lines]  # fmt: skip
+
+    assert rows(straight) == rows(resumed)
+    assert [round(m["entropy_coef"], 6) for m in rows(straight)] == [0.03, 0.05, 0.07]

@@ -274,3 +274,18 @@ def test_trls_async_config_is_grouprls_fixed_lag():
         async_options_from(AsyncGRPOConfig(queue_maxsize=5), rows=8)
     with pytest.warns(UserWarning, match="logging_steps=3"):
         async_options_from(AsyncGRPOConfig(logging_steps=3), rows=8)
+
+
+def test_trls_entropy_fields():
+    o = options_from(GRPOConfig(top_entropy_quantile=0.2, entropy_coef=0.01), rows=8)
+    assert (o["top_entropy_quantile"], o["entropy_coef"], "entropy_target" in o) == (
+        0.2,
+        0.01,
+        False,
+    )
+    adaptive = options_from(GRPOConfig(entropy_coef=0.01, use_adaptive_entropy=True,
+                                       entropy_target=0.3), rows=8)  # fmt: skip
+    assert (adaptive["entropy_target"], adaptive["entropy_coef_delta"],
+            adaptive["entropy_coef_max"]) == (0.3, 0.005, 1.0)  # fmt: skip
+    with pytest.warns(UserWarning, match="entropy_target=0.3: these apply only with"):
+        assert "entropy_target" not in options_from(GRPOConfig(entropy_target=0.3), rows=8)

@@ -328,6 +328,26 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Multiply each token's KL term by its importance ratio, gradient included (DeepSeek-V3.2's
     unbiased KL estimate; TRL's use_bias_correction_kl). It changes the KL gradient even
     on-policy, where the ratio is 1 but differentiable."""
+    top_entropy_quantile: float = 1.0
+    """Train only the tokens whose entropy (the sampler's) is in the top rho of the batch
+    ("Beyond the 80/20 Rule", arXiv 2506.01939, trains the top 0.2; TRL's top_entropy_quantile):
+    the others get weight 0 but keep their place in the loss's denominators, and the KL term
+    still acts on them. 1: every token. Needs the sampler's entropy (--engine hf)."""
+    entropy_coef: float = 0.0
+    """An entropy bonus: the loss minus this times the current policy's mean entropy over the
+    trained (kept) tokens of the update. 0: off. With --entropy-target: the adaptive
+    coefficient's start."""
+    entropy_target: float | None = None
+    """Adapt the entropy coefficient (Skywork-OR1, arXiv 2505.22312; TRL's
+    use_adaptive_entropy): after each optimizer step it goes up by --entropy-coef-delta while the
+    step's mean token entropy is at or below this (nats; TRL: 0.2), down otherwise, within
+    [--entropy-coef-min, --entropy-coef-max], and applies only while at or below. None: fixed."""
+    entropy_coef_delta: float = 0.005
+    """The adaptive coefficient's step."""
+    entropy_coef_min: float = 0.0
+    """The adaptive coefficient's floor."""
+    entropy_coef_max: float = 1.0
+    """The adaptive coefficient's ceiling."""
     loss_agg: LossAgg | None = None
     """How per-token losses are averaged; sets the implicit length weighting. None: preset."""
     norm_len: int | None = None

@@ -148,6 +148,20 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             "base model, and only the small adapters are reduced)",
         ),
         (cfg.adv_eps >= 0, "adv_eps must be >= 0"),
+        (0 < cfg.top_entropy_quantile <= 1, "top_entropy_quantile must lie in (0, 1] (1: all)"),
+        (
+            cfg.top_entropy_quantile == 1 or cfg.engine == "hf",
+            "--top-entropy-quantile reads the sampler's entropy, which --engine vllm does not "
+            "give; use --engine hf",
+        ),
+        (cfg.entropy_coef >= 0, "entropy_coef must be >= 0 (a bonus; 0 turns it off)"),
+        (
+            cfg.entropy_target is None
+            or 0 <= cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max,
+            "the adaptive entropy coefficient needs entropy_coef_min <= entropy_coef <= "
+            "entropy_coef_max",
+        ),
+        (cfg.entropy_coef_delta >= 0, "entropy_coef_delta must be >= 0"),
         (
             cfg.adv_estimator != "grpo_passk" or cfg.adv_scale in ("group", "none"),
             "--adv-estimator grpo_passk divides the best completion's margin by its group's std "
@@ -254,6 +268,12 @@ def sampler_differs(cfg: RunConfig) -> bool:
     another engine, another precision (bf16 forwards, a bf16 LoRA base) or an older version."""
     low_precision = cfg.precision != "fp32" or (cfg.lora_r is not None and cfg.base_dtype != "fp32")
     return cfg.engine != "hf" or low_precision or cfg.max_staleness > 0
+
+
+def entropy_bonus(cfg: RunConfig) -> bool:
+    """Whether the loss has an entropy term (a fixed coefficient, or the adaptive one, which can
+    rise from 0): every completion then has a gradient, advantage or not."""
+    return cfg.entropy_coef != 0 or cfg.entropy_target is not None
 
 
 def reuses_batches(cfg: RunConfig) -> bool:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from grouprl.config.options import RunConfig
+from grouprl.config.validation import entropy_bonus
 from grouprl.rollout import Rollout
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep
@@ -144,7 +145,8 @@ def plan_minibatches(
     overhead: int | None = None,
 ) -> list[Minibatch]:
     """`cfg.minibatches` minibatches of whole groups, in order, without the groups that have
-    nothing to learn (all advantages 0) when `skip_zero_advantage` applies (beta = 0), each cut
+    nothing to learn (all advantages 0) when `skip_zero_advantage` applies (beta = 0, no entropy
+    bonus), each cut
     into chunks of at most `cfg.micro_batch_size` completions, or, without one and with
     `overhead`, into passes by width (`width_chunks`).
 
@@ -157,7 +159,7 @@ def plan_minibatches(
     if b % cfg.minibatches:
         raise ValueError(f"cannot split {b} prompts into {cfg.minibatches} equal minibatches")
     per = b // cfg.minibatches  # groups per minibatch
-    skip = cfg.skip_zero_advantage and cfg.beta == 0
+    skip = cfg.skip_zero_advantage and cfg.beta == 0 and not entropy_bonus(cfg)
     plans = []
     for first in range(0, b, per):
         groups = list(range(first, first + per))

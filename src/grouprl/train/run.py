@@ -79,6 +79,8 @@ class RunState:
     data_position: int = 0  # training rows drawn from the prompt stream so far
     nonfinite_in_a_row: int = 0  # the latest steps whose updates were all skipped as non-finite
     initial_eval: dict[str, float] | None = None  # the held-out evaluation at step 0
+    entropy_coef: float | None = None  # the adaptive entropy coefficient (None: the config's)
+    entropy_last: float | None = None  # the last optimizer step's mean token entropy
 
     def to_json(self) -> dict[str, Any]:
         """What state.json records, under the field names (`step` is written by the checkpoint

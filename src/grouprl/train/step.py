@@ -52,7 +52,7 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
     trained, samples, ratios, nonfinite = None, [], None, state.nonfinite_in_a_row
     if batch is not None:
         probe = _ratio_probe(cfg, state.step, batch, run)
-        advantages, trained = train_on(run, batch)
+        advantages, trained = train_on(run, batch, (state.entropy_coef, state.entropy_last))
         nonfinite = nonfinite + 1 if trained["nonfinite_updates"] else 0
         samples = _samples(batch, advantages, cfg.log_samples)
         ratios = None if probe is None else _probe_ratios(cfg, probe, run.policy, dist)
@@ -70,14 +70,20 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
     if collected.sampler_seconds is not None:  # asynchronous: rollout_seconds is the wait
         metrics.update(sampler_seconds=collected.sampler_seconds,
                        update_seconds=seconds - collected.seconds)  # fmt: skip
-    state = RunState(state.step + 1, collected.position, nonfinite, state.initial_eval)
+    entropy = (state.entropy_coef, state.entropy_last)
+    if trained is not None and "entropy_coef" in trained:  # the adaptive coefficient moved on
+        entropy = (trained["entropy_coef"], trained["entropy_last"])
+    state = RunState(state.step + 1, collected.position, nonfinite, state.initial_eval, *entropy)
     return state, StepLog(metrics, samples, ratios)
 
 
-def train_on(run: Run, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+def train_on(
+    run: Run, batch: Batch, entropy_state: tuple[float | None, float | None] = (None, None)
+) -> tuple[torch.Tensor, dict[str, float]]:
     """One update on `batch`: its advantages (N,) over the whole job's batch, the reference
     log-probs when beta > 0 (the initial policy: a frozen copy, or LoRA's base model), then
-    `update`; returns the advantages and the update's diagnostics."""
+    `update` (with the adaptive entropy coefficient's state); returns the advantages and the
+    update's diagnostics."""
     cfg, dist = run.cfg, run.dist
     advantages = batch_advantages(cfg, batch, dist, run.sampler.rewards.weights)  # (N,)
     ref_logp = None
@@ -87,7 +93,7 @@ def train_on(run: Run, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             ref_logp = no_grad_logprobs(cfg, model, batch.rollout, run.sampler.dtype)
     diagnostics = update(cfg, run.policy, run.optimizer, batch, advantages, ref_logp,
                          dtype=run.sampler.dtype, scaler=run.scaler, dist=dist,
-                         lockstep=run.lockstep)  # fmt: skip
+                         lockstep=run.lockstep, entropy_state=entropy_state)  # fmt: skip
     return advantages, diagnostics
 
 

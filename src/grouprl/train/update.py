@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from grouprl.config.options import RunConfig
-from grouprl.config.validation import correction, loss_options, reuses_batches
+from grouprl.config.validation import correction, entropy_bonus, loss_options, reuses_batches
 from grouprl.core import (
     Correction,
     CorrectionSums,
@@ -30,6 +30,13 @@ from grouprl.core import (
     mean_over,
     policy_loss,
 )
+from grouprl.core.entropy import (
+    adapted_coefficient,
+    applied_coefficient,
+    entropy_threshold,
+    high_entropy_mask,
+)
+from grouprl.errors import UserError
 from grouprl.faults import fault
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models.lora import adapter_dropout
@@ -60,8 +67,14 @@ def update(
     scaler: torch.amp.GradScaler | None = None,
     dist: Dist = SINGLE,
     lockstep: Lockstep | None = None,
+    entropy_state: tuple[float | None, float | None] = (None, None),
 ) -> dict[str, float]:
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
+
+    entropy_state: the adaptive entropy coefficient and the last step's measured entropy, as
+    the run's state holds them (None, None: the run's start); the diagnostics then hold the
+    next ones (`entropy_coef`, `entropy_last`) and the policy's mean entropy over the trained
+    tokens (`policy_entropy`).
 
     advantages: (N,); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
     run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of fp16 forwards (see
@@ -100,13 +113,15 @@ def update(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     plans, mismatch = _plans(cfg, policy, rollout, advantages, mask, dtype, dist,
                              lockstep or Lockstep(dist))  # fmt: skip
-    inputs = _loss_inputs(cfg, rollout, advantages, mask, ref_logp, dtype)
+    inputs = _loss_inputs(cfg, rollout, advantages, mask, ref_logp, dtype, dist)
     sums = UpdateSums(has_kl=ref_logp is not None)
     applied, bypass_mismatch = CorrectionSums(), MismatchSums()
+    bonus = _EntropyBonus.start(cfg, *entropy_state)
     for epoch in range(cfg.epochs):
         for plan in plans:
             optimizer.zero_grad(set_to_none=True)
-            passes = _backward(cfg, policy, plan, inputs, scaler, first_epoch=epoch == 0)
+            passes = _backward(cfg, policy, plan, inputs, scaler, first_epoch=epoch == 0,
+                               bonus=None if bonus is None else bonus.applied())  # fmt: skip
             applied, bypass_mismatch = applied + passes.applied, bypass_mismatch + passes.mismatch
             if passes.trained_rows == 0:  # nothing trained here: a zero gradient (AdamW steps)
                 for p in params:
@@ -121,9 +136,55 @@ def update(
             fault("update")
             sums.add(plan, passes.loss, passes.stats, passes.extremes, passes.trained_rows,
                      passes.rows, grad_norm)  # fmt: skip
+            if bonus is not None:
+                bonus.measured(*passes.entropy)
     if inputs.bypass:  # measured against each minibatch's forward, before its step
         mismatch = bypass_mismatch
-    return _update_metrics(sums, inputs, mismatch, applied, dist)
+    metrics = _update_metrics(sums, inputs, mismatch, applied, dist)
+    if inputs.threshold is not None:
+        metrics["entropy_threshold"] = inputs.threshold
+    if bonus is not None:
+        metrics.update(bonus.metrics())
+    return metrics
+
+
+@dataclass
+class _EntropyBonus:
+    """The entropy bonus over an update's optimizer steps: its coefficient (fixed, or TRL's
+    adaptive one, `grouprl.core.entropy`) and what each step measured."""
+
+    coef: float
+    last: float | None  # the last step's mean token entropy (None: none measured yet)
+    target: float | None  # None: a fixed coefficient
+    rule: dict[str, float]
+    total: float = 0.0  # Σ H and the tokens over the update's steps, for the metric
+    tokens: float = 0.0
+
+    @classmethod
+    def start(cls, cfg: RunConfig, coef: float | None, last: float | None) -> _EntropyBonus | None:
+        if not entropy_bonus(cfg):
+            return None
+        rule = {"delta": cfg.entropy_coef_delta, "low": cfg.entropy_coef_min,
+                "high": cfg.entropy_coef_max}  # fmt: skip
+        return cls(cfg.entropy_coef if coef is None else coef, last, cfg.entropy_target, rule)
+
+    def applied(self) -> float:
+        """The coefficient this optimizer step applies."""
+        if self.target is None:
+            return self.coef
+        return applied_coefficient(self.coef, self.last, self.target)
+
+    def measured(self, total: float, tokens: float) -> None:
+        """After an optimizer step: its entropy sums over the whole job (the kept tokens)."""
+        self.total, self.tokens = self.total + total, self.tokens + tokens
+        if tokens and self.target is not None:
+            entropy = total / tokens
+            self.coef = adapted_coefficient(self.coef, entropy, target=self.target, **self.rule)
+            self.last = entropy
+
+    def metrics(self) -> dict[str, float | None]:
+        return {"policy_entropy": mean_over(self.total, self.tokens), "entropy_coef": self.coef,
+                "entropy_last": self.last}  # fmt: skip
 
 
 def _update_metrics(
@@ -145,6 +206,24 @@ def _update_metrics(
     return metrics
 
 
+def _high_entropy(
+    cfg: RunConfig, rollout: Rollout, mask: torch.Tensor, dist: Dist
+) -> tuple[torch.Tensor | None, float | None]:
+    """The tokens whose sampling entropy is in the top `top_entropy_quantile` of the whole
+    job's trained tokens, and the threshold (None, None: every token)."""
+    if cfg.top_entropy_quantile >= 1:
+        return None, None
+    if rollout.entropy is None:
+        raise UserError(
+            "--top-entropy-quantile needs the sampler's entropy; this engine gives none"
+        )
+    entropy = rollout.entropy.to(mask.device)
+    local = entropy[mask].float()
+    pool = torch.cat([t.to(mask.device) for t in dist.gather(local)]) if dist.enabled else local
+    threshold = entropy_threshold(pool, cfg.top_entropy_quantile)
+    return high_entropy_mask(entropy, mask, threshold), threshold
+
+
 def _loss_inputs(
     cfg: RunConfig,
     rollout: Rollout,
@@ -152,6 +231,7 @@ def _loss_inputs(
     mask: torch.Tensor,
     ref_logp: torch.Tensor | None,
     dtype: torch.dtype | None,
+    dist: Dist = SINGLE,
 ) -> _LossInputs:
     """What every pass's loss reads: the correction only where the sampler is not the
     trainer's fp32 forward (another dtype, engine or version), bypass only there too; the
@@ -162,9 +242,10 @@ def _loss_inputs(
     if not differs:
         mask_only = corr.opsm_delta is not None and reuses_batches(cfg)
         corr = Correction(opsm_delta=corr.opsm_delta) if mask_only else Correction()
+    keep, threshold = _high_entropy(cfg, rollout, mask, dist)
     return _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype,
                        corr if corr.active else None,
-                       differs and cfg.proximal == "behaviour")  # fmt: skip
+                       differs and cfg.proximal == "behaviour", keep, threshold)  # fmt: skip
 
 
 def correction_metrics(sums: CorrectionSums, dist: Dist = SINGLE) -> dict[str, float]:
@@ -250,16 +331,17 @@ class PassSums:
     # once, by the caller)
     mismatch: MismatchSums = field(default_factory=MismatchSums)  # bypass: the sampler
     # against these passes' forward
+    entropy: tuple[float, float] = (0.0, 0.0)  # with an entropy bonus: Σ H and the tokens
 
     def over_ranks(self, dist: Dist) -> PassSums:
         """The sums of every rank's passes: one all-reduce (float64)."""
         if not dist.enabled:
             return self
-        packed = torch.tensor([self.loss, *self.stats, self.trained_rows, self.rows],
-                              dtype=torch.float64, device=dist.device)  # fmt: skip
-        loss, *stats, trained_rows, rows = dist.all_reduce(packed).tolist()
+        packed = torch.tensor([self.loss, *self.stats, self.trained_rows, self.rows,
+                               *self.entropy], dtype=torch.float64, device=dist.device)  # fmt: skip
+        loss, *stats, trained_rows, rows, h_sum, h_tokens = dist.all_reduce(packed).tolist()
         return dataclasses.replace(self, loss=loss, stats=stats, trained_rows=trained_rows,
-                                   rows=rows)  # fmt: skip
+                                   rows=rows, entropy=(h_sum, h_tokens))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -273,6 +355,8 @@ class _LossInputs:
     dtype: torch.dtype | None  # the forwards' autocast dtype
     correction: Correction | None = None  # None: off, or nothing to correct
     bypass: bool = False  # the ratio's anchor is the sampler's log-probs (`--proximal behaviour`)
+    keep: torch.Tensor | None = None  # (N, T) bool: the high-entropy tokens (None: all)
+    threshold: float | None = None  # their entropy threshold
 
 
 def _backward(
@@ -283,34 +367,44 @@ def _backward(
     scaler: torch.amp.GradScaler | None,
     *,
     first_epoch: bool = True,
+    bonus: float | None = None,
 ) -> PassSums:
     """Forward and backward of every pass of a minibatch, gradients accumulated; what they add
     up to on this rank (a lockstep filler adds nothing).
 
     With a correction, each chunk's weight (`grouprl.core.correction_weights`) multiplies its
     objective term: from the trainer's old_logp against the sampler's, or in bypass mode from
-    this forward's (detached) log-probs, as verl's bypass mode computes it."""
+    this forward's (detached) log-probs, as verl's bypass mode computes it. With the
+    high-entropy tokens (`inputs.keep`) only those keep a weight. `bonus` (None: no entropy
+    term): the entropy bonus's coefficient, the loss minus bonus · Σ H over the kept trained
+    tokens / the minibatch's trained tokens; the forward's entropy is summed for the metrics
+    and the adaptive coefficient either way."""
     device = model_device(policy)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     sums = torch.zeros(len(LossStats.SUMS), dtype=torch.float64, device=device)
     extremes = torch.full((len(LossStats.EXTREMES),), -math.inf, dtype=torch.float64, device=device)
     trained_rows, applied, mismatch = 0, CorrectionSums(), MismatchSums()
+    h_sum = torch.zeros((), dtype=torch.float64, device=device)
+    h_tokens = 0
     for chunk in plan.chunks:
         with (
             autocast(device, inputs.dtype),
             _recomputing(cfg, policy),
             adapter_dropout(policy, cfg.lora_dropout > 0),
         ):
-            logp = logprobs(policy, chunk.rollout, temperature=cfg.temperature,
-                            buckets=chunk.buckets)  # (n, T) fp32  # fmt: skip
+            out = logprobs(policy, chunk.rollout, temperature=cfg.temperature,
+                           buckets=chunk.buckets, with_entropy=bonus is not None)  # fmt: skip
+        logp, entropy = out if bonus is not None else (out, None)  # (n, T) fp32
         sampled, chunk_mask = chunk.rollout, inputs.mask[chunk.rows]
-        weight = None
+        keep = None if inputs.keep is None else inputs.keep[chunk.rows]
+        weight = None if keep is None else keep.to(logp.dtype)
         if inputs.correction is not None:
             proximal = logp.detach() if inputs.bypass else sampled.old_logp
-            weight, done = correction_weights(
+            corrected, done = correction_weights(
                 proximal, sampled.sampler_logp, chunk_mask, inputs.correction, logp=logp,
                 advantages=inputs.advantages[chunk.rows],
             )  # fmt: skip
+            weight = corrected if weight is None else weight * corrected
             if chunk.weight:
                 applied += done
         if inputs.bypass and first_epoch and chunk.weight:
@@ -326,16 +420,25 @@ def _backward(
             num_seqs=plan.num_seqs,
             token_weight=weight,
         )
-        loss = out.loss if chunk.weight == 1.0 else out.loss * chunk.weight
+        loss = out.loss
+        if entropy is not None:  # the bonus over the kept trained tokens
+            acting = chunk_mask if keep is None else chunk_mask & keep
+            total = torch.where(acting, entropy, 0.0).sum()
+            loss = loss - bonus * total / plan.num_tokens
+            if chunk.weight:
+                h_sum += total.detach()
+                h_tokens += int(acting.sum())
+        loss_total = loss.detach()
+        loss = loss if chunk.weight == 1.0 else loss * chunk.weight
         (loss if scaler is None else scaler.scale(loss)).backward()
         if chunk.weight:
-            loss_sum += out.loss.detach()
+            loss_sum += loss_total
             sums += out.stats.sums()
             extremes = torch.maximum(extremes, out.stats.extremes())
             trained_rows += len(chunk.rows)
-    shared = torch.cat([loss_sum[None], sums]).tolist()  # one host sync
-    return PassSums(shared[0], shared[1:], float(trained_rows), float(plan.num_rows),
-                    extremes.cpu(), applied, mismatch)  # fmt: skip
+    shared = torch.cat([loss_sum[None], sums, h_sum[None]]).tolist()  # one host sync
+    return PassSums(shared[0], shared[1:-1], float(trained_rows), float(plan.num_rows),
+                    extremes.cpu(), applied, mismatch, (shared[-1], float(h_tokens)))  # fmt: skip
 
 
 def optimizer_step(

@@ -316,6 +316,21 @@ def _correction(args: Any, reuses: bool, precision: str) -> dict[str, Any]:
     return out
 
 
+def _entropy(args: Any) -> dict[str, Any]:
+    """TRL's high-entropy tokens and entropy bonus, fixed or adaptive (`use_adaptive_entropy`:
+    grouprl's `entropy_target`)."""
+    out = {"top_entropy_quantile": float(args.top_entropy_quantile),
+           "entropy_coef": float(args.entropy_coef)}  # fmt: skip
+    rule = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
+    if args.use_adaptive_entropy:
+        return {**out, **{name: float(getattr(args, name)) for name in rule}}
+    inert = [f"{n}={getattr(args, n)!r}" for n in rule if getattr(args, n) != FIELDS[n].default]
+    if inert:
+        warnings.warn(f"{', '.join(inert)}: these apply only with use_adaptive_entropy=True (as "
+                      "TRL's); not used", UserWarning, stacklevel=4)  # fmt: skip
+    return out
+
+
 #: model_init_kwargs' dtype as grouprl's dtype names (None: grouprl's fp32).
 _DTYPES = {None: None, "auto": None, "float32": None, "bfloat16": "bf16", "float16": "fp16"}
 _MODEL_INIT = {"dtype", "torch_dtype", "attn_implementation", "revision", "trust_remote_code"}
@@ -426,6 +441,7 @@ def options_from(
         **_engine(args),
     }
     options.update(_correction(args, per_step > 1, options["precision"]))
+    options.update(_entropy(args))
     # None where grouprl resolves a value itself (norm_len, adv_scale under GDPO, run_name):
     # left to it, so that a resumed run's record (which holds the resolved value) matches
     kept = ("dual_clip", "chat_template_kwargs")
