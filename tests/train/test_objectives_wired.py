@@ -261,3 +261,37 @@ def test_a_resumed_run_continues_the_adaptive_coefficient_exactly(tmp_path):
 
     assert rows(straight) == rows(resumed)
     assert [round(m["entropy_coef"], 6) for m in rows(straight)] == [0.03, 0.05, 0.07]
+
+
+@pytest.mark.parametrize("algo", ["clip_cov", "kl_cov"])
+def test_the_covariance_objectives_select_over_each_minibatch(policy_and_batch, algo, seen):
+    """Each minibatch's selection is over its trained tokens: KL-Cov penalises the int(n·ratio)
+    of highest covariance, Clip-Cov holds back as many drawn from its band (fewer if the band
+    has fewer); the same seed draws the same tokens; the gradient is core's."""
+    policy, batch = policy_and_batch
+    share = {"kl_cov_ratio": 0.1} if algo == "kl_cov" else {"clip_cov_ratio": 0.1,
+                                                             "clip_cov_low": -5.0}  # fmt: skip
+    cfg = resolve(TrainConfig(algo=algo, prompts_per_step=4, group_size=4, lr=1e-2, **share),
+                  task_max_new_tokens=20)  # fmt: skip
+    advantages = train_step.batch_advantages(cfg, batch, SINGLE)
+
+    def run():
+        seen.clear()
+        model = copy.deepcopy(policy)
+        metrics = train_update.update(cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      batch, advantages, None, step=3)  # fmt: skip
+        if algo == "kl_cov":
+            return [c[4]["penalty_mask"] for c in seen], metrics
+        return [c[4]["token_weight"] == 0 for c in seen], metrics
+
+    picked, metrics = run()
+    assert len(seen) == cfg.minibatches == 4
+    tokens = [int(c[3].sum()) for c in seen]  # one pass a minibatch here
+    assert [int(p.sum()) for p in picked] == [max(int(0.1 * n), 1) for n in tokens]
+    assert metrics["cov_selected_frac"] == pytest.approx(
+        sum(int(p.sum()) for p in picked) / sum(tokens)
+    )
+    for call in seen:
+        assert torch.equal(recomputed(call), call[5])
+    again, _ = run()
+    assert all(torch.equal(a, b) for a, b in zip(picked, again, strict=True))  # seeded

@@ -18,14 +18,18 @@ from typing import Literal
 # registries and the presets have exactly these names)
 
 Algo = Literal["grpo", "gspo", "dr_grpo", "dapo", "gdpo", "cispo", "sapo", "gmpo", "luspo", "vespo",
-               "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk"]  # fmt: skip
-Objective = Literal["clip", "cispo", "sapo", "gmpo", "vespo", "gpg"]  # grouprl.core.OBJECTIVES
+               "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "clip_cov",
+               "kl_cov"]  # fmt: skip
+Objective = Literal["clip", "cispo", "sapo", "gmpo", "vespo", "gpg", "clip_cov", "kl_cov"]
+# (grouprl.core.OBJECTIVES)
 #: Each objective's own knobs (grouprl.core.LossOptions fields, with its defaults); a knob of
 #: another objective is refused.
 KNOBS = {
     "cispo": ("cispo_cap",),
     "sapo": ("sapo_tau_pos", "sapo_tau_neg"),
     "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+    "clip_cov": ("clip_cov_ratio", "clip_cov_low", "clip_cov_high"),
+    "kl_cov": ("kl_cov_ratio", "kl_cov_coef"),
 }
 Dtype = Literal["fp32", "bf16", "fp16"]
 Precision = Literal["fp32", "bf16"]
@@ -296,8 +300,9 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     objective: Objective | None = None
     """The per-token term maximised: PPO's clip (GRPO, GSPO, Dr. GRPO, DAPO, LUSPO), CISPO's
     capped-weight REINFORCE, SAPO's soft gate, GMPO's geometric mean, VESPO's gamma weight,
-    GPG's plain Â·log π (no ratio, no clip). None: preset (--algo cispo, sapo, gmpo, vespo, gpg
-    set their own; clip otherwise)."""
+    GPG's plain Â·log π (no ratio, no clip), Clip-Cov's clip with the highest-covariance tokens
+    held back, KL-Cov's unclipped r·Â with a |log r| penalty on them (arXiv 2505.22617). None:
+    preset (--algo cispo, sapo, gmpo, vespo, gpg, clip_cov, kl_cov set their own; else clip)."""
     cispo_cap: float | None = None
     """CISPO: the cap on the detached importance weight (TRL's epsilon_high). None: 5.0."""
     sapo_tau_pos: float | None = None
@@ -312,6 +317,16 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """VESPO: k where the advantage is < 0. None: 3."""
     vespo_lambda_neg: float | None = None
     """VESPO: lambda where the advantage is < 0. None: 2."""
+    clip_cov_ratio: float | None = None
+    """Clip-Cov: the share of each minibatch's tokens whose gradient is held back. None: 2e-4."""
+    clip_cov_low: float | None = None
+    """Clip-Cov: the covariance band's floor they are drawn from. None: 1."""
+    clip_cov_high: float | None = None
+    """Clip-Cov: the band's ceiling. None: 5."""
+    kl_cov_ratio: float | None = None
+    """KL-Cov: the share of each minibatch's tokens, by top covariance, penalised. None: 2e-4."""
+    kl_cov_coef: float | None = None
+    """KL-Cov: the coefficient of their |log r| penalty. None: 0.1 (verl's YAML)."""
     ratio_level: RatioLevel | None = None
     """Importance ratio: per token (GRPO), per sequence (GSPO), or GSPO-token. None: preset."""
     clip_low: float | None = None

@@ -127,12 +127,21 @@ PRESETS: dict[str, Preset] = {
         minibatches=1,
         adv_estimator="grpo_passk",
     ),
+    # The entropy mechanism (arXiv 2505.22617; verl's clip_cov / kl_cov with its YAML defaults,
+    # token mean), on GSPO's 4 minibatches: KL-Cov's |log r| is 0 at r = 1, so it acts from
+    # the second minibatch on; Clip-Cov on the same schedule, for a like-for-like comparison.
+    "clip_cov": Preset(
+        "token", 0.2, 0.2, "token_mean", "group", 0.0, minibatches=4, objective="clip_cov"
+    ),
+    "kl_cov": Preset(
+        "token", 0.2, 0.2, "token_mean", "group", 0.0, minibatches=4, objective="kl_cov"
+    ),
 }
 #: Estimators that set their own scaling (no --adv-scale): gdpo and verl's whitened or unscaled.
 SELF_SCALED = ("gdpo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg")
 
 #: The objectives the clip range does not bound (CISPO's bound is its cap).
-UNCLIPPED = ("cispo", "sapo", "vespo", "gpg")
+UNCLIPPED = ("cispo", "sapo", "vespo", "gpg", "kl_cov")
 
 
 def _objective_knobs(cfg: TrainConfig, values: dict[str, Any]) -> None:

@@ -111,6 +111,42 @@ def validate_eval(cfg: EvalConfig) -> None:
     )
 
 
+def _objective_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    """The entropy options' and the estimators' rules."""
+    return [
+        (0 < cfg.top_entropy_quantile <= 1, "top_entropy_quantile must lie in (0, 1] (1: all)"),
+        (
+            cfg.top_entropy_quantile == 1 or cfg.engine == "hf",
+            "--top-entropy-quantile reads the sampler's entropy, which --engine vllm does not "
+            "give; use --engine hf",
+        ),
+        (cfg.entropy_coef >= 0, "entropy_coef must be >= 0 (a bonus; 0 turns it off)"),
+        (
+            cfg.entropy_target is None
+            or 0 <= cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max,
+            "the adaptive entropy coefficient needs entropy_coef_min <= entropy_coef <= "
+            "entropy_coef_max",
+        ),
+        (cfg.entropy_coef_delta >= 0, "entropy_coef_delta must be >= 0"),
+        (
+            cfg.adv_estimator != "grpo_passk" or cfg.adv_scale in ("group", "none"),
+            "--adv-estimator grpo_passk divides the best completion's margin by its group's std "
+            "or by nothing: --adv-scale group or none",
+        ),
+        (
+            cfg.adv_estimator != "opo"
+            or (
+                cfg.minibatches == 1
+                and cfg.epochs == 1
+                and cfg.beta == 0
+                and cfg.max_staleness == 0
+            ),
+            "--adv-estimator opo's baseline is optimal only exactly on-policy: one update per "
+            "batch (--minibatches 1 --epochs 1), no KL term (--beta 0) and --max-staleness 0",
+        ),
+    ]
+
+
 def validate(cfg: RunConfig, world_size: int = 1) -> None:
     """Every check a run's settings need before a model is loaded, for a job of `world_size`
     processes: one line for the first that is impossible; a warning for each dubious one. (What
@@ -148,36 +184,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             "base model, and only the small adapters are reduced)",
         ),
         (cfg.adv_eps >= 0, "adv_eps must be >= 0"),
-        (0 < cfg.top_entropy_quantile <= 1, "top_entropy_quantile must lie in (0, 1] (1: all)"),
-        (
-            cfg.top_entropy_quantile == 1 or cfg.engine == "hf",
-            "--top-entropy-quantile reads the sampler's entropy, which --engine vllm does not "
-            "give; use --engine hf",
-        ),
-        (cfg.entropy_coef >= 0, "entropy_coef must be >= 0 (a bonus; 0 turns it off)"),
-        (
-            cfg.entropy_target is None
-            or 0 <= cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max,
-            "the adaptive entropy coefficient needs entropy_coef_min <= entropy_coef <= "
-            "entropy_coef_max",
-        ),
-        (cfg.entropy_coef_delta >= 0, "entropy_coef_delta must be >= 0"),
-        (
-            cfg.adv_estimator != "grpo_passk" or cfg.adv_scale in ("group", "none"),
-            "--adv-estimator grpo_passk divides the best completion's margin by its group's std "
-            "or by nothing: --adv-scale group or none",
-        ),
-        (
-            cfg.adv_estimator != "opo"
-            or (
-                cfg.minibatches == 1
-                and cfg.epochs == 1
-                and cfg.beta == 0
-                and cfg.max_staleness == 0
-            ),
-            "--adv-estimator opo's baseline is optimal only exactly on-policy: one update per "
-            "batch (--minibatches 1 --epochs 1), no KL term (--beta 0) and --max-staleness 0",
-        ),
+        *_objective_checks(cfg),
         (
             0 < cfg.overlong_cache <= cfg.max_new_tokens,
             "overlong_cache must lie in [1, max_new_tokens]",

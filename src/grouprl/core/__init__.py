@@ -43,6 +43,7 @@ from .loss import (
     sapo_objective,
     vespo_objective,
 )
+from .objectives import COVARIANCE_OBJECTIVES, kl_cov_objective
 from .offpolicy import (
     CORRECTIONS,
     MASK_LEVELS,
@@ -60,6 +61,7 @@ __all__ = [
     "ADVANTAGE_SCALES",
     "AGGREGATIONS",
     "CORRECTIONS",
+    "COVARIANCE_OBJECTIVES",
     "ESTIMATORS",
     "KL_ESTIMATORS",
     "MASK_LEVELS",
@@ -82,6 +84,7 @@ __all__ = [
     "gpg_advantages",
     "gpg_objective",
     "group_advantages",
+    "kl_cov_objective",
     "kl_penalty",
     "log_ratio",
     "logp_mismatch",

@@ -17,6 +17,16 @@ keeping H̄ at a target, and the next step applies it only while H̄ is at or be
 
     c ← min(c + δ, c_max) if H̄ ≤ target else max(c − δ, c_min),
     applied = c if H̄ ≤ target else 0        (no measurement yet: 0)
+
+The entropy mechanism (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs", arXiv
+2505.22617; verl 0.9's ``clip_cov`` and ``kl_cov`` policy losses): entropy falls by the
+covariance of log π and the advantage, so the few tokens of highest covariance are held back,
+
+    cov_t = (Â_t − mean Â)·(log π_t − mean log π)      (means over the trained tokens)
+    Clip-Cov: a random ⌈clip_cov_ratio·n⌉ (at least 1) of the tokens with lb < cov_t < ub lose
+              their gradient (a token weight 0; the clip and the denominators unchanged)
+    KL-Cov:   the top ⌊kl_cov_ratio·n⌋ (at least 1) by cov_t get + coef·|log r_t| in the loss,
+              whose surrogate is r·Â with no clip
 """
 
 import torch
@@ -55,3 +65,24 @@ def applied_coefficient(coef: float, last_entropy: float | None, target: float) 
     """What a step applies: `coef` while the last measured entropy is at or below `target`,
     else 0 (and 0 before any measurement)."""
     return coef if last_entropy is not None and last_entropy <= target else 0.0
+
+
+def token_covariance(
+    advantages: Tensor, logp: Tensor, mask: Tensor, mean_adv: float, mean_logp: float
+) -> Tensor:
+    """(N, T) float64 cov_t = (Â_i − mean_adv)(log π_t − mean_logp) on the trained tokens,
+    −inf elsewhere; the means are the caller's (over the whole minibatch, every rank)."""
+    centred = (advantages.detach().double() - mean_adv)[:, None] * (
+        logp.detach().double() - mean_logp
+    )
+    return torch.where(mask.bool(), centred, -torch.inf)
+
+
+def covariance_count(ratio: float, tokens: int) -> int:
+    """How many tokens a covariance selection takes from `tokens`: int(ratio·n), at least 1."""
+    return max(int(ratio * tokens), 1)
+
+
+def clip_cov_candidates(cov: Tensor, low: float, high: float) -> Tensor:
+    """(N, T) bool: the tokens Clip-Cov draws from, low < cov < high (−inf: not trained)."""
+    return (cov > low) & (cov < high)

@@ -35,6 +35,7 @@ from .objectives import (
     cispo_objective,
     gmpo_objective,
     gpg_objective,
+    kl_cov_objective,
     sapo_objective,
     vespo_objective,
 )
@@ -220,7 +221,9 @@ def _objective(
 ) -> Tensor:  # fmt: skip
     """The term maximised per token; `old_logp` and `adv` are 0 at padding already, and what an
     objective needs beyond the ratio (masked log π, token log-ratios) is made for it alone."""
-    if opts.objective == "clip":
+    if opts.objective == "kl_cov":
+        return kl_cov_objective(ratio, adv)
+    if opts.objective in ("clip", "clip_cov"):
         return clipped_objective(
             ratio, adv, clip_low=opts.clip_low, clip_high=opts.clip_high, dual_clip=opts.dual_clip
         )
@@ -245,7 +248,7 @@ def _bounded(opts: "LossOptions", ratio: Tensor, adv: Tensor) -> tuple[Tensor, T
     whatever Â's sign), GMPO's log-space clip (on token ratios), none for SAPO's or VESPO's."""
     if opts.objective == "cispo":
         return torch.zeros_like(ratio, dtype=torch.bool), ratio > opts.cispo_cap
-    if opts.objective in ("sapo", "vespo", "gpg"):
+    if opts.objective in ("sapo", "vespo", "gpg", "kl_cov"):
         none = torch.zeros_like(ratio, dtype=torch.bool)
         return none, none
     if opts.objective == "gmpo":  # the token log-ratios the log-space clip cut
@@ -285,6 +288,11 @@ class LossOptions:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0  # and where Â < 0
     vespo_lambda_neg: float = 2.0
+    clip_cov_ratio: float = 2e-4  # Clip-Cov: the share of tokens held back (verl's YAML)
+    clip_cov_low: float = 1.0  # and the covariance band they are drawn from
+    clip_cov_high: float = 5.0
+    kl_cov_ratio: float = 2e-4  # KL-Cov: the share of tokens penalised (verl's YAML)
+    kl_cov_coef: float = 0.1  # and the penalty's coefficient (verl's YAML; its code's None: 1)
     agg: str = "seq_mean_token_mean"  # AGGREGATIONS
     norm_len: int | None = None  # the constant of seq_mean_token_sum_norm
 
@@ -308,6 +316,12 @@ class LossOptions:
             (min(self.vespo_lambda_pos, self.vespo_lambda_neg) > 0
              and min(self.vespo_k_pos, self.vespo_k_neg) >= 0,
              "VESPO's rates (lambda) must be > 0 and its shapes (k) >= 0"),
+            (0 < self.clip_cov_ratio <= 1 and 0 < self.kl_cov_ratio <= 1,
+             "the covariance ratios (clip_cov_ratio, kl_cov_ratio) must lie in (0, 1]"),
+            (self.clip_cov_low < self.clip_cov_high,
+             f"Clip-Cov's band needs clip_cov_low < clip_cov_high; got {self.clip_cov_low}, "
+             f"{self.clip_cov_high}"),
+            (self.kl_cov_coef >= 0, f"kl_cov_coef must be >= 0; got {self.kl_cov_coef}"),
             (self.objective not in ("gmpo", "vespo") or self.level == "token",
              f"{self.objective} builds its own sequence weight from token ratios: it needs "
              f"ratio level 'token'; got {self.level!r}"),
@@ -440,6 +454,7 @@ def policy_loss(
     num_tokens: int | Tensor | None = None,
     num_seqs: int | Tensor | None = None,
     token_weight: Tensor | None = None,  # (N, T) constant
+    penalty_mask: Tensor | None = None,  # (N, T) bool: KL-Cov's penalised tokens
     **settings,
 ) -> PolicyLoss:
     """GRPO / GSPO loss −J(θ) (arXiv 2402.03300 eq. 3; arXiv 2507.18071), per token
@@ -452,7 +467,8 @@ def policy_loss(
     estimate, arXiv 2512.02556); then ``aggregate(l, mask, mode=agg, ...)``.
 
     ``objective`` replaces the clipped term (OBJECTIVES); ``token_weight`` (N, T) multiplies
-    that term (not β·KL), the denominators unchanged. The settings are a
+    that term (not β·KL), the denominators unchanged; ``penalty_mask`` adds KL-Cov's
+    kl_cov_coef·|log π − log π_old| on its tokens (before the weight, as verl orders them). The settings are a
     `LossOptions`, given as ``options`` or as its fields by keyword (``level="sequence"``).
     Defaults: GRPO's token ratio and seq_mean_token_mean; GSPO is level="sequence" (or
     "sequence_token") with its clip range, e.g. 3e-4 / 4e-4. Gradients flow to ``logp`` only
@@ -474,6 +490,9 @@ def policy_loss(
     ratio = log_ratio(logp, old_logp, mask, level=opts.level)
     ratio = ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # (N, T)
     per_token = -_objective(opts, ratio, logp, old_logp, adv, mask)  # (N, T)
+    if penalty_mask is not None:
+        drift = (torch.where(mask, logp, 0.0) - old_logp).abs()
+        per_token = per_token + opts.kl_cov_coef * torch.where(penalty_mask & mask, drift, 0.0)
     if token_weight is not None:  # the denominators stay the mask's
         per_token = per_token * torch.where(mask, token_weight.detach(), 0.0)
     if ref_logp is not None:

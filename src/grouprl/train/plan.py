@@ -14,6 +14,7 @@ from torch import nn
 
 from grouprl.config.options import RunConfig
 from grouprl.config.validation import entropy_bonus
+from grouprl.core.objectives import COVARIANCE_OBJECTIVES
 from grouprl.rollout import Rollout
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep
@@ -159,7 +160,9 @@ def plan_minibatches(
     if b % cfg.minibatches:
         raise ValueError(f"cannot split {b} prompts into {cfg.minibatches} equal minibatches")
     per = b // cfg.minibatches  # groups per minibatch
-    skip = cfg.skip_zero_advantage and cfg.beta == 0 and not entropy_bonus(cfg)
+    # an entropy term, or the covariance objectives' statistics over every token, need them all
+    skip = (cfg.skip_zero_advantage and cfg.beta == 0 and not entropy_bonus(cfg)
+            and cfg.objective not in COVARIANCE_OBJECTIVES)  # fmt: skip
     plans = []
     for first in range(0, b, per):
         groups = list(range(first, first + per))

@@ -52,7 +52,8 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
     trained, samples, ratios, nonfinite = None, [], None, state.nonfinite_in_a_row
     if batch is not None:
         probe = _ratio_probe(cfg, state.step, batch, run)
-        advantages, trained = train_on(run, batch, (state.entropy_coef, state.entropy_last))
+        advantages, trained = train_on(run, batch, (state.entropy_coef, state.entropy_last),
+                                       step=state.step)  # fmt: skip
         nonfinite = nonfinite + 1 if trained["nonfinite_updates"] else 0
         samples = _samples(batch, advantages, cfg.log_samples)
         ratios = None if probe is None else _probe_ratios(cfg, probe, run.policy, dist)
@@ -78,7 +79,11 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
 
 
 def train_on(
-    run: Run, batch: Batch, entropy_state: tuple[float | None, float | None] = (None, None)
+    run: Run,
+    batch: Batch,
+    entropy_state: tuple[float | None, float | None] = (None, None),
+    *,
+    step: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One update on `batch`: its advantages (N,) over the whole job's batch, the reference
     log-probs when beta > 0 (the initial policy: a frozen copy, or LoRA's base model), then
@@ -93,7 +98,8 @@ def train_on(
             ref_logp = no_grad_logprobs(cfg, model, batch.rollout, run.sampler.dtype)
     diagnostics = update(cfg, run.policy, run.optimizer, batch, advantages, ref_logp,
                          dtype=run.sampler.dtype, scaler=run.scaler, dist=dist,
-                         lockstep=run.lockstep, entropy_state=entropy_state)  # fmt: skip
+                         lockstep=run.lockstep, entropy_state=entropy_state,
+                         step=step)  # fmt: skip
     return advantages, diagnostics
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from grouprl.config.options import RunConfig
-from grouprl.config.validation import correction, entropy_bonus, loss_options, reuses_batches
+from grouprl.config.validation import correction, loss_options, reuses_batches
 from grouprl.core import (
     Correction,
     CorrectionSums,
@@ -30,19 +30,13 @@ from grouprl.core import (
     mean_over,
     policy_loss,
 )
-from grouprl.core.entropy import (
-    adapted_coefficient,
-    applied_coefficient,
-    entropy_threshold,
-    high_entropy_mask,
-)
-from grouprl.errors import UserError
 from grouprl.faults import fault
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models.lora import adapter_dropout
 from grouprl.models.precision import autocast
 from grouprl.rollout import Rollout, model_device
 from grouprl.train.batch import Batch
+from grouprl.train.entropy import EntropyTerms, high_entropy_tokens
 from grouprl.train.metrics import UpdateSums
 from grouprl.train.parallel.distributed import SINGLE, Dist
 from grouprl.train.parallel.fsdp import Lockstep, logprobs
@@ -68,28 +62,25 @@ def update(
     dist: Dist = SINGLE,
     lockstep: Lockstep | None = None,
     entropy_state: tuple[float | None, float | None] = (None, None),
+    step: int = 0,
 ) -> dict[str, float]:
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
 
-    entropy_state: the adaptive entropy coefficient and the last step's measured entropy, as
-    the run's state holds them (None, None: the run's start); the diagnostics then hold the
-    next ones (`entropy_coef`, `entropy_last`) and the policy's mean entropy over the trained
-    tokens (`policy_entropy`).
+    entropy_state, step: the adaptive entropy coefficient and last entropy as the run's state
+    holds them, and the step (Clip-Cov's draw's seed): see `EntropyTerms`.
 
     advantages: (N,); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
     run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of fp16 forwards (see
     `grad_scaler`). Returns the update's diagnostics (`UpdateSums.metrics`).
 
-    Groups without a learning signal are skipped (`skip_zero_advantage`, beta = 0 only): when
-    every completion of a group scored the same, its advantages are all 0, so its loss terms
-    -min(r·0, clip(r)·0) and their gradients are exactly 0. Such groups never enter the forward
-    and backward; the loss still divides by the whole minibatch's token and sequence counts, and
-    a minibatch left empty still takes its optimizer step (zero gradients move AdamW's moments
-    and step count), so the parameters equal the full computation's up to float rounding (there
-    every trainable parameter gets a zero gradient; in the full computation a parameter that the
-    forward never touches would keep none and be left alone: no supported model has one). The
-    saving grows as the policy improves and more groups are all correct. `trained_frac` is the
-    fraction of completions trained.
+    Groups without a learning signal are skipped (`skip_zero_advantage`; not with beta > 0, an
+    entropy bonus or Clip/KL-Cov): a group whose completions all scored the same has advantages
+    0, so its loss terms -min(r·0, clip(r)·0) and their gradients are exactly 0. It never enters
+    the forward and backward; the loss still divides by the whole minibatch's counts, and a
+    minibatch left empty still takes its optimizer step (zero gradients move AdamW's moments and
+    step count), so the parameters equal the full computation's up to float rounding (a
+    parameter no forward touches would keep no gradient there: no supported model has one).
+    `trained_frac` is the fraction of completions trained.
 
     An optimizer step whose loss or gradient norm is NaN or inf is skipped (counted in
     `nonfinite_updates`; the trainer stops the run after `max_nonfinite_steps` such steps in a
@@ -116,75 +107,28 @@ def update(
     inputs = _loss_inputs(cfg, rollout, advantages, mask, ref_logp, dtype, dist)
     sums = UpdateSums(has_kl=ref_logp is not None)
     applied, bypass_mismatch = CorrectionSums(), MismatchSums()
-    bonus = _EntropyBonus.start(cfg, *entropy_state)
+    extras = EntropyTerms.start(cfg, dist, entropy_state, step, inputs.advantages, inputs.mask)
     for epoch in range(cfg.epochs):
-        for plan in plans:
+        for index, plan in enumerate(plans):
             optimizer.zero_grad(set_to_none=True)
             passes = _backward(cfg, policy, plan, inputs, scaler, first_epoch=epoch == 0,
-                               bonus=None if bonus is None else bonus.applied())  # fmt: skip
+                               **extras.before(plan, epoch, index))  # fmt: skip
             applied, bypass_mismatch = applied + passes.applied, bypass_mismatch + passes.mismatch
             if passes.trained_rows == 0:  # nothing trained here: a zero gradient (AdamW steps)
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
+                _zero_gradients(params)
             dist.sum_gradients(params)
             passes = passes.over_ranks(dist)  # the global minibatch's loss and sums
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-            grad_norm = optimizer_step(
-                optimizer, params, max_norm=max_norm, scaler=scaler, loss=passes.loss
-            )
+            grad_norm = optimizer_step(optimizer, params, max_norm=max_norm, scaler=scaler,
+                                       loss=passes.loss)  # fmt: skip
             fault("update")
             sums.add(plan, passes.loss, passes.stats, passes.extremes, passes.trained_rows,
                      passes.rows, grad_norm)  # fmt: skip
-            if bonus is not None:
-                bonus.measured(*passes.entropy)
+            extras.after(plan, *passes.entropy)
     if inputs.bypass:  # measured against each minibatch's forward, before its step
         mismatch = bypass_mismatch
-    metrics = _update_metrics(sums, inputs, mismatch, applied, dist)
-    if inputs.threshold is not None:
-        metrics["entropy_threshold"] = inputs.threshold
-    if bonus is not None:
-        metrics.update(bonus.metrics())
-    return metrics
-
-
-@dataclass
-class _EntropyBonus:
-    """The entropy bonus over an update's optimizer steps: its coefficient (fixed, or TRL's
-    adaptive one, `grouprl.core.entropy`) and what each step measured."""
-
-    coef: float
-    last: float | None  # the last step's mean token entropy (None: none measured yet)
-    target: float | None  # None: a fixed coefficient
-    rule: dict[str, float]
-    total: float = 0.0  # Σ H and the tokens over the update's steps, for the metric
-    tokens: float = 0.0
-
-    @classmethod
-    def start(cls, cfg: RunConfig, coef: float | None, last: float | None) -> _EntropyBonus | None:
-        if not entropy_bonus(cfg):
-            return None
-        rule = {"delta": cfg.entropy_coef_delta, "low": cfg.entropy_coef_min,
-                "high": cfg.entropy_coef_max}  # fmt: skip
-        return cls(cfg.entropy_coef if coef is None else coef, last, cfg.entropy_target, rule)
-
-    def applied(self) -> float:
-        """The coefficient this optimizer step applies."""
-        if self.target is None:
-            return self.coef
-        return applied_coefficient(self.coef, self.last, self.target)
-
-    def measured(self, total: float, tokens: float) -> None:
-        """After an optimizer step: its entropy sums over the whole job (the kept tokens)."""
-        self.total, self.tokens = self.total + total, self.tokens + tokens
-        if tokens and self.target is not None:
-            entropy = total / tokens
-            self.coef = adapted_coefficient(self.coef, entropy, target=self.target, **self.rule)
-            self.last = entropy
-
-    def metrics(self) -> dict[str, float | None]:
-        return {"policy_entropy": mean_over(self.total, self.tokens), "entropy_coef": self.coef,
-                "entropy_last": self.last}  # fmt: skip
+    return {**_update_metrics(sums, inputs, mismatch, applied, dist),
+            **extras.metrics(inputs.threshold)}  # fmt: skip
 
 
 def _update_metrics(
@@ -206,24 +150,6 @@ def _update_metrics(
     return metrics
 
 
-def _high_entropy(
-    cfg: RunConfig, rollout: Rollout, mask: torch.Tensor, dist: Dist
-) -> tuple[torch.Tensor | None, float | None]:
-    """The tokens whose sampling entropy is in the top `top_entropy_quantile` of the whole
-    job's trained tokens, and the threshold (None, None: every token)."""
-    if cfg.top_entropy_quantile >= 1:
-        return None, None
-    if rollout.entropy is None:
-        raise UserError(
-            "--top-entropy-quantile needs the sampler's entropy; this engine gives none"
-        )
-    entropy = rollout.entropy.to(mask.device)
-    local = entropy[mask].float()
-    pool = torch.cat([t.to(mask.device) for t in dist.gather(local)]) if dist.enabled else local
-    threshold = entropy_threshold(pool, cfg.top_entropy_quantile)
-    return high_entropy_mask(entropy, mask, threshold), threshold
-
-
 def _loss_inputs(
     cfg: RunConfig,
     rollout: Rollout,
@@ -242,7 +168,7 @@ def _loss_inputs(
     if not differs:
         mask_only = corr.opsm_delta is not None and reuses_batches(cfg)
         corr = Correction(opsm_delta=corr.opsm_delta) if mask_only else Correction()
-    keep, threshold = _high_entropy(cfg, rollout, mask, dist)
+    keep, threshold = high_entropy_tokens(cfg, rollout, mask, dist)
     return _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype,
                        corr if corr.active else None,
                        differs and cfg.proximal == "behaviour", keep, threshold)  # fmt: skip
@@ -368,17 +294,17 @@ def _backward(
     *,
     first_epoch: bool = True,
     bonus: float | None = None,
+    selections: list[torch.Tensor | None] | None = None,
 ) -> PassSums:
     """Forward and backward of every pass of a minibatch, gradients accumulated; what they add
     up to on this rank (a lockstep filler adds nothing).
 
     With a correction, each chunk's weight (`grouprl.core.correction_weights`) multiplies its
     objective term: from the trainer's old_logp against the sampler's, or in bypass mode from
-    this forward's (detached) log-probs, as verl's bypass mode computes it. With the
-    high-entropy tokens (`inputs.keep`) only those keep a weight. `bonus` (None: no entropy
-    term): the entropy bonus's coefficient, the loss minus bonus · Σ H over the kept trained
-    tokens / the minibatch's trained tokens; the forward's entropy is summed for the metrics
-    and the adaptive coefficient either way."""
+    this forward's (detached) log-probs, as verl's bypass mode computes it. The high-entropy
+    tokens (`inputs.keep`) and `selections` (Clip-Cov's held back, KL-Cov's penalised) weigh in
+    too (`_selection_weight`). `bonus` (None: none): the loss minus bonus · Σ H over the kept
+    trained tokens / the minibatch's trained tokens; H is summed for the metrics."""
     device = model_device(policy)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     sums = torch.zeros(len(LossStats.SUMS), dtype=torch.float64, device=device)
@@ -386,7 +312,7 @@ def _backward(
     trained_rows, applied, mismatch = 0, CorrectionSums(), MismatchSums()
     h_sum = torch.zeros((), dtype=torch.float64, device=device)
     h_tokens = 0
-    for chunk in plan.chunks:
+    for i, chunk in enumerate(plan.chunks):
         with (
             autocast(device, inputs.dtype),
             _recomputing(cfg, policy),
@@ -397,7 +323,8 @@ def _backward(
         logp, entropy = out if bonus is not None else (out, None)  # (n, T) fp32
         sampled, chunk_mask = chunk.rollout, inputs.mask[chunk.rows]
         keep = None if inputs.keep is None else inputs.keep[chunk.rows]
-        weight = None if keep is None else keep.to(logp.dtype)
+        chosen = None if selections is None else selections[i]
+        weight = _selection_weight(cfg, keep, chosen, logp.dtype)
         if inputs.correction is not None:
             proximal = logp.detach() if inputs.bypass else sampled.old_logp
             corrected, done = correction_weights(
@@ -409,25 +336,19 @@ def _backward(
                 applied += done
         if inputs.bypass and first_epoch and chunk.weight:
             mismatch += logp_mismatch(sampled.sampler_logp, logp.detach(), chunk_mask)
-        out = policy_loss(
-            logp,
-            chunk.rollout.old_logp,
-            inputs.advantages[chunk.rows],
-            inputs.mask[chunk.rows],
-            options=inputs.options,
-            ref_logp=None if inputs.ref_logp is None else inputs.ref_logp[chunk.rows],
-            num_tokens=plan.num_tokens,
-            num_seqs=plan.num_seqs,
-            token_weight=weight,
-        )
+        ref_logp = None if inputs.ref_logp is None else inputs.ref_logp[chunk.rows]
+        out = policy_loss(logp, sampled.old_logp, inputs.advantages[chunk.rows], chunk_mask,
+                          options=inputs.options, ref_logp=ref_logp, num_tokens=plan.num_tokens,
+                          num_seqs=plan.num_seqs, token_weight=weight,
+                          penalty_mask=chosen if cfg.objective == "kl_cov" else None)  # fmt: skip
         loss = out.loss
         if entropy is not None:  # the bonus over the kept trained tokens
-            acting = chunk_mask if keep is None else chunk_mask & keep
-            total = torch.where(acting, entropy, 0.0).sum()
+            total, tokens = _entropy_term(entropy, chunk_mask, keep)
             loss = loss - bonus * total / plan.num_tokens
-            if chunk.weight:
-                h_sum += total.detach()
-                h_tokens += int(acting.sum())
+            h_sum, h_tokens = (
+                h_sum + total.detach() * chunk.weight,
+                h_tokens + tokens * chunk.weight,
+            )
         loss_total = loss.detach()
         loss = loss if chunk.weight == 1.0 else loss * chunk.weight
         (loss if scaler is None else scaler.scale(loss)).backward()
@@ -439,6 +360,34 @@ def _backward(
     shared = torch.cat([loss_sum[None], sums, h_sum[None]]).tolist()  # one host sync
     return PassSums(shared[0], shared[1:-1], float(trained_rows), float(plan.num_rows),
                     extremes.cpu(), applied, mismatch, (shared[-1], float(h_tokens)))  # fmt: skip
+
+
+def _zero_gradients(params: list[nn.Parameter]) -> None:
+    """A zero gradient for every parameter without one (an optimizer step still moves AdamW's
+    moments and step count, as the full computation's would)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def _entropy_term(
+    entropy: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor | None
+) -> tuple[torch.Tensor, int]:
+    """Σ H over a pass's kept trained tokens (with its gradient), and their count."""
+    acting = mask if keep is None else mask & keep
+    return torch.where(acting, entropy, 0.0).sum(), int(acting.sum())
+
+
+def _selection_weight(
+    cfg: RunConfig, keep: torch.Tensor | None, chosen: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """A pass's token weight from its selections (None: all 1): the high-entropy tokens keep
+    theirs, the tokens Clip-Cov holds back get 0."""
+    weight = None if keep is None else keep.to(dtype)
+    if chosen is not None and cfg.objective == "clip_cov":
+        held = (~chosen).to(dtype)
+        weight = held if weight is None else weight * held
+    return weight
 
 
 def optimizer_step(

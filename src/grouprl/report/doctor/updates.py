@@ -29,8 +29,8 @@ SEQUENCE_CLIP_WARN = 0.75
 #: CISPO bounds no ratio; it caps the weight, at 5 by default (a token 5x likelier than when it
 #: was sampled, within one rollout's updates). Past 5% of the tokens so, the updates move far.
 CISPO_CAP_WARN = 0.05
-#: SAPO's gate, VESPO's weight and GPG's plain REINFORCE bound nothing: no clipped share to read.
-UNBOUNDED = ("sapo", "vespo", "gpg")
+#: SAPO's gate, VESPO's weight, GPG's REINFORCE and KL-Cov's r·Â bound nothing: no clip to read.
+UNBOUNDED = ("sapo", "vespo", "gpg", "kl_cov")
 
 # ----- KL, ratio and gradient blow-ups ----------------------------------------------------------
 #: approx KL(old || new) per token after an update, as a window median: PPO implementations
