@@ -295,3 +295,46 @@ def test_the_covariance_objectives_select_over_each_minibatch(policy_and_batch, 
         assert torch.equal(recomputed(call), call[5])
     again, _ = run()
     assert all(torch.equal(a, b) for a, b in zip(picked, again, strict=True))  # seeded
+
+
+def test_a_teachers_per_token_advantages_reach_the_loss(policy_and_batch, seen):
+    """With a teacher's log-probs the loss's advantages are core's per-token ones (the task's
+    weighted, plus the teacher's gap to the sampler), no group is skipped for a zero task
+    advantage, and `teacher_kl` is the sampler's k1 to the teacher."""
+    from grouprl.core import distillation_advantages, reverse_kl
+
+    policy, batch = policy_and_batch
+    cfg = resolve(TrainConfig(algo="grpo", prompts_per_step=4, group_size=4, lr=1e-2,
+                              teacher="builtin:arith", teacher_coef=0.5,
+                              teacher_task_weight=0.25), task_max_new_tokens=20)  # fmt: skip
+    teacher_logp = batch.rollout.old_logp + 0.1 * torch.randn(batch.rollout.old_logp.shape,
+                                                              generator=torch.Generator().manual_seed(1))  # fmt: skip
+    advantages = train_step.batch_advantages(cfg, batch, SINGLE)
+    mask = batch.rollout.loss_mask
+    model = copy.deepcopy(policy)
+    metrics = train_update.update(cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  batch, advantages, None, teacher_logp=teacher_logp)  # fmt: skip
+    expected = distillation_advantages(advantages, batch.rollout.sampler_logp, teacher_logp, mask,
+                                       coef=0.5, task_weight=0.25)  # fmt: skip
+    assert metrics["trained_frac"] == 1.0
+    given = torch.cat([call[2] for call in seen])  # one pass, every row, in order
+    assert given.shape == mask.shape and torch.equal(given, expected)
+    gap, tokens = reverse_kl(batch.rollout.sampler_logp, teacher_logp, mask)
+    assert metrics["teacher_kl"] == pytest.approx(gap / tokens)
+    for call in seen:
+        assert torch.equal(recomputed(call), call[5])
+
+
+def test_a_teacher_with_another_tokenizer_is_one_line(tmp_path, capsys):
+    from grouprl.cli import main
+    from grouprl.models.tiny import save_tiny_chat_model
+
+    save_tiny_chat_model(tmp_path / "other")
+    capsys.readouterr()
+    assert main(["train", "--steps", "1", "--teacher", str(tmp_path / "other"), "--output-dir",
+                 str(tmp_path / "run"), "--no-progress"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has another tokenizer than the policy's" in err[0]
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+    with pytest.raises(UserError, match="weighs whole sequences"):
+        resolve(TrainConfig(algo="vespo", teacher="builtin:arith"), task_max_new_tokens=8)

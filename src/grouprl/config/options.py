@@ -343,6 +343,16 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Multiply each token's KL term by its importance ratio, gradient included (DeepSeek-V3.2's
     unbiased KL estimate; TRL's use_bias_correction_kl). It changes the KL gradient even
     on-policy, where the ratio is 1 but differentiable."""
+    teacher: str | None = None
+    """On-policy distillation: a model (a directory, builtin:NAME or a hub id) sharing the
+    policy's tokenizer scores each sampled token, and its advantage becomes
+    --teacher-task-weight x the group's + --teacher-coef x (log teacher − log sampler), per token
+    (Thinking Machines' on-policy distillation; tinker-cookbook's defaults). None: off."""
+    teacher_coef: float = 1.0
+    """On-policy distillation: the per-token reverse-KL reward's coefficient."""
+    teacher_task_weight: float = 1.0
+    """On-policy distillation: the task's group advantage's weight beside it (0: distillation
+    alone)."""
     top_entropy_quantile: float = 1.0
     """Train only the tokens whose entropy (the sampler's) is in the top rho of the batch
     ("Beyond the 80/20 Rule", arXiv 2506.01939, trains the top 0.2; TRL's top_entropy_quantile):

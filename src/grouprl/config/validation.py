@@ -112,8 +112,17 @@ def validate_eval(cfg: EvalConfig) -> None:
 
 
 def _objective_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
-    """The entropy options' and the estimators' rules."""
+    """The entropy options', the estimators' and distillation's rules."""
     return [
+        (
+            cfg.teacher is None or cfg.objective not in ("gmpo", "vespo"),
+            f"--teacher gives each token its own advantage; --objective {cfg.objective} weighs "
+            "whole sequences by one: use clip, cispo, sapo or gpg",
+        ),
+        (
+            cfg.teacher is None or (cfg.teacher_coef >= 0 and cfg.teacher_task_weight >= 0),
+            "teacher_coef and teacher_task_weight must be >= 0",
+        ),
         (0 < cfg.top_entropy_quantile <= 1, "top_entropy_quantile must lie in (0, 1] (1: all)"),
         (
             cfg.top_entropy_quantile == 1 or cfg.engine == "hf",
@@ -275,6 +284,15 @@ def sampler_differs(cfg: RunConfig) -> bool:
     another engine, another precision (bf16 forwards, a bf16 LoRA base) or an older version."""
     low_precision = cfg.precision != "fp32" or (cfg.lora_r is not None and cfg.base_dtype != "fp32")
     return cfg.engine != "hf" or low_precision or cfg.max_staleness > 0
+
+
+def dense_gradients(cfg: RunConfig) -> bool:
+    """Whether a completion whose group advantage is 0 still has a gradient: an entropy term,
+    a teacher's per-token advantage, or the covariance objectives' statistics over every token
+    (so no group may be skipped)."""
+    from grouprl.core.objectives import COVARIANCE_OBJECTIVES
+
+    return entropy_bonus(cfg) or cfg.teacher is not None or cfg.objective in COVARIANCE_OBJECTIVES
 
 
 def entropy_bonus(cfg: RunConfig) -> bool:

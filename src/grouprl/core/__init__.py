@@ -2,7 +2,7 @@
 
 Imports torch and the standard library only: no models, configs, I/O or torch.distributed, so
 the trainer, the distributed code and the tests all call the same few functions. See
-advantages.py (group-relative advantages), estimators.py (REINFORCE++, OPO, GPG, Pass@k), loss.py (ratios, KL, aggregation, the clipped loss),
+advantages.py (group-relative advantages), estimators.py (REINFORCE++, OPO, GPG, Pass@k), entropy.py (entropy control), distill.py (on-policy distillation), loss.py (ratios, KL, aggregation, the clipped loss),
 objectives.py (CISPO, SAPO, GMPO, VESPO), shaping.py (DAPO's overlong penalty) and offpolicy.py
 (how far a sampler's log-probs are from the trainer's, and the corrections for it) for the formulas and their papers.
 """
@@ -15,6 +15,7 @@ from .advantages import (
     mixed_groups,
     zero_variance_groups,
 )
+from .distill import distillation_advantages, reverse_kl
 from .estimators import (
     ESTIMATORS,
     gpg_advantages,
@@ -79,6 +80,7 @@ __all__ = [
     "cispo_objective",
     "clipped_objective",
     "correction_weights",
+    "distillation_advantages",
     "gdpo_advantages",
     "gmpo_objective",
     "gpg_advantages",
@@ -95,6 +97,7 @@ __all__ = [
     "passk_advantages",
     "policy_loss",
     "reinforce_pp_advantages",
+    "reverse_kl",
     "sapo_objective",
     "vespo_objective",
     "zero_variance_groups",

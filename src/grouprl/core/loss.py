@@ -41,6 +41,8 @@ from .objectives import (
 )
 
 Tensor = torch.Tensor
+#: Objectives whose weight is the sequence's, from its token ratios and one advantage per row.
+SEQUENCE_WEIGHTED = ("gmpo", "vespo")
 
 
 # --- importance-ratio levels: (token log-ratio, logp, mask), each (N, T) -> (N, T) log-ratio ---
@@ -446,7 +448,7 @@ class PolicyLoss:
 def policy_loss(
     logp: Tensor,  # (N, T) current policy, differentiable
     old_logp: Tensor,  # (N, T) sampling policy
-    advantages: Tensor,  # (N,)
+    advantages: Tensor,  # (N,), or (N, T) per token (on-policy distillation)
     mask: Tensor,  # (N, T) the tokens the loss trains
     *,
     options: LossOptions | None = None,
@@ -478,15 +480,19 @@ def policy_loss(
         raise TypeError("give the loss settings as options= or as keywords, not both")
     opts = options if options is not None else LossOptions(**settings)
     _check_same_shape(logp=logp, old_logp=old_logp, mask=mask, ref_logp=ref_logp)
-    if advantages.shape != logp.shape[:1]:
+    if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(
-            f"advantages must have shape (N,) = {tuple(logp.shape[:1])}, got {tuple(advantages.shape)}"
+            f"advantages must have shape (N,) = {tuple(logp.shape[:1])} or (N, T) (per token), "
+            f"got {tuple(advantages.shape)}"
         )
+    if advantages.dim() == 2 and opts.objective in SEQUENCE_WEIGHTED:
+        raise ValueError(f"{opts.objective} weighs whole sequences: it takes advantages (N,)")
     if opts.beta > 0 and ref_logp is None:
         raise ValueError(f"beta > 0 needs ref_logp; got beta={opts.beta}")
     mask = mask.bool()  # (N, T)
     old_logp = torch.where(mask, old_logp.detach(), 0.0)  # (N, T)
-    adv = torch.where(mask, advantages.detach()[:, None], 0.0)  # (N, T)
+    per_row = advantages.detach()[:, None] if advantages.dim() == 1 else advantages.detach()
+    adv = torch.where(mask, per_row, 0.0)  # (N, T)
     ratio = log_ratio(logp, old_logp, mask, level=opts.level)
     ratio = ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # (N, T)
     per_token = -_objective(opts, ratio, logp, old_logp, adv, mask)  # (N, T)

@@ -178,6 +178,30 @@ def forward_dtype(cfg: RunConfig) -> torch.dtype | None:
     return None
 
 
+def load_teacher(cfg: RunConfig, tokenizer: Any, policy: nn.Module, device: torch.device):
+    """The frozen teacher of on-policy distillation (None without --teacher), in `base_dtype`
+    on `device`; one line unless it shares the policy's tokenizer (the same vocabulary, id for
+    id, and output size): it scores the policy's token ids."""
+    if cfg.teacher is None:
+        return None
+    theirs = load_run_tokenizer(cfg, cfg.teacher)
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise UserError(
+            f"--teacher {cfg.teacher} has another tokenizer than the policy's ({len(theirs)} vs "
+            f"{len(tokenizer)} tokens, or other ids): it must score the policy's token ids; "
+            "give a teacher of the same model family"
+        )
+    teacher = load_run_model(cfg, DTYPES[cfg.base_dtype], device, spec=cfg.teacher)
+    ours = policy.get_output_embeddings().weight.shape[0]
+    if teacher.get_output_embeddings().weight.shape[0] != ours:
+        raise UserError(
+            f"--teacher {cfg.teacher}'s output has {teacher.get_output_embeddings().weight.shape[0]} "
+            f"logits and the policy's {ours}: they must score the same vocabulary"
+        )
+    teacher.requires_grad_(False)
+    return teacher.eval()
+
+
 def load_policy(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, Any, nn.Module | None]:
     """(policy, tokenizer, reference) on `device`, in eval mode.
 

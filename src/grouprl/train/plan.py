@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from grouprl.config.options import RunConfig
-from grouprl.config.validation import entropy_bonus
-from grouprl.core.objectives import COVARIANCE_OBJECTIVES
+from grouprl.config.validation import dense_gradients
 from grouprl.rollout import Rollout
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep
@@ -146,8 +145,8 @@ def plan_minibatches(
     overhead: int | None = None,
 ) -> list[Minibatch]:
     """`cfg.minibatches` minibatches of whole groups, in order, without the groups that have
-    nothing to learn (all advantages 0) when `skip_zero_advantage` applies (beta = 0, no entropy
-    bonus), each cut
+    nothing to learn (all advantages 0) when `skip_zero_advantage` applies (beta = 0, and no
+    `dense_gradients`), each cut
     into chunks of at most `cfg.micro_batch_size` completions, or, without one and with
     `overhead`, into passes by width (`width_chunks`).
 
@@ -160,9 +159,7 @@ def plan_minibatches(
     if b % cfg.minibatches:
         raise ValueError(f"cannot split {b} prompts into {cfg.minibatches} equal minibatches")
     per = b // cfg.minibatches  # groups per minibatch
-    # an entropy term, or the covariance objectives' statistics over every token, need them all
-    skip = (cfg.skip_zero_advantage and cfg.beta == 0 and not entropy_bonus(cfg)
-            and cfg.objective not in COVARIANCE_OBJECTIVES)  # fmt: skip
+    skip = cfg.skip_zero_advantage and cfg.beta == 0 and not dense_gradients(cfg)
     plans = []
     for first in range(0, b, per):
         groups = list(range(first, first + per))

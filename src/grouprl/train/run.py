@@ -56,6 +56,7 @@ from grouprl.train.build import (
     forward_dtype,
     keep_freed_memory,
     load_policy,
+    load_teacher,
     prompt_budget,
     stop_strings,
     task_defaults,
@@ -109,6 +110,7 @@ class Run:
     policy: nn.Module
     tokenizer: Any
     reference: nn.Module | None  # a frozen copy for the KL term (full fine-tuning, beta > 0)
+    teacher: nn.Module | None  # on-policy distillation's frozen teacher (--teacher)
     optimizer: torch.optim.Optimizer
     scheduler: Any
     scaler: torch.amp.GradScaler | None
@@ -162,8 +164,9 @@ def setup_run(
     torch.manual_seed(cfg.seed)
     # under FSDP the whole model stays in host memory; each rank moves only its shards
     policy, tokenizer, reference = load_policy(cfg, torch.device("cpu") if dist.fsdp else device)
+    teacher = load_teacher(cfg, tokenizer, policy, torch.device("cpu") if dist.fsdp else device)
     if dist.fsdp:
-        for model in (policy, reference):
+        for model in (policy, reference, teacher):
             if model is not None:
                 shard(model, device=device)
     else:
@@ -198,6 +201,7 @@ def setup_run(
         policy=policy,
         tokenizer=tokenizer,
         reference=reference,
+        teacher=teacher,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s)),
         scaler=grad_scaler(dtype, device),

@@ -96,7 +96,11 @@ def train_on(
         with base_model_context(run.policy):
             model = run.reference or run.policy
             ref_logp = no_grad_logprobs(cfg, model, batch.rollout, run.sampler.dtype)
+    teacher_logp = None
+    if run.teacher is not None:  # on-policy distillation: the teacher scores the samples
+        teacher_logp = no_grad_logprobs(cfg, run.teacher, batch.rollout, run.sampler.dtype)
     diagnostics = update(cfg, run.policy, run.optimizer, batch, advantages, ref_logp,
+                         teacher_logp=teacher_logp,
                          dtype=run.sampler.dtype, scaler=run.scaler, dist=dist,
                          lockstep=run.lockstep, entropy_state=entropy_state,
                          step=step)  # fmt: skip

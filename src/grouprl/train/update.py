@@ -26,9 +26,11 @@ from grouprl.core import (
     LossStats,
     MismatchSums,
     correction_weights,
+    distillation_advantages,
     logp_mismatch,
     mean_over,
     policy_loss,
+    reverse_kl,
 )
 from grouprl.faults import fault
 from grouprl.models import activation_checkpointing as checkpointing
@@ -63,11 +65,13 @@ def update(
     lockstep: Lockstep | None = None,
     entropy_state: tuple[float | None, float | None] = (None, None),
     step: int = 0,
+    teacher_logp: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
 
     entropy_state, step: the adaptive entropy coefficient and last entropy as the run's state
-    holds them, and the step (Clip-Cov's draw's seed): see `EntropyTerms`.
+    holds them, and the step (Clip-Cov's draw's seed): see `EntropyTerms`. teacher_logp (N, T):
+    on-policy distillation's teacher on the samples (`grouprl.core.distillation_advantages`).
 
     advantages: (N,); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
     run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of fp16 forwards (see
@@ -82,17 +86,12 @@ def update(
     parameter no forward touches would keep no gradient there: no supported model has one).
     `trained_frac` is the fraction of completions trained.
 
-    An optimizer step whose loss or gradient norm is NaN or inf is skipped (counted in
-    `nonfinite_updates`; the trainer stops the run after `max_nonfinite_steps` such steps in a
-    row), so a bad batch never writes NaN into the weights or AdamW's moments.
-
-    Micro-batching: a minibatch's forward/backward runs in chunks of at most
-    `micro_batch_size` completions whose gradients accumulate; every chunk's loss divides by the
-    whole minibatch's counts, so the sum is the minibatch's loss and the update is the same.
-
-    Data parallel (`dist`): the rollout is this rank's share of the step's groups; the counts are
-    the global minibatch's, gradients are summed across ranks before clipping, and every
-    diagnostic is that of the global minibatch. Under FSDP `lockstep` pads the passes.
+    A step whose loss or gradient norm is not finite is skipped (`nonfinite_updates`; the run
+    stops after `max_nonfinite_steps` in a row): no NaN reaches the weights or AdamW's moments.
+    Micro-batching: chunks of at most `micro_batch_size` completions accumulate gradients, each
+    loss divided by the whole minibatch's counts, so the update is the same. Data parallel
+    (`dist`): this rank's share of the groups; counts, gradients (before clipping) and every
+    diagnostic are the global minibatch's. Under FSDP `lockstep` pads the passes.
     """
     rollout = batch.rollout
     advantages = advantages.to(model_device(policy))  # (N,)
@@ -104,7 +103,7 @@ def update(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     plans, mismatch = _plans(cfg, policy, rollout, advantages, mask, dtype, dist,
                              lockstep or Lockstep(dist))  # fmt: skip
-    inputs = _loss_inputs(cfg, rollout, advantages, mask, ref_logp, dtype, dist)
+    inputs = _loss_inputs(cfg, rollout, advantages, mask, ref_logp, dtype, dist, teacher_logp)
     sums = UpdateSums(has_kl=ref_logp is not None)
     applied, bypass_mismatch = CorrectionSums(), MismatchSums()
     extras = EntropyTerms.start(cfg, dist, entropy_state, step, inputs.advantages, inputs.mask)
@@ -128,7 +127,21 @@ def update(
     if inputs.bypass:  # measured against each minibatch's forward, before its step
         mismatch = bypass_mismatch
     return {**_update_metrics(sums, inputs, mismatch, applied, dist),
-            **extras.metrics(inputs.threshold)}  # fmt: skip
+            **extras.metrics(inputs.threshold), **_teacher_metrics(rollout, teacher_logp, mask,
+                                                                   dist)}  # fmt: skip
+
+
+def _teacher_metrics(
+    rollout: Rollout, teacher_logp: torch.Tensor | None, mask: torch.Tensor, dist: Dist
+) -> dict[str, float]:
+    """With a teacher: `teacher_kl`, the student's reverse KL to it per trained token (k1 on
+    the student's own samples), over the whole job."""
+    if teacher_logp is None:
+        return {}
+    gap, tokens = reverse_kl(rollout.sampler_logp, teacher_logp, mask)
+    if dist.enabled:
+        gap, tokens = dist.all_reduce(torch.tensor([gap, tokens], dtype=torch.float64)).tolist()
+    return {"teacher_kl": mean_over(gap, tokens)}
 
 
 def _update_metrics(
@@ -158,6 +171,7 @@ def _loss_inputs(
     ref_logp: torch.Tensor | None,
     dtype: torch.dtype | None,
     dist: Dist = SINGLE,
+    teacher_logp: torch.Tensor | None = None,
 ) -> _LossInputs:
     """What every pass's loss reads: the correction only where the sampler is not the
     trainer's fp32 forward (another dtype, engine or version), bypass only there too; the
@@ -169,9 +183,16 @@ def _loss_inputs(
         mask_only = corr.opsm_delta is not None and reuses_batches(cfg)
         corr = Correction(opsm_delta=corr.opsm_delta) if mask_only else Correction()
     keep, threshold = high_entropy_tokens(cfg, rollout, mask, dist)
+    per_token = None
+    if teacher_logp is not None:
+        per_token = distillation_advantages(advantages, rollout.sampler_logp.to(mask.device),
+                                            teacher_logp.to(mask.device), mask,
+                                            coef=cfg.teacher_coef,
+                                            task_weight=cfg.teacher_task_weight)  # fmt: skip
     return _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype,
                        corr if corr.active else None,
-                       differs and cfg.proximal == "behaviour", keep, threshold)  # fmt: skip
+                       differs and cfg.proximal == "behaviour", keep, threshold,
+                       per_token)  # fmt: skip
 
 
 def correction_metrics(sums: CorrectionSums, dist: Dist = SINGLE) -> dict[str, float]:
@@ -283,6 +304,7 @@ class _LossInputs:
     bypass: bool = False  # the ratio's anchor is the sampler's log-probs (`--proximal behaviour`)
     keep: torch.Tensor | None = None  # (N, T) bool: the high-entropy tokens (None: all)
     threshold: float | None = None  # their entropy threshold
+    token_advantages: torch.Tensor | None = None  # (N, T) with a teacher (None: `advantages`)
 
 
 def _backward(
@@ -337,7 +359,8 @@ def _backward(
         if inputs.bypass and first_epoch and chunk.weight:
             mismatch += logp_mismatch(sampled.sampler_logp, logp.detach(), chunk_mask)
         ref_logp = None if inputs.ref_logp is None else inputs.ref_logp[chunk.rows]
-        out = policy_loss(logp, sampled.old_logp, inputs.advantages[chunk.rows], chunk_mask,
+        given = inputs.advantages if inputs.token_advantages is None else inputs.token_advantages
+        out = policy_loss(logp, sampled.old_logp, given[chunk.rows], chunk_mask,
                           options=inputs.options, ref_logp=ref_logp, num_tokens=plan.num_tokens,
                           num_seqs=plan.num_seqs, token_weight=weight,
                           penalty_mask=chosen if cfg.objective == "kl_cov" else None)  # fmt: skip
