@@ -167,3 +167,19 @@ def test_parity_with_verl(seed):
     theirs = first(_verl_passk(tokens, mask, index))
     # ties at the top: both give 0 (which of the tied rows holds the 0 does not matter)
     torch.testing.assert_close(ours.sort(-1).values, theirs.sort(-1).values, rtol=1e-12, atol=1e-12)
+
+
+def test_remax_by_hand_and_as_verl():
+    from grouprl.core import remax_advantages
+
+    rewards = torch.tensor([[1.0, 0.0, 0.5], [0.0, 0.0, float("nan")], [1.0, 1.0, 0.0]], **F64)
+    baselines = torch.tensor([0.5, 1.0, float("nan")], **F64)
+    # R − R(greedy); an unscored completion, and a group whose greedy one went unscored: 0
+    close(remax_advantages(rewards, baselines), [[0.5, -0.5, 0.0], [-1.0, -1.0, 0.0],
+                                                 [0.0, 0.0, 0.0]])  # fmt: skip
+    # verl's compute_remax_outcome_advantage: reward-to-go of the outcome reward, minus b
+    scored = torch.tensor([[1.0, 0.0, 0.5]], **F64)
+    tokens, mask, _ = _verl_inputs(scored, torch.tensor([[3, 1, 2]]))
+    returns = (tokens * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    theirs = returns - torch.tensor([0.5, 0.5, 0.5], **F64).unsqueeze(-1) * mask
+    assert torch.equal(remax_advantages(scored, torch.tensor([0.5], **F64))[0], theirs[:, 0])

@@ -338,3 +338,34 @@ def test_a_teacher_with_another_tokenizer_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # refused before anything is written
     with pytest.raises(UserError, match="weighs whole sequences"):
         resolve(TrainConfig(algo="vespo", teacher="builtin:arith"), task_max_new_tokens=8)
+
+
+def test_remax_baselines_are_the_greedy_completions_rewards(tmp_path):
+    """A ReMax step scores one more completion per prompt, sampled greedily, and each group's
+    advantages are its rewards minus that one's; an asynchronous ReMax is one line."""
+    import json
+
+    import yaml
+
+    from grouprl.cli import main
+    from grouprl.models import load_model, load_tokenizer
+    from grouprl.rollout import sample_groups
+
+    run = tmp_path / "run"
+    assert main(["train", "--algo", "remax", "--steps", "1", "--prompts-per-step", "4",
+                 "--group-size", "4", "--eval-size", "2", "--eval-samples", "1", "--no-progress",
+                 "--log-samples", "16", "--output-dir", str(run)]) == 0  # fmt: skip
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    by_prompt: dict[str, list[dict]] = {}
+    for sample in samples:
+        by_prompt.setdefault(sample["prompt"], []).append(sample)
+    assert len(by_prompt) == 4  # a logged completion of each group
+    budget = yaml.safe_load((run / "config.yaml").read_text())["max_new_tokens"]
+    greedy = sample_groups(load_model("builtin:arith"), load_tokenizer("builtin:arith"),
+                           list(by_prompt), group_size=1, max_new_tokens=budget,
+                           temperature=0.0)  # fmt: skip
+    for (prompt, group), text in zip(by_prompt.items(), greedy.texts, strict=True):
+        solved = float(text.rsplit("|", 1)[-1].strip() == group[0]["answer"])  # `correct`
+        assert {round(g["reward"] - g["advantage"], 6) for g in group} == {solved}, prompt
+    with pytest.raises(UserError, match="remax's baseline is the current policy's greedy"):
+        resolve(TrainConfig(algo="remax", max_staleness=1), task_max_new_tokens=8)

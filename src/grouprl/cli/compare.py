@@ -22,7 +22,7 @@ class CompareArgs:
 
     algos: str = "grpo,gspo"
     """Comma-separated presets to compare: grpo, gspo, dr_grpo, dapo, gdpo, cispo, sapo, gmpo,
-    luspo, vespo, reinforce_pp, reinforce_pp_baseline, opo, gpg, grpo_passk, clip_cov, kl_cov."""
+    luspo, vespo, reinforce_pp, reinforce_pp_baseline, opo, gpg, grpo_passk, remax, clip_cov, kl_cov."""
     seeds: int = 1
     """Seeds per algorithm: --seed, --seed + 1, ... (the spread over seeds decides the verdict)."""
     output_dir: Path | None = None

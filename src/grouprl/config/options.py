@@ -19,7 +19,7 @@ from typing import Literal
 
 Algo = Literal["grpo", "gspo", "dr_grpo", "dapo", "gdpo", "cispo", "sapo", "gmpo", "luspo", "vespo",
                "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "clip_cov",
-               "kl_cov"]  # fmt: skip
+               "kl_cov", "remax"]  # fmt: skip
 Objective = Literal["clip", "cispo", "sapo", "gmpo", "vespo", "gpg", "clip_cov", "kl_cov"]
 # (grouprl.core.OBJECTIVES)
 #: Each objective's own knobs (grouprl.core.LossOptions fields, with its defaults); a knob of
@@ -42,7 +42,7 @@ LossAgg = Literal[  # grouprl.core.AGGREGATIONS
 # grouprl.core.ADVANTAGE_ESTIMATORS, and gdpo (grouprl.core.gdpo_advantages: one per reward)
 # and verl's others (grouprl.core.estimators)
 AdvEstimator = Literal["grpo", "rloo", "gdpo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg",
-                       "grpo_passk"]  # fmt: skip
+                       "grpo_passk", "remax"]  # fmt: skip
 AdvScale = Literal["group", "batch", "none"]  # grouprl.core.ADVANTAGE_SCALES
 KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
 EvalSplit = Literal["heldout", "train", "all"]
@@ -384,8 +384,9 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     tokens, arXiv 2501.03262), reinforce_pp_baseline (the group mean first), opo (the
     length-weighted group mean, no std, exactly on-policy only: arXiv 2505.23585), gpg (the
     group mean, scaled by the share of non-zero rewards: arXiv 2504.02546), grpo_passk (only
-    each group's best learns, by its margin over the second). All but grpo, rloo and grpo_passk
-    set their own scaling, so no --adv-scale. None: the preset's."""
+    each group's best learns, by its margin over the second), remax (the reward of one more,
+    greedy, completion per prompt: arXiv 2310.10505). All but grpo, rloo and grpo_passk set
+    their own scaling, so no --adv-scale. None: the preset's."""
     adv_scale: AdvScale | None = None
     """Advantage scaling: by the group std, the batch std, or none (Dr. GRPO). None: preset."""
     unbiased_std: bool = False

@@ -127,6 +127,10 @@ PRESETS: dict[str, Preset] = {
         minibatches=1,
         adv_estimator="grpo_passk",
     ),
+    # ReMax (arXiv 2310.10505; verl's remax): each reward against the prompt's greedy one.
+    "remax": Preset(
+        "token", 0.2, 0.2, "token_mean", "none", 0.0, minibatches=1, adv_estimator="remax"
+    ),
     # The entropy mechanism (arXiv 2505.22617; verl's clip_cov / kl_cov with its YAML defaults,
     # token mean), on GSPO's 4 minibatches: KL-Cov's |log r| is 0 at r = 1, so it acts from
     # the second minibatch on; Clip-Cov on the same schedule, for a like-for-like comparison.
@@ -138,7 +142,7 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 #: Estimators that set their own scaling (no --adv-scale): gdpo and verl's whitened or unscaled.
-SELF_SCALED = ("gdpo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg")
+SELF_SCALED = ("gdpo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax")
 
 #: The objectives the clip range does not bound (CISPO's bound is its cap).
 UNCLIPPED = ("cispo", "sapo", "vespo", "gpg", "kl_cov")
@@ -221,7 +225,8 @@ def resolve(
         how = {"gdpo": "scales each reward by its group's std and the sum by the batch's",
                "reinforce_pp": "whitens over the batch's tokens",
                "reinforce_pp_baseline": "whitens over the batch's tokens",
-               "opo": "has no scale", "gpg": "scales by the share of non-zero rewards"}  # fmt: skip
+               "opo": "has no scale", "gpg": "scales by the share of non-zero rewards",
+               "remax": "has no scale"}  # fmt: skip
         raise UserError(
             f"{estimator} {how[estimator]}; drop --adv-scale, or use another --adv-estimator"
         )

@@ -138,6 +138,16 @@ def _objective_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
         ),
         (cfg.entropy_coef_delta >= 0, "entropy_coef_delta must be >= 0"),
         (
+            cfg.adv_estimator != "remax" or cfg.max_staleness == 0,
+            "--adv-estimator remax's baseline is the current policy's greedy completion, which "
+            "an older policy's samples (--max-staleness > 0) are not measured against; use 0",
+        ),
+        (
+            cfg.adv_estimator != "remax" or (cfg.tools is None and cfg.environment is None),
+            "--adv-estimator remax samples its greedy baselines without tools; use another "
+            "estimator with --tools or --environment",
+        ),
+        (
             cfg.adv_estimator != "grpo_passk" or cfg.adv_scale in ("group", "none"),
             "--adv-estimator grpo_passk divides the best completion's margin by its group's std "
             "or by nothing: --adv-scale group or none",

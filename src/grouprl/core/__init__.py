@@ -22,6 +22,7 @@ from .estimators import (
     opo_advantages,
     passk_advantages,
     reinforce_pp_advantages,
+    remax_advantages,
 )
 from .loss import (
     AGGREGATIONS,
@@ -97,6 +98,7 @@ __all__ = [
     "passk_advantages",
     "policy_loss",
     "reinforce_pp_advantages",
+    "remax_advantages",
     "reverse_kl",
     "sapo_objective",
     "vespo_objective",

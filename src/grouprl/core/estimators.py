@@ -1,5 +1,6 @@
 """verl's other outcome advantage estimators: REINFORCE++ (with and without its group baseline),
-OPO, GPG and GRPO's Pass@k form, each a pure function of one scalar reward per completion.
+OPO, GPG, GRPO's Pass@k form and ReMax, each a pure function of one scalar reward per completion
+(ReMax's baseline: the reward of one more, greedy, completion per prompt).
 
 Rewards are (B, G), one row per prompt's group; `lengths` (B, G) are the completions' trained
 token counts where an estimator weighs by them. A NaN reward (not scored) gets advantage 0 and
@@ -16,7 +17,7 @@ import torch
 Tensor = torch.Tensor
 
 #: The estimators here, by their `--adv-estimator` names.
-ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk")
+ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "remax")
 #: verl's `masked_whiten` adds this to the variance (and `masked_mean` to the count).
 WHITEN_EPS = 1e-8
 
@@ -144,3 +145,16 @@ def passk_advantages(
     gap = torch.where(count >= 2, gap, 0.0)
     advantages = torch.zeros_like(r)
     return advantages.scatter(-1, top.indices[:, :1], gap[:, None])
+
+
+def remax_advantages(rewards: Tensor, baselines: Tensor) -> Tensor:
+    """ReMax (Li et al., arXiv 2310.10505), verl's `remax`: each completion's reward against the
+    reward of its prompt's greedy completion, no std,
+
+        A_i = R_i − R(greedy)
+
+    (`baselines` (B,); an unscored greedy completion leaves its group at 0, as an unscored
+    completion is)."""
+    r, valid = _scored(rewards)
+    b = baselines.detach().double()[:, None]  # (B, 1)
+    return torch.where(valid & ~b.isnan(), r - b.nan_to_num(0.0), 0.0)

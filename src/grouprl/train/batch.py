@@ -20,6 +20,7 @@ class Batch:
     by_function: dict[str, torch.Tensor]  # name -> (N,) raw scores, NaN = None
     passed: torch.Tensor | None = None  # (N,) bool: the pass reward's score >= 1
     extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns, (N,) each
+    baselines: torch.Tensor | None = None  # (B,) ReMax: the reward of each prompt's greedy one
 
     def select_groups(self, groups: list[int]) -> Batch:
         idx = self.rollout.group_rows(groups)  # (b·G,)
@@ -31,12 +32,13 @@ class Batch:
             {name: r[idx] for name, r in self.by_function.items()},
             None if self.passed is None else self.passed[idx],
             {name: [values[i] for i in keep] for name, values in self.extra.items()},
+            None if self.baselines is None else self.baselines[groups],
         )
 
     def to(self, device: torch.device | str) -> Batch:
         """The batch with its rollout on `device` (rewards and scores stay on the CPU)."""
         return Batch(self.rollout.to(device), self.rows, self.rewards, self.by_function,
-                     self.passed, self.extra)  # fmt: skip
+                     self.passed, self.extra, self.baselines)  # fmt: skip
 
     @staticmethod
     def concat(parts: list[Batch]) -> Batch:
@@ -57,4 +59,6 @@ class Batch:
                 for name in parts[0].extra
                 if all(name in p.extra for p in parts)
             },
-        )
+            (torch.cat([p.baselines for p in parts])
+             if all(p.baselines is not None for p in parts) else None),
+        )  # fmt: skip

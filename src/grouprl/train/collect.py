@@ -192,7 +192,11 @@ def sample_round(
             rollout.sampled_lengths, max_len=cfg.max_new_tokens, cache_len=cfg.overlong_cache
         )
         rewards = rewards + penalty.to(device="cpu", dtype=rewards.dtype)
-    batch = Batch(rollout, rows, rewards, scores.by_function, scores.passed, scores.extra)
+    baselines = (
+        greedy_baselines(cfg, sampler, step, rows, ids) if cfg.adv_estimator == "remax" else None
+    )
+    batch = Batch(rollout, rows, rewards, scores.by_function, scores.passed, scores.extra,
+                  baselines)  # fmt: skip
     passed = scores.passed.view(-1, G)  # (b, G)
     zero = zero_variance_groups(rewards.view(-1, G)).cpu()  # (b,)
     mixed = mixed_groups(passed)  # (b,)
@@ -241,6 +245,30 @@ def _sample(
             tools=handler,
         )
     return rollout, rows
+
+
+def greedy_baselines(
+    cfg: RunConfig, sampler: Sampler, step: int, rows: list[dict], ids: list[list[int]]
+) -> torch.Tensor:
+    """ReMax's baselines (b,): the reward of one greedy completion of each prompt, scored as
+    the sampled ones are (with DAPO's overlong penalty when on)."""
+    if sampler.tools is not None:
+        raise UserError("--adv-estimator remax samples its greedy baselines without tools; use "
+                        "another estimator with tools or environments")  # fmt: skip
+    with autocast(sampler.device, sampler.dtype):
+        greedy = sampler.engine.sample(ids, group_size=1, max_new_tokens=cfg.max_new_tokens,
+                                       temperature=0.0, stop=sampler.stop, seed=None)  # fmt: skip
+    scores = sampler.dist.agreed(
+        sampler.rewards.score, greedy.texts, rows, 1,
+        completion_ids=greedy.completion_id_lists(),
+        state=TrainerState(global_step=step, max_steps=cfg.steps), timeout=cfg.reward_timeout,
+    )  # fmt: skip
+    baselines = scores.total
+    if cfg.overlong_penalty:
+        penalty = overlong_penalty(greedy.sampled_lengths, max_len=cfg.max_new_tokens,
+                                   cache_len=cfg.overlong_cache)  # fmt: skip
+        baselines = baselines + penalty.to(device="cpu", dtype=baselines.dtype)
+    return baselines
 
 
 def collect_batch(cfg: RunConfig, sampler: Sampler, step: int, position: int) -> Collected:

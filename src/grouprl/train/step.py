@@ -21,6 +21,7 @@ from grouprl.core import (
     overlong_penalty,
     passk_advantages,
     reinforce_pp_advantages,
+    remax_advantages,
 )
 from grouprl.models.lora import base_model_context
 from grouprl.rollout import Rollout
@@ -127,6 +128,9 @@ def batch_advantages(
             eps=cfg.adv_eps,
             unbiased_std=cfg.unbiased_std,
         )
+    elif cfg.adv_estimator == "remax":  # each group against its prompt's greedy completion
+        advantages = remax_advantages(batch.rewards.view(-1, G), batch.baselines)
+        return advantages.to(batch.rewards.dtype).reshape(-1)  # this rank's own groups
     else:  # verl's other estimators, over the whole job's batch
         lengths = batch.rollout.sampled_lengths.to(batch.rewards.device)  # (n,)
         rewards, lengths = (
