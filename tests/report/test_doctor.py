@@ -210,6 +210,26 @@ CASES = {
         {},
         set(),
     ),
+    "distillation_stalled": (  # the student's KL to its teacher flat
+        dict(teacher_kl=lambda s: 0.4),
+        {},
+        {("distillation_stalled", "warning")},
+    ),
+    "distillation_learning": (  # and falling: no finding
+        dict(teacher_kl=ramp(0.4, 0.05)),
+        {},
+        set(),
+    ),
+    "entropy_bonus_blowup": (  # a fixed bonus pushing entropy up 5x
+        dict(policy_entropy=ramp(0.2, 1.0)),
+        {"config": {"entropy_coef": 0.05}},
+        {("entropy_bonus_blowup", "warning")},
+    ),
+    "entropy_bonus_steady": (  # a bonus holding entropy: no finding
+        dict(policy_entropy=lambda s: 0.2),
+        {"config": {"entropy_coef": 0.05}},
+        set(),
+    ),
     "gaming": (
         dict(reward_mean=ramp(0.2, 0.8)),
         {"evals": {0: 0.3, 15: 0.31, 30: 0.29, 45: 0.3, 60: 0.3}},

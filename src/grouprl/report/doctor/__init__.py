@@ -23,7 +23,9 @@ from grouprl.report.doctor.completions import (
 )
 from grouprl.report.doctor.findings import Finding
 from grouprl.report.doctor.learning import (
+    check_distillation,
     check_entropy,
+    check_entropy_bonus,
     check_heldout_drop,
     check_reward_vs_heldout,
     check_zero_variance,
@@ -42,6 +44,8 @@ CHECKS: list[Callable[[RunLog], list[Finding]]] = [
     check_heldout_drop,
     check_zero_variance,
     check_entropy,
+    check_entropy_bonus,
+    check_distillation,
     check_clipping,
     check_blowups,
     check_nonfinite,

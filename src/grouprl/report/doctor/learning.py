@@ -194,3 +194,51 @@ def check_heldout_drop(run: RunLog) -> list[Finding]:
             f"{BROKEN}; checkpoints/ keeps the last --keep-last steps to restart from",
         )
     ]
+
+
+#: On-policy distillation learns when the student's reverse KL to its teacher falls: a last
+#: window at 90% or more of the first is a student that is not moving toward it.
+DISTILL_STALL = 0.9
+#: An entropy bonus is meant to hold entropy up, not to grow it: 3x the first window's mean
+#: token entropy is a bonus pushing the policy toward uniform (the adaptive coefficient's
+#: target is a level to hold; a fixed coefficient has none).
+ENTROPY_BONUS_GROWTH = 3.0
+
+
+def check_distillation(run: RunLog) -> list[Finding]:
+    """With a teacher: the student's reverse KL to it (`teacher_kl`) not falling."""
+    ends = window_medians(run, "teacher_kl")
+    if ends is None or ends[0] <= 0:
+        return []
+    first, last, early, late = ends
+    if last < DISTILL_STALL * first:
+        return []
+    return [
+        Finding(
+            "distillation_stalled",
+            "warning",
+            "the student is not getting closer to its teacher",
+            f"KL(student || teacher) per token {first:.3g} ({early}) -> {last:.3g} ({late})",
+            "raise --teacher-coef or --lr, or weigh the task less (--teacher-task-weight); a "
+            "teacher far from the student's start may need more steps",
+        )
+    ]
+
+
+def check_entropy_bonus(run: RunLog) -> list[Finding]:
+    """With an entropy bonus: the policy's entropy growing past ENTROPY_BONUS_GROWTH x."""
+    ends = window_medians(run, "policy_entropy")
+    if ends is None or ends[0] <= 0 or not run.config.get("entropy_coef"):
+        return []
+    first, last, early, late = ends
+    if last < ENTROPY_BONUS_GROWTH * first:
+        return []
+    return [
+        Finding(
+            "entropy_bonus_blowup",
+            "warning",
+            "the entropy bonus is driving the policy toward uniform",
+            f"mean token entropy {first:.3f} ({early}) -> {last:.3f} ({late})",
+            "lower --entropy-coef, or let it adapt (--entropy-target, TRL's 0.2)",
+        )
+    ]
