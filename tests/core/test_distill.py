@@ -8,6 +8,8 @@ import torch
 
 from grouprl.core import distillation_advantages, policy_loss, reverse_kl
 
+pytestmark = pytest.mark.numerics
+
 F64 = dict(dtype=torch.float64)
 MASK = torch.tensor([[True, True, True], [True, True, False]])
 
@@ -18,11 +20,15 @@ def test_distillation_advantages_by_hand():
     adv = torch.tensor([1.0, -1.0], **F64)
     # w·Â + c·(log π_T − log π_b): gaps [[.5, −.5, 0], [−1, 2, -]]
     a = distillation_advantages(adv, sampler, teacher, MASK, coef=0.5, task_weight=2.0)
-    assert torch.allclose(a, torch.tensor([[2.25, 1.75, 2.0], [-2.5, -1.0, 0.0]], **F64))
+    assert torch.allclose(
+        a, torch.tensor([[2.25, 1.75, 2.0], [-2.5, -1.0, 0.0]], **F64), rtol=1e-15, atol=1e-15
+    )
     alone = distillation_advantages(adv, sampler, teacher, MASK, coef=1.0, task_weight=0.0)
-    assert torch.allclose(alone, torch.tensor([[0.5, -0.5, 0.0], [-1.0, 2.0, 0.0]], **F64))
+    assert torch.allclose(
+        alone, torch.tensor([[0.5, -0.5, 0.0], [-1.0, 2.0, 0.0]], **F64), rtol=1e-15, atol=1e-15
+    )
     gap, tokens = reverse_kl(sampler, teacher, MASK)  # Σ (log π_b − log π_T) = −.5 + .5 + 0 + 1 − 2
-    assert (tokens, math.isclose(gap, -1.0)) == (5, True)
+    assert (tokens, math.isclose(gap, -1.0, rel_tol=1e-15)) == (5, True)
     # the teacher is the student: the task's advantages, and no KL
     same = distillation_advantages(adv, sampler, sampler, MASK)
     assert torch.equal(same, torch.where(MASK, adv[:, None].expand(2, 3), 0.0))

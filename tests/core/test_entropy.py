@@ -14,6 +14,8 @@ from grouprl.core.entropy import (
     high_entropy_mask,
 )
 
+pytestmark = pytest.mark.numerics
+
 
 def test_the_top_rho_tokens_by_hand():
     # 5 trained tokens with entropies 0.1, 0.5, 0.9, 0.3, 0.7 (a padded 9.0 never counts);

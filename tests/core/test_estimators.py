@@ -14,6 +14,8 @@ from grouprl.core.estimators import (
     reinforce_pp_advantages,
 )
 
+pytestmark = pytest.mark.numerics
+
 F64 = dict(dtype=torch.float64)
 
 
