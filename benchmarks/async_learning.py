@@ -16,10 +16,7 @@ Usage (from the repository root; ~40 minutes on 2 cores with the defaults):
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,7 +24,7 @@ from pathlib import Path
 
 import tyro
 
-from harness import child_env, md_table, read_jsonl, versions
+from harness import md_table, read_jsonl, train_run, versions
 
 ARMS = {
     "k0": [],
@@ -64,19 +61,10 @@ class Args:
 
 
 def run(args: Args, arm: str, seed: int, out: Path) -> Path:
-    run_dir = out / f"{arm.replace(' ', '-')}-seed{seed}"
-    if (run_dir / "eval.jsonl").exists() and (run_dir / "final").exists():
-        return run_dir  # done before: a rerun of the script continues
-    shutil.rmtree(run_dir, ignore_errors=True)  # a run the last invocation left unfinished
-    cmd = [sys.executable, "-m", "grouprl", "train", "--steps", str(args.steps), "--seed",
-           str(seed), "--threads", "1", "--sampler-threads", "0", "--no-progress",
-           "--output-dir", str(run_dir), *ARMS[arm]]  # fmt: skip
-    with run_dir.with_suffix(".log").open("w") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(1))
-    if done.returncode != 0:
-        raise SystemExit(f"{arm} seed {seed} failed: see {run_dir.with_suffix('.log')}")
-    print(f"{arm} seed {seed}: done", flush=True)
-    return run_dir
+    # an asynchronous run sampling in the trainer's thread between updates: the same run
+    flags = ["--steps", str(args.steps), "--seed", str(seed), "--sampler-threads", "0",
+             *ARMS[arm]]  # fmt: skip
+    return train_run(out / f"{arm.replace(' ', '-')}-seed{seed}", flags, f"{arm} seed {seed}")
 
 
 def main(args: Args) -> None:

@@ -16,10 +16,7 @@ Usage (from the repository root; the teacher first, ~3 minutes, then ~10 minutes
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,7 +24,7 @@ from pathlib import Path
 
 import tyro
 
-from harness import child_env, md_table, read_jsonl, versions
+from harness import md_table, read_jsonl, train_run, versions
 
 
 @dataclass(frozen=True)
@@ -51,19 +48,10 @@ def arms(teacher: Path) -> dict[str, list[str]]:
 
 
 def train(args: Args, arm: str, seed: int, out: Path) -> Path:
-    run_dir = out / f"{arm.replace(' ', '').replace('+', '-')}-seed{seed}"
-    if (run_dir / "final").exists():
-        return run_dir  # done before: a rerun of the script continues
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "grouprl", "train", "--steps", str(args.steps), "--seed",
-           str(seed), "--eval-every", str(args.eval_every), "--threads", "1", "--no-progress",
-           "--output-dir", str(run_dir), *arms(args.teacher)[arm]]  # fmt: skip
-    with run_dir.with_suffix(".log").open("w") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(1))
-    if done.returncode != 0:
-        raise SystemExit(f"{arm} seed {seed} failed: see {run_dir.with_suffix('.log')}")
-    print(f"{arm} seed {seed}: done", flush=True)
-    return run_dir
+    flags = ["--steps", str(args.steps), "--seed", str(seed), "--eval-every",
+             str(args.eval_every), *arms(args.teacher)[arm]]  # fmt: skip
+    name = f"{arm.replace(' ', '').replace('+', '-')}-seed{seed}"
+    return train_run(out / name, flags, f"{arm} seed {seed}")
 
 
 def curve(run_dir: Path) -> list[tuple[int, float, float]]:

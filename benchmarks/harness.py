@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,6 +89,23 @@ def run_child(
     return ChildResult(
         proc.returncode, usage.ru_maxrss / 1024, time.perf_counter() - t0, log
     )  # ru_maxrss is in KiB on Linux
+
+
+def train_run(run_dir: Path, flags: list[str], label: str) -> Path:
+    """`grouprl train --output-dir run_dir *flags` in a child process with one torch thread,
+    its output in run_dir.log; a run that finished before (its final/) is kept, one left
+    unfinished is started again."""
+    if (run_dir / "final").exists():
+        return run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "grouprl", "train", "--threads", "1", "--no-progress",
+           "--output-dir", str(run_dir), *flags]  # fmt: skip
+    with run_dir.with_suffix(".log").open("w") as log:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(1))
+    if done.returncode != 0:
+        raise SystemExit(f"{label} failed: see {run_dir.with_suffix('.log')}")
+    print(f"{label}: done", flush=True)
+    return run_dir
 
 
 def trl_child_cmd(script: str, spec: dict, run_dir: Path) -> list[str]:
