@@ -127,8 +127,14 @@ def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
     cases += [("gdpo", "ddp", False, None)]  # advantages from the gathered per-reward scores
     # a sampler behind the trainer: behaviour log-probs apart from the trainer's, corrected
     cases += [("grpo", "ddp", False, "token_tis"), ("gspo", "fsdp", False, "icepop")]
+    # the batch-global estimators and entropy terms: whitening, a quantile, a bonus, over ranks
+    cases += [("reinforce_pp", "ddp", False, {"top_entropy_quantile": 0.5}),
+              ("gspo", "fsdp", False, {"entropy_coef": 0.05, "entropy_target": 5.0})]  # fmt: skip
     for algo, strategy, lora, micro in cases:
         extra = {"minibatches": 2} if algo == "gspo" else {}
+        options = micro if isinstance(micro, dict) else {}
+        micro = None if options else micro
+        extra.update(options)
         batch, correction = whole, None
         if isinstance(micro, str):  # an off-policy case: micro names the correction
             micro, correction = None, micro
@@ -146,6 +152,8 @@ def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
         name = f"{algo}-{strategy}{'-lora' if lora else ''}{f'-micro{micro}' if micro else ''}"
         if correction:
             name += f"-{correction}"
+        if options:
+            name += "-" + "-".join(options)
         off = (
             "is_weight_mean",
             "is_weight_min",
