@@ -3,6 +3,8 @@ TRL's parser with grouprl.trl's GRPOConfig, run by `grouprl.trl.scripts.train`."
 
 from __future__ import annotations
 
+import warnings
+
 from grouprl.errors import UserError
 
 
@@ -26,6 +28,10 @@ def run(argv: list[str]) -> int:
         )
     if from_flags:  # TRL's script stops on them too; unknown --config keys it ignores
         raise UserError(f"unknown flags: {' '.join(from_flags)} (grouprl trl grpo --help)")
+    ignored = [a[2:] for a in from_config if a.startswith("--")]
+    if ignored:  # as TRL's script does, but not silently (a grouprl run's config.yaml, say)
+        warnings.warn(f"--config keys trl grpo does not take, ignored: {', '.join(ignored)}",
+                      UserWarning, stacklevel=2)  # fmt: skip
     script_args, training_args, model_args, dataset_args = parsed
     if model_args.model_name_or_path is None:
         raise UserError("give --model_name_or_path (a local model directory or a hub id)")

@@ -3,8 +3,8 @@ dense reward (Agarwal et al., "On-Policy Distillation of Language Models", arXiv
 Thinking Machines, "On-Policy Distillation", 2025, and its tinker-cookbook
 `distillation/train_on_policy.py::incorporate_kl_penalty`).
 
-The student samples; the teacher scores each sampled token; the negative reverse KL, estimated
-from the sample, is each token's reward, credited to that token alone (discount 0):
+The student samples; the teacher scores each sampled token; the negative reverse KL, which the
+sample estimates, is each token's reward, credited to that token alone (discount 0):
 
     A_t = w · Â_i + c · (log π_T(y_t) − log π_b(y_t))
 

@@ -75,6 +75,10 @@ def resolve_model_path(spec: str | Path) -> Path | str:
     if path.exists():
         if is_adapter_dir(path):
             return path
+        if path.is_dir() and (path / "config.yaml").is_file() and (path / "final").is_dir():
+            raise UserError(
+                f"{spec!r} is a grouprl run directory; its trained model is {path / 'final'}"
+            )
         if not path.is_dir() or not (path / "config.json").is_file():
             raise UserError(
                 f"model {spec!r} is not a Hugging Face model directory (no config.json); give a "

@@ -41,6 +41,15 @@ def task_defaults(opts: DataOptions) -> dict[str, Any]:
             "task_steps": task.default_steps}  # fmt: skip
 
 
+def estimator_tools(cfg: RunConfig, tools: ToolUse | None) -> ToolUse | None:
+    """`tools`, once the advantage estimator is known to take them: ReMax samples its greedy
+    baselines without tools, and a task's own (lookup's) are known only here."""
+    if tools is not None and cfg.adv_estimator == "remax":
+        raise UserError("--adv-estimator remax samples its greedy baselines without tools; use "
+                        "another estimator with tools or environments")  # fmt: skip
+    return tools
+
+
 def build_tools(
     opts: DataOptions, task: Task, tokenizer: Any, end_ids: Sequence[int] = ()
 ) -> ToolUse | None:
@@ -184,7 +193,10 @@ def load_teacher(cfg: RunConfig, tokenizer: Any, policy: nn.Module, device: torc
     id, and output size): it scores the policy's token ids."""
     if cfg.teacher is None:
         return None
-    theirs = load_run_tokenizer(cfg, cfg.teacher)
+    try:
+        theirs = load_run_tokenizer(cfg, cfg.teacher)
+    except UserError as err:  # the loader's words name --model
+        raise UserError(f"--teacher: {str(err).replace('--model', '--teacher')}") from None
     if theirs.get_vocab() != tokenizer.get_vocab():
         raise UserError(
             f"--teacher {cfg.teacher} has another tokenizer than the policy's ({len(theirs)} vs "

@@ -251,10 +251,8 @@ def greedy_baselines(
     cfg: RunConfig, sampler: Sampler, step: int, rows: list[dict], ids: list[list[int]]
 ) -> torch.Tensor:
     """ReMax's baselines (b,): the reward of one greedy completion of each prompt, scored as
-    the sampled ones are (with DAPO's overlong penalty when on)."""
-    if sampler.tools is not None:
-        raise UserError("--adv-estimator remax samples its greedy baselines without tools; use "
-                        "another estimator with tools or environments")  # fmt: skip
+    the sampled ones are (with DAPO's overlong penalty when on; never with tools: the run
+    refuses ReMax with them at set-up)."""
     with autocast(sampler.device, sampler.dtype):
         greedy = sampler.engine.sample(ids, group_size=1, max_new_tokens=cfg.max_new_tokens,
                                        temperature=0.0, stop=sampler.stop, seed=None)  # fmt: skip

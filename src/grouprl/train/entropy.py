@@ -61,61 +61,53 @@ def covariance_selection(
     if tokens == 0:
         return [None for _ in plan.chunks], 0
     mean_adv, mean_logp = (total / tokens).tolist()
-    covs = {id(c): token_covariance(advantages[c.rows], c.rollout.old_logp, mask[c.rows],
-                                    mean_adv, mean_logp) for c in chunks}  # fmt: skip
+    covs = [token_covariance(advantages[c.rows], c.rollout.old_logp, mask[c.rows], mean_adv,
+                             mean_logp) for c in chunks]  # fmt: skip
+    # this rank's tokens, in pass order (none where it trains no pass: every rank still
+    # takes part in the gathers)
+    flat = torch.cat([v.flatten().cpu() for v in covs]) if covs else torch.zeros(0)
     if cfg.objective == "kl_cov":
-        picked, count = _top(covs, covariance_count(cfg.kl_cov_ratio, tokens), dist)
+        chosen, count = _top(flat, covariance_count(cfg.kl_cov_ratio, tokens), dist)
     else:
-        candidates = {k: clip_cov_candidates(v, cfg.clip_cov_low, cfg.clip_cov_high)
-                      for k, v in covs.items()}  # fmt: skip
-        picked, count = _random(candidates, covariance_count(cfg.clip_cov_ratio, tokens), dist,
+        candidates = clip_cov_candidates(flat, cfg.clip_cov_low, cfg.clip_cov_high)
+        chosen, count = _random(candidates, covariance_count(cfg.clip_cov_ratio, tokens), dist,
                                 seed)  # fmt: skip
-    return [picked.get(id(c)) for c in plan.chunks], count
+    pieces = iter(zip(covs, chosen.split([v.numel() for v in covs]), strict=True))
+    out = []
+    for c in plan.chunks:
+        cov, picked = next(pieces) if c.weight else (None, None)
+        out.append(None if cov is None else picked.view_as(cov).to(device))
+    return out, count
 
 
-def _top(covs: dict[int, torch.Tensor], k: int, dist: Dist) -> tuple[dict[int, torch.Tensor], int]:
-    """Exactly the k tokens of highest covariance over every rank (verl's topk)."""
-    flat = torch.cat([v.flatten() for v in covs.values()]).cpu() if covs else torch.zeros(0)
-    positions = (flat > -torch.inf).nonzero().flatten()  # this rank's trained tokens
-    pools = dist.gather(flat[positions]) if dist.enabled else [flat[positions]]
-    offset = sum(len(pool) for pool in pools[: dist.rank])
+def _top(covs: torch.Tensor, k: int, dist: Dist) -> tuple[torch.Tensor, int]:
+    """Exactly the k tokens of highest covariance over every rank (verl's topk), marked in this
+    rank's flat `covs` (−inf: not trained)."""
+    positions = (covs > -torch.inf).nonzero().flatten()
+    pools = dist.gather(covs[positions]) if dist.enabled else [covs[positions]]
     pool = torch.cat(pools)
     best = pool.topk(min(k, len(pool))).indices
-    return _marked(covs, positions, best, offset), len(best)
+    offset = sum(len(p) for p in pools[: dist.rank])
+    return _marked(len(covs), positions, best, offset), len(best)
 
 
-def _marked(
-    selections: dict[int, torch.Tensor], positions: torch.Tensor, chosen: torch.Tensor,
-    offset: int,
-) -> dict[int, torch.Tensor]:  # fmt: skip
-    """The tokens at `chosen` (indices into every rank's `positions`, this rank's from
-    `offset`) marked True in tensors shaped as `selections`'."""
-    mine = chosen[(chosen >= offset) & (chosen < offset + len(positions))] - offset
-    flat = torch.zeros(sum(v.numel() for v in selections.values()), dtype=torch.bool)
-    flat[positions[mine]] = True
-    out, start = {}, 0
-    for key, v in selections.items():
-        out[key] = flat[start : start + v.numel()].view_as(v).to(v.device)
-        start += v.numel()
-    return out
-
-
-def _random(
-    candidates: dict[int, torch.Tensor], k: int, dist: Dist, seed: int
-) -> tuple[dict[int, torch.Tensor], int]:
+def _random(candidates: torch.Tensor, k: int, dist: Dist, seed: int) -> tuple[torch.Tensor, int]:
     """k of the candidate tokens of every rank, drawn uniformly (one permutation, the same on
-    every rank), marked on each rank's own."""
-    flat = (
-        torch.cat([v.flatten() for v in candidates.values()]).cpu()
-        if candidates
-        else torch.zeros(0)
-    )
-    positions = flat.nonzero().flatten()  # this rank's candidates, in pass order
+    every rank), marked in this rank's flat `candidates`."""
+    positions = candidates.nonzero().flatten()
     counts = dist.gather(len(positions)) if dist.enabled else [len(positions)]
-    offset, total = sum(counts[: dist.rank]), sum(counts)
     generator = torch.Generator().manual_seed(seed)
-    draw = torch.randperm(total, generator=generator)[: min(k, total)]
-    return _marked(candidates, positions, draw, offset), len(draw)
+    draw = torch.randperm(sum(counts), generator=generator)[: min(k, sum(counts))]
+    return _marked(len(candidates), positions, draw, sum(counts[: dist.rank])), len(draw)
+
+
+def _marked(size: int, positions: torch.Tensor, chosen: torch.Tensor, offset: int) -> torch.Tensor:
+    """(size,) bool: this rank's `positions` whose index among every rank's (this rank's from
+    `offset`) is in `chosen`."""
+    mine = chosen[(chosen >= offset) & (chosen < offset + len(positions))] - offset
+    flat = torch.zeros(size, dtype=torch.bool)
+    flat[positions[mine]] = True
+    return flat
 
 
 def high_entropy_tokens(
@@ -210,7 +202,7 @@ class EntropyTerms:
         bonus = None if self.bonus is None else self.bonus.applied()
         return {"bonus": bonus, "selections": selections}
 
-    def after(self, plan: Minibatch, entropy_sum: float, tokens: float) -> None:
+    def after(self, entropy_sum: float, tokens: float) -> None:
         """After the minibatch's optimizer step: its entropy over the whole job."""
         if self.bonus is not None:
             self.bonus.measured(entropy_sum, tokens)

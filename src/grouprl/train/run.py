@@ -53,6 +53,7 @@ from grouprl.train.build import (
     build_rewards,
     build_task,
     build_tools,
+    estimator_tools,
     forward_dtype,
     keep_freed_memory,
     load_policy,
@@ -171,7 +172,9 @@ def setup_run(
                 shard(model, device=device)
     else:
         dist.broadcast_parameters(policy)
-    tools = build_tools(cfg, task, tokenizer, stop_token_ids(policy, tokenizer))
+    tools = estimator_tools(
+        cfg, build_tools(cfg, task, tokenizer, stop_token_ids(policy, tokenizer))
+    )
     dtype = forward_dtype(cfg)  # every forward's autocast dtype: the run's one source
     rewards = build_rewards(cfg, task, device, tools)
     budget = prompt_budget(cfg, policy, cfg.max_new_tokens)

@@ -123,7 +123,7 @@ def update(
             fault("update")
             sums.add(plan, passes.loss, passes.stats, passes.extremes, passes.trained_rows,
                      passes.rows, grad_norm)  # fmt: skip
-            extras.after(plan, *passes.entropy)
+            extras.after(*passes.entropy)
     if inputs.bypass:  # measured against each minibatch's forward, before its step
         mismatch = bypass_mismatch
     return {**_update_metrics(sums, inputs, mismatch, applied, dist),
@@ -367,7 +367,8 @@ def _backward(
         loss = out.loss
         if entropy is not None:  # the bonus over the kept trained tokens
             total, tokens = _entropy_term(entropy, chunk_mask, keep)
-            loss = loss - bonus * total / plan.num_tokens
+            if bonus:  # the adaptive coefficient's 0 only measures: no backward through H
+                loss = loss - bonus * total / plan.num_tokens
             h_sum, h_tokens = (
                 h_sum + total.detach() * chunk.weight,
                 h_tokens + tokens * chunk.weight,
