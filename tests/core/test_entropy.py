@@ -24,7 +24,8 @@ def test_the_top_rho_tokens_by_hand():
     entropy = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, 9.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     threshold = entropy_threshold(entropy[mask], 0.4)
-    assert math.isclose(threshold, 0.58, rel_tol=1e-6)
+    # float32 entropies and interpolation: a few float32 roundings (2^-24 each) of O(1) values
+    assert math.isclose(threshold, 0.58, rel_tol=8 * 2**-24)
     keep = high_entropy_mask(entropy, mask, threshold)
     assert keep.tolist() == [[False, False, True], [False, True, False]]
     assert high_entropy_mask(entropy, mask, entropy_threshold(entropy[mask], 1.0)).equal(mask)
@@ -151,8 +152,11 @@ def test_kl_cov_is_verls(seed):
     ours = policy_loss(y, old, adv, mask, objective="kl_cov", kl_cov_coef=coef, agg="token_mean",
                        penalty_mask=chosen).loss  # fmt: skip
     ours.backward()
-    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(y.grad, g_theirs, rtol=1e-12, atol=1e-14)
+    # float64 both, sums over the trained tokens in other orders: (n + 16)·2^-52 of the
+    # loss's O(1) magnitude; the gradient's entries are O(1/n)
+    tol = (int(mask.sum()) + 16) * 2**-52
+    torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
+    torch.testing.assert_close(y.grad, g_theirs, rtol=tol, atol=tol / int(mask.sum()))
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -190,5 +194,8 @@ def test_clip_cov_is_verls_given_its_draw(seed):
     ours = policy_loss(y, old, adv, mask, objective="clip_cov", agg="token_mean",
                        token_weight=corr).loss  # fmt: skip
     ours.backward()
-    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(y.grad, g_theirs, rtol=1e-12, atol=1e-14)
+    # float64 both, sums over the trained tokens in other orders: (n + 16)·2^-52 of the
+    # loss's O(1) magnitude; the gradient's entries are O(1/n)
+    tol = (int(mask.sum()) + 16) * 2**-52
+    torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
+    torch.testing.assert_close(y.grad, g_theirs, rtol=tol, atol=tol / int(mask.sum()))
