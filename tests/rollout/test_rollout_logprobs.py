@@ -214,3 +214,53 @@ def test_empty_completions_give_zeros(llama, tokenizer):
     rollout.mask = torch.zeros_like(rollout.mask)
     logp, entropy = completion_logprobs(llama, rollout, with_entropy=True)
     assert (logp == 0).all() and (entropy == 0).all()
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("chunk_tokens", [7, None])  # several recomputed chunks; one stored
+def test_a_divergence_against_a_teacher_equals_the_full_distributions(
+    model64, tokenizer, chunk_tokens
+):
+    """`divergence` sees each position's whole log-softmax and the teacher's at the same
+    position (`next_token_log_softmax`): the JSD per position and its gradients equal those of
+    both models' full logits over the N full sequences."""
+    from conftest import build_model
+    from grouprl.core import generalized_jsd
+    from grouprl.rollout.logprobs import next_token_log_softmax
+
+    teacher = build_model("qwen2", len(tokenizer), seed=3, dtype=torch.float64)
+    rollout = sample_groups(model64, tokenizer, PROMPTS, group_size=3, max_new_tokens=16, seed=2)
+    temperature = 0.8
+    theirs = next_token_log_softmax(teacher, rollout, temperature=temperature)
+
+    def jsd(student, start):
+        return generalized_jsd(student, theirs(start, start + student.shape[0]), 0.5)
+
+    model64.zero_grad()
+    logp, div = completion_logprobs(model64, rollout, temperature=temperature,
+                                    chunk_tokens=chunk_tokens, divergence=jsd)  # fmt: skip
+    (div.sum() + logp.sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model64.named_parameters()}
+
+    model64.zero_grad()
+    mine, teachers = (_full_log_softmax(m, rollout, temperature) for m in (model64, teacher))
+    ref = torch.where(rollout.mask, generalized_jsd(mine, teachers.detach(), 0.5), 0.0)
+    ref_logp = mine.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
+    (ref.sum() + torch.where(rollout.mask, ref_logp, 0.0).sum()).backward()
+    assert (ref[rollout.mask] > 0).all() and (div[~rollout.mask] == 0).all()
+    assert_same_f64(div, ref)
+    for name, p in model64.named_parameters():
+        assert_same_f64(grads[name], p.grad)
+    assert all(p.grad is None for p in teacher.parameters())  # no gradient reaches it
+    model64.zero_grad()
+
+
+def _full_log_softmax(model, rollout, temperature):
+    """log-softmax (N, T, V) of one forward of the N full sequences."""
+    g = rollout.group_size
+    ids = torch.cat([rollout.prompt_ids.repeat_interleave(g, 0), rollout.completion_ids], 1)
+    attn = torch.cat([rollout.prompt_mask.repeat_interleave(g, 0), torch.ones_like(rollout.mask)],
+                     1)  # fmt: skip
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    return torch.log_softmax(logits[:, rollout.prompt_ids.shape[1] - 1 : -1] / temperature, -1)

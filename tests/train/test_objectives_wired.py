@@ -21,6 +21,7 @@ from grouprl.train import step as train_step
 from grouprl.train import update as train_update
 from grouprl.train.batch import Batch
 from grouprl.train.parallel.distributed import SINGLE
+from numerics import forward_bound, logit_magnitude
 
 
 @pytest.fixture(scope="module")
@@ -385,3 +386,86 @@ def test_remax_baselines_are_the_greedy_completions_rewards(tmp_path):
     assert main(["train", "--algo", "remax", "--task", "lookup", "--steps", "1",
                  "--output-dir", str(other)]) == 2  # fmt: skip
     assert not other.exists()
+
+
+def test_the_jsd_loss_is_the_teachers_divergence_over_the_trained_positions(policy_and_batch):
+    """--teacher-loss jsd: with the task's weight 0 the objective's terms are 0, so the update's
+    loss is coef · Σ JSD / the trained tokens, with JSD of both models' whole distributions
+    (recomputed here from their full logits); `teacher_jsd` is the mean per position; a
+    teacher equal to the policy gives 0."""
+    from grouprl.core import generalized_jsd
+
+    policy, batch = policy_and_batch
+    cfg = resolve(TrainConfig(algo="grpo", prompts_per_step=4, group_size=4, lr=1e-2,
+                              teacher="builtin:arith", teacher_loss="jsd", teacher_beta=0.3,
+                              teacher_coef=0.5, teacher_task_weight=0.0),
+                  task_max_new_tokens=20)  # fmt: skip
+    teacher = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    advantages = train_step.batch_advantages(cfg, batch, SINGLE)
+    mask = batch.rollout.loss_mask
+    rollout = batch.rollout
+    with torch.no_grad():
+        theirs, mine = (_log_softmax(m, rollout, cfg.temperature) for m in (teacher, policy))
+    per_position = torch.where(mask, generalized_jsd(mine.double(), theirs.double(), 0.3), 0.0)
+    expected = float(per_position.sum()) / int(mask.sum())
+    model = copy.deepcopy(policy)
+    metrics = train_update.update(cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  batch, advantages, None, teacher=teacher)  # fmt: skip
+    # float32 forwards on two paths (shared prompt, chunked head against one full forward):
+    # each log-prob moves by at most ε = forward_bound; JSD_β's derivative in the student's
+    # log-probs is p·(1 − β)·log(p / M) with M ≥ (1 − β)·p, so Σ|·| ≤ (1 − β)·log(1 / (1 − β))
+    # ≤ 1/e, and in the teacher's β·log(1/β) ≤ 1/e: the JSD moves by at most 2ε/e < ε; then
+    # its float32 sum over the vocabulary against this float64 one, V + 8 roundings of terms < 1
+    vocab = mine.shape[-1]
+    bound = forward_bound(policy.config, logit_magnitude(policy)) + (vocab + 8) * 2**-24
+    assert metrics["teacher_jsd"] == pytest.approx(expected, abs=bound)
+    assert metrics["loss"] == pytest.approx(0.5 * metrics["teacher_jsd"], rel=4 * 2**-24)
+    assert metrics["trained_frac"] == 1.0 and "teacher_kl" not in metrics
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), policy.parameters()))
+    same = copy.deepcopy(policy)
+    metrics = train_update.update(cfg, same, torch.optim.AdamW(same.parameters(), lr=1e-2),
+                                  batch, advantages, None, teacher=policy)  # fmt: skip
+    assert abs(metrics["teacher_jsd"]) <= bound
+
+
+def _log_softmax(model, rollout, temperature):
+    """log-softmax (N, T, V) of one forward of the N full sequences."""
+    g = rollout.group_size
+    ids = torch.cat([rollout.prompt_ids.repeat_interleave(g, 0), rollout.completion_ids], 1)
+    attn = torch.cat([rollout.prompt_mask.repeat_interleave(g, 0), torch.ones_like(rollout.mask)],
+                     1)  # fmt: skip
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    return torch.log_softmax(logits[:, rollout.prompt_ids.shape[1] - 1 : -1] / temperature, -1)
+
+
+def test_jsd_through_the_cli_and_its_mistakes(tmp_path, capsys):
+    """`grouprl train --teacher M --teacher-loss jsd` trains and logs teacher_jsd; its knobs
+    without it, or without a teacher, are one line each."""
+    import json
+
+    from grouprl.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--prompts-per-step", "4", "--teacher", "builtin:arith",
+                 "--teacher-loss", "jsd", "--teacher-beta", "1", "--eval-every", "0",
+                 "--output-dir", str(run), "--no-progress"]) == 0  # fmt: skip
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["teacher_jsd"] >= 0 for r in rows)
+    for flags, message in [
+        (["--teacher-loss", "jsd"], "--teacher-loss jsd distils from a teacher"),
+        (["--teacher", "builtin:arith", "--teacher-beta", "0"], "add --teacher-loss jsd"),
+        (["--teacher", "builtin:arith", "--teacher-loss", "jsd", "--teacher-beta", "2"],
+         "teacher_beta must lie in [0, 1]"),
+    ]:  # fmt: skip
+        capsys.readouterr()
+        assert main(["train", *flags, "--output-dir", str(tmp_path / "no"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+        assert not (tmp_path / "no").exists()
+    # vespo weighs whole sequences, which the jsd loss's per-sequence advantages allow
+    resolve(TrainConfig(algo="vespo", teacher="builtin:arith", teacher_loss="jsd"),
+            task_max_new_tokens=8)  # fmt: skip

@@ -353,6 +353,16 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     teacher_task_weight: float = 1.0
     """On-policy distillation: the task's group advantage's weight beside it (0: distillation
     alone)."""
+    teacher_loss: Literal["advantage", "jsd"] = "advantage"
+    """On-policy distillation's loss: advantage (the sampled token's reverse-KL reward in the
+    objective, above) or jsd (TRL's GKD: --teacher-coef x the generalized Jensen-Shannon
+    divergence between the whole next-token distributions at every trained position, a
+    supervised term with no ratio, added to the objective on the task's advantages x
+    --teacher-task-weight; the teacher runs with each pass)."""
+    teacher_beta: float = 0.5
+    """--teacher-loss jsd's beta in [0, 1]: 0 is the forward KL(teacher || student), 1 the
+    reverse KL(student || teacher), between them the mixture's JSD (TRL GKDTrainer's 0.5;
+    TRL's DistillationTrainer uses 1)."""
     top_entropy_quantile: float = 1.0
     """Train only the tokens whose entropy (the sampler's) is in the top rho of the batch
     ("Beyond the 80/20 Rule", arXiv 2506.01939, trains the top 0.2; TRL's top_entropy_quantile):

@@ -115,7 +115,18 @@ def _objective_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
     """The entropy options', the estimators' and distillation's rules."""
     return [
         (
-            cfg.teacher is None or cfg.objective not in ("gmpo", "vespo"),
+            cfg.teacher is not None or cfg.teacher_loss == "advantage",
+            "--teacher-loss jsd distils from a teacher: give it with --teacher MODEL",
+        ),
+        (
+            cfg.teacher_loss == "jsd" or cfg.teacher_beta == 0.5,
+            "--teacher-beta weighs --teacher-loss jsd's divergence; add --teacher-loss jsd",
+        ),
+        (0 <= cfg.teacher_beta <= 1, "teacher_beta must lie in [0, 1] (0: forward KL, 1: reverse)"),
+        (
+            cfg.teacher is None
+            or cfg.teacher_loss == "jsd"
+            or cfg.objective not in ("gmpo", "vespo"),
             f"--teacher gives each token its own advantage; --objective {cfg.objective} weighs "
             "whole sequences by one: use clip, cispo, sapo or gpg",
         ),
@@ -196,6 +207,12 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"{world_size} times minibatches {cfg.minibatches} (= {parts}): every rank trains "
             "whole groups, as many in each minibatch; change --prompts-per-step, --minibatches "
             "or --nproc-per-node",
+        ),
+        (
+            world_size == 1 or cfg.strategy != "fsdp" or cfg.teacher_loss != "jsd",
+            "--teacher-loss jsd runs the teacher's head inside the policy's forward, which a "
+            "sharded (--strategy fsdp) teacher cannot; use --strategy ddp or --teacher-loss "
+            "advantage",
         ),
         (
             world_size == 1 or cfg.strategy != "fsdp" or cfg.lora_r is None,

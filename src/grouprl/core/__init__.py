@@ -15,7 +15,7 @@ from .advantages import (
     mixed_groups,
     zero_variance_groups,
 )
-from .distill import distillation_advantages, reverse_kl
+from .distill import distillation_advantages, generalized_jsd, reverse_kl
 from .estimators import (
     ESTIMATORS,
     gpg_advantages,
@@ -83,6 +83,7 @@ __all__ = [
     "correction_weights",
     "distillation_advantages",
     "gdpo_advantages",
+    "generalized_jsd",
     "gmpo_objective",
     "gpg_advantages",
     "gpg_objective",

@@ -13,7 +13,13 @@ forward), Â_i the task's group advantage (w = 0: distillation alone, Tinker's z
 datasets) and c the KL coefficient (Tinker's kl_penalty_coef, 1). The objective then treats
 A_t as any advantage (the clip, CISPO, ...). Teacher and student must share a tokenizer: the
 teacher scores the student's token ids.
+
+The other loss (`generalized_jsd`, `--teacher-loss jsd`): the whole next-token distributions
+compared at every position of the student's samples, a supervised loss with no ratio and no
+sampling noise (GKD, Agarwal et al.; TRL's GKDTrainer).
 """
+
+import math
 
 import torch
 
@@ -41,3 +47,30 @@ def reverse_kl(sampler_logp: Tensor, teacher_logp: Tensor, mask: Tensor) -> tupl
     mask = mask.bool()
     gap = sampler_logp.detach().double() - teacher_logp.detach().double()
     return float(torch.where(mask, gap, 0.0).sum()), int(mask.sum())
+
+
+def generalized_jsd(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
+    """Per position (...,): the generalized Jensen-Shannon divergence between the student's and
+    the teacher's next-token distributions, summed over the vocabulary (the last dimension of
+    both log-softmaxes, (..., V)); GKD's Eq. 1 (arXiv 2306.13649) as TRL 1.16 computes it
+    (`trl/experimental/gkd/gkd_trainer.py::generalized_jsd_loss`):
+
+        M = (1 − β)·π_S + β·π_T,   JSD_β = β·KL(π_T ‖ M) + (1 − β)·KL(π_S ‖ M)
+
+    with TRL's endpoints: β = 0 is the forward KL(π_T ‖ π_S) and β = 1 the reverse KL(π_S ‖ π_T)
+    (JSD_β itself tends to 0 at both ends). Differentiable in both; the caller detaches the
+    teacher. Its gradient in the student's probabilities is (1 − β)·log(π_S / M) (β < 1)."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must lie in [0, 1], got {beta}")
+    if beta == 0.0:
+        return _kl(teacher_logp, student_logp)
+    if beta == 1.0:
+        return _kl(student_logp, teacher_logp)
+    mixture = torch.logaddexp(student_logp + math.log1p(-beta), teacher_logp + math.log(beta))
+    return beta * _kl(teacher_logp, mixture) + (1.0 - beta) * _kl(student_logp, mixture)
+
+
+def _kl(logp: Tensor, logq: Tensor) -> Tensor:
+    """KL(p ‖ q) over the last dimension from log-probabilities, 0·log 0 = 0."""
+    p = logp.exp()
+    return torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)

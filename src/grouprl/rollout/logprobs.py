@@ -21,7 +21,7 @@ model by a tiny probe and take the plain path: one full forward with full logits
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,8 @@ def completion_logprobs(
     chunk_tokens: int | None = None,
     share_prompt: bool = True,
     buckets: Sequence[torch.Tensor] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    divergence: Divergence | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Per-token log-probs (N, T) of `batch.completion_ids` under softmax(logits / temperature).
 
     batch: a `Rollout`, or anything with prompt_ids (B, P) left-padded, prompt_mask (B, P),
@@ -63,9 +64,10 @@ def completion_logprobs(
         tokens beside rows of 200 in every group otherwise all run at 200); the same values in
         exact arithmetic (ValueError unless each row is in one bucket). Ignored where the
         prompt is not shared or the cache is not plain full attention (sliding windows).
+    divergence: a `Divergence`, computed chunk by chunk with the head (no (N, T, V) tensor).
 
-    Returns logp (N, T), or (logp, entropy); both float32 (float64 for a float64 model) and 0
-    where `mask` is False.
+    Returns logp (N, T), or (logp, entropy), with the divergence (N, T) after them when given;
+    all float32 (float64 for a float64 model) and 0 where `mask` is False.
     Differentiable w.r.t. the model's parameters; wrap in `torch.no_grad()` for old/reference
     log-probs. Positions and masks are built exactly as in `sample_groups`, so on the sampled
     tokens this equals `Rollout.old_logp` to float rounding.
@@ -84,10 +86,10 @@ def completion_logprobs(
     n, width = mask.shape
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
     logp = torch.zeros((n, width), dtype=dtype, device=device)
-    entropy = torch.zeros_like(logp)
     used = int(mask.sum(-1).max()) if n else 0  # T' ≤ T: trailing all-pad columns skipped
+    wanted = tuple(torch.zeros_like(logp) for _ in range(with_entropy + (divergence is not None)))
     if used == 0:
-        return (logp, entropy) if with_entropy else logp
+        return (logp, *wanted) if wanted else logp
 
     prompt_mask = batch.prompt_mask.to(device).bool()  # (B, P)
     first = int((~prompt_mask.any(0)).long().cumprod(0).sum())  # leading all-pad columns
@@ -101,18 +103,59 @@ def completion_logprobs(
             model.get_decoder(), prompt_ids, prompt_mask, completion_ids, group_size, share_prompt,
             None if buckets is None else _bucket_widths(buckets, sel),
         )  # fmt: skip
-        lp, ent = _head_logp(model, hidden[sel], completion_ids[sel], temperature, with_entropy,
-                             chunk_tokens)  # fmt: skip
+        lp, ent, div = _head_logp(model, hidden[sel], completion_ids[sel], temperature,
+                                  with_entropy, chunk_tokens, divergence)  # fmt: skip
     else:
         logits = _full_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)
-        lp, ent = _token_logp(logits[sel], completion_ids[sel], temperature, with_entropy)
+        lp, ent, div = _token_logp(logits[sel], completion_ids[sel], temperature, with_entropy,
+                                   divergence)  # fmt: skip
 
     full_sel = torch.zeros_like(mask)
     full_sel[:, :used] = sel
     logp = logp.masked_scatter(full_sel, lp)
-    if not with_entropy:
+    found = [values for values in (ent, div) if values is not None]
+    if not found:
         return logp
-    return logp, entropy.masked_scatter(full_sel, ent)
+    return (logp, *(empty.masked_scatter(full_sel, v) for empty, v in zip(wanted, found)))
+
+
+#: A per-position function of the whole next-token distribution (distillation's loss against
+#: a teacher, `next_token_log_softmax`): called with the log-softmax (m, V) of m consecutive
+#: positions under the mask (row-major) and the first one's index among them; returns (m,).
+Divergence = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def next_token_log_softmax(
+    model: nn.Module, batch: Any, *, temperature: float = 1.0
+) -> Callable[[int, int], torch.Tensor]:
+    """The model's next-token log-softmax(logits / temperature) at the completion positions
+    under `batch.mask`, in `completion_logprobs`'s row-major order: a function of (start,
+    stop) giving those positions' (m, V), without gradients. The decoder runs once here; the
+    head runs per call, so only the (M, H) hidden states are kept (a head that is more than a
+    projection keeps its (M, V) logits). For a teacher's side of `divergence`."""
+    check_temperature(temperature)
+    device = _hf.model_device(model)
+    mask = batch.mask.to(device)
+    used = int(mask.sum(-1).max()) if mask.numel() else 0
+    prompt_mask = batch.prompt_mask.to(device).bool()
+    ids = batch.prompt_ids.to(device), batch.completion_ids.to(device)[:, : max(used, 1)]
+    sel = mask[:, : max(used, 1)]
+    with torch.no_grad():
+        if plain_head(model):
+            hidden = _completion_hidden(model.get_decoder(), ids[0], prompt_mask, ids[1],
+                                        int(batch.group_size))[sel]  # fmt: skip
+            head = model.get_output_embeddings()
+        else:
+            hidden = _full_logits(model, ids[0], prompt_mask, ids[1], int(batch.group_size))[sel]
+            head = nn.Identity()
+
+    def log_softmax(start: int, stop: int) -> torch.Tensor:
+        with torch.no_grad():
+            scores = head(hidden[start:stop])
+            scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+            return F.log_softmax(scores / temperature if temperature != 1.0 else scores, dim=-1)
+
+    return log_softmax
 
 
 def _head_logp(
@@ -122,38 +165,41 @@ def _head_logp(
     temperature: float,
     with_entropy: bool,
     chunk_tokens: int | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The head's log-probs (M,) of `targets` (M,) from hidden states h (M, H), and entropies,
-    in chunks of `chunk_tokens` positions (default: 2^25 / vocab logits at a time). One chunk's
-    logits fit the memory budget as they are; only several chunks need the
-    recompute-in-backward that bounds memory (and costs a second head matmul)."""
+    divergence: Divergence | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The head's log-probs (M,) of `targets` (M,) from hidden states h (M, H), and entropies
+    and divergences (or None), in chunks of `chunk_tokens` positions (default: 2^25 / vocab
+    logits at a time). One chunk's logits fit the memory budget as they are; only several
+    chunks need the recompute-in-backward that bounds memory (and costs a second head matmul)."""
     head = model.get_output_embeddings()
     step = chunk_tokens or max(1, _LOGIT_CHUNK_ELEMENTS // _vocab_size(model, head))
     recompute = h.shape[0] > step
-    parts = [
-        _chunk_logp(
-            head, h[i : i + step], targets[i : i + step], temperature, with_entropy, recompute
-        )
-        for i in range(0, h.shape[0], step)
-    ]
+    parts = []
+    for i in range(0, h.shape[0], step):
+        parts.append(_chunk_logp(head, h[i : i + step], targets[i : i + step], temperature,
+                                 with_entropy, recompute, divergence, i))  # fmt: skip
     lp = torch.cat([p[0] for p in parts])  # (M,)
-    return lp, (torch.cat([p[1] for p in parts]) if with_entropy else None)
+    ent = torch.cat([p[1] for p in parts]) if with_entropy else None
+    return lp, ent, (torch.cat([p[2] for p in parts]) if divergence is not None else None)
 
 
 def _token_logp(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits (M, V), targets (M,) → log-prob (M,) float32 (float64 logits stay float64) and
-    entropy (M,) or None."""
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    divergence: Divergence | None = None,
+    start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """logits (M, V), targets (M,) → log-prob (M,) float32 (float64 logits stay float64),
+    entropy (M,) or None, and `divergence` of the positions from `start` on (M,) or None."""
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         scores = scores / temperature
     logp_all = F.log_softmax(scores, dim=-1)  # (M, V)
     lp = logp_all.gather(-1, targets[:, None]).squeeze(1)  # (M,)
-    if not with_entropy:
-        return lp, None
-    ent = -(logp_all.exp() * logp_all).sum(-1)  # (M,)
-    return lp, ent
+    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None  # (M,)
+    return lp, ent, (None if divergence is None else divergence(logp_all, start))
 
 
 def _chunk_logp(
@@ -163,23 +209,28 @@ def _chunk_logp(
     temperature: float,
     with_entropy: bool,
     recompute: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Head + log-softmax on one chunk of hidden states h (m, H); with `recompute`, checkpointed
-    under autograd so that its (m, vocab) logits are not kept for backward."""
+    divergence: Divergence | None = None,
+    start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Head + log-softmax on one chunk of hidden states h (m, H), the chunk's first position
+    `start`; with `recompute`, checkpointed under autograd so that its (m, vocab) logits are
+    not kept for backward."""
 
-    def run(h_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lp, ent = _token_logp(head(h_), targets, temperature, with_entropy)
-        return lp, (ent if ent is not None else lp.new_zeros(()))
+    def run(h_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lp, ent, div = _token_logp(head(h_), targets, temperature, with_entropy, divergence,
+                                   start)  # fmt: skip
+        none = lp.new_zeros(())
+        return lp, (none if ent is None else ent), (none if div is None else div)
 
     if (
         recompute
         and torch.is_grad_enabled()
         and (h.requires_grad or any(p.requires_grad for p in head.parameters()))
     ):
-        lp, ent = checkpoint(run, h, use_reentrant=False)
+        lp, ent, div = checkpoint(run, h, use_reentrant=False)
     else:
-        lp, ent = run(h)
-    return lp, (ent if with_entropy else None)
+        lp, ent, div = run(h)
+    return lp, (ent if with_entropy else None), (div if divergence is not None else None)
 
 
 def _completion_hidden(

@@ -97,11 +97,13 @@ def train_on(
         with base_model_context(run.policy):
             model = run.reference or run.policy
             ref_logp = no_grad_logprobs(cfg, model, batch.rollout, run.sampler.dtype)
-    teacher_logp = None
-    if run.teacher is not None:  # on-policy distillation: the teacher scores the samples
+    teacher_logp, jsd_teacher = None, None
+    if run.teacher is not None and cfg.teacher_loss == "jsd":  # it runs with each pass
+        jsd_teacher = run.teacher
+    elif run.teacher is not None:  # on-policy distillation: the teacher scores the samples
         teacher_logp = no_grad_logprobs(cfg, run.teacher, batch.rollout, run.sampler.dtype)
     diagnostics = update(cfg, run.policy, run.optimizer, batch, advantages, ref_logp,
-                         teacher_logp=teacher_logp,
+                         teacher_logp=teacher_logp, teacher=jsd_teacher,
                          dtype=run.sampler.dtype, scaler=run.scaler, dist=dist,
                          lockstep=run.lockstep, entropy_state=entropy_state,
                          step=step)  # fmt: skip

@@ -30,7 +30,6 @@ from grouprl.core import (
     logp_mismatch,
     mean_over,
     policy_loss,
-    reverse_kl,
 )
 from grouprl.faults import fault
 from grouprl.models import activation_checkpointing as checkpointing
@@ -49,6 +48,7 @@ from grouprl.train.plan import (
     plan_minibatches,
     with_global_counts,
 )
+from grouprl.train.teacher import TeacherLoss, teacher_metrics
 
 
 def update(
@@ -66,12 +66,13 @@ def update(
     entropy_state: tuple[float | None, float | None] = (None, None),
     step: int = 0,
     teacher_logp: torch.Tensor | None = None,
+    teacher: nn.Module | None = None,
 ) -> dict[str, float]:
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
 
     entropy_state, step: the adaptive entropy coefficient and last entropy as the run's state
-    holds them, and the step (Clip-Cov's draw's seed): see `EntropyTerms`. teacher_logp (N, T):
-    on-policy distillation's teacher on the samples (`grouprl.core.distillation_advantages`).
+    holds them, and the step (Clip-Cov's draw's seed): see `EntropyTerms`. teacher_logp (N, T)
+    / teacher: the teacher's log-probs of the samples, or itself (`grouprl.train.teacher`).
 
     advantages: (N,); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
     run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of fp16 forwards (see
@@ -103,9 +104,10 @@ def update(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     plans, mismatch = _plans(cfg, policy, rollout, advantages, mask, dtype, dist,
                              lockstep or Lockstep(dist))  # fmt: skip
-    inputs = _loss_inputs(cfg, rollout, advantages, mask, ref_logp, dtype, dist, teacher_logp)
+    inputs = _loss_inputs(cfg, rollout, advantages, mask, ref_logp, dtype, dist, teacher_logp,
+                          teacher)  # fmt: skip
     sums = UpdateSums(has_kl=ref_logp is not None)
-    applied, bypass_mismatch = CorrectionSums(), MismatchSums()
+    applied, bypass_mismatch, jsd = CorrectionSums(), MismatchSums(), (0.0, 0.0)
     extras = EntropyTerms.start(cfg, dist, entropy_state, step, inputs.advantages, inputs.mask)
     for epoch in range(cfg.epochs):
         for index, plan in enumerate(plans):
@@ -124,24 +126,11 @@ def update(
             sums.add(plan, passes.loss, passes.stats, passes.extremes, passes.trained_rows,
                      passes.rows, grad_norm)  # fmt: skip
             extras.after(*passes.entropy)
-    if inputs.bypass:  # measured against each minibatch's forward, before its step
-        mismatch = bypass_mismatch
+            jsd = (jsd[0] + passes.teacher[0], jsd[1] + passes.teacher[1])
+    mismatch = bypass_mismatch if inputs.bypass else mismatch  # bypass: each pass's forward
     return {**_update_metrics(sums, inputs, mismatch, applied, dist),
-            **extras.metrics(inputs.threshold), **_teacher_metrics(rollout, teacher_logp, mask,
-                                                                   dist)}  # fmt: skip
-
-
-def _teacher_metrics(
-    rollout: Rollout, teacher_logp: torch.Tensor | None, mask: torch.Tensor, dist: Dist
-) -> dict[str, float]:
-    """With a teacher: `teacher_kl`, the student's reverse KL to it per trained token (k1 on
-    the student's own samples), over the whole job."""
-    if teacher_logp is None:
-        return {}
-    gap, tokens = reverse_kl(rollout.sampler_logp, teacher_logp, mask)
-    if dist.enabled:
-        gap, tokens = dist.all_reduce(torch.tensor([gap, tokens], dtype=torch.float64)).tolist()
-    return {"teacher_kl": mean_over(gap, tokens)}
+            **extras.metrics(inputs.threshold),
+            **teacher_metrics(rollout, teacher_logp, mask, jsd if teacher else None, dist)}  # fmt: skip
 
 
 def _update_metrics(
@@ -172,11 +161,13 @@ def _loss_inputs(
     dtype: torch.dtype | None,
     dist: Dist = SINGLE,
     teacher_logp: torch.Tensor | None = None,
+    teacher: nn.Module | None = None,
 ) -> _LossInputs:
     """What every pass's loss reads: the correction only where the sampler is not the
     trainer's fp32 forward (another dtype, engine or version), bypass only there too; the
     off-policy sequence mask alone also where a batch trains several updates (its π_b is then
-    the sampler's log-probs, old_logp: the drift is the updates')."""
+    the sampler's log-probs, old_logp: the drift is the updates'). With a teacher, per-token
+    advantages (`teacher_logp`) or the jsd loss (`teacher`) beside the task's weighted ones."""
     corr = correction(cfg)
     differs = dtype is not None or rollout.behaviour_logp is not None
     if not differs:
@@ -189,10 +180,14 @@ def _loss_inputs(
                                             teacher_logp.to(mask.device), mask,
                                             coef=cfg.teacher_coef,
                                             task_weight=cfg.teacher_task_weight)  # fmt: skip
+    jsd = None
+    if teacher is not None:
+        advantages = advantages * cfg.teacher_task_weight
+        jsd = TeacherLoss(teacher, cfg.teacher_beta, cfg.teacher_coef, cfg.temperature)
     return _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype,
                        corr if corr.active else None,
                        differs and cfg.proximal == "behaviour", keep, threshold,
-                       per_token)  # fmt: skip
+                       per_token, jsd)  # fmt: skip
 
 
 def correction_metrics(sums: CorrectionSums, dist: Dist = SINGLE) -> dict[str, float]:
@@ -279,16 +274,20 @@ class PassSums:
     mismatch: MismatchSums = field(default_factory=MismatchSums)  # bypass: the sampler
     # against these passes' forward
     entropy: tuple[float, float] = (0.0, 0.0)  # with an entropy bonus: Σ H and the tokens
+    teacher: tuple[float, float] = (0.0, 0.0)  # --teacher-loss jsd: Σ JSD and the tokens
 
     def over_ranks(self, dist: Dist) -> PassSums:
         """The sums of every rank's passes: one all-reduce (float64)."""
         if not dist.enabled:
             return self
         packed = torch.tensor([self.loss, *self.stats, self.trained_rows, self.rows,
-                               *self.entropy], dtype=torch.float64, device=dist.device)  # fmt: skip
-        loss, *stats, trained_rows, rows, h_sum, h_tokens = dist.all_reduce(packed).tolist()
+                               *self.entropy, *self.teacher], dtype=torch.float64,
+                              device=dist.device)  # fmt: skip
+        loss, *stats, trained_rows, rows, h_sum, h_tokens, j_sum, j_tokens = dist.all_reduce(
+            packed).tolist()  # fmt: skip
         return dataclasses.replace(self, loss=loss, stats=stats, trained_rows=trained_rows,
-                                   rows=rows, entropy=(h_sum, h_tokens))  # fmt: skip
+                                   rows=rows, entropy=(h_sum, h_tokens),
+                                   teacher=(j_sum, j_tokens))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -305,6 +304,7 @@ class _LossInputs:
     keep: torch.Tensor | None = None  # (N, T) bool: the high-entropy tokens (None: all)
     threshold: float | None = None  # their entropy threshold
     token_advantages: torch.Tensor | None = None  # (N, T) with a teacher (None: `advantages`)
+    teacher: TeacherLoss | None = None  # --teacher-loss jsd
 
 
 def _backward(
@@ -326,36 +326,22 @@ def _backward(
     this forward's (detached) log-probs, as verl's bypass mode computes it. The high-entropy
     tokens (`inputs.keep`) and `selections` (Clip-Cov's held back, KL-Cov's penalised) weigh in
     too (`_selection_weight`). `bonus` (None: none): the loss minus bonus · Σ H over the kept
-    trained tokens / the minibatch's trained tokens; H is summed for the metrics."""
+    trained tokens / the minibatch's trained tokens; H is summed for the metrics. With
+    --teacher-loss jsd the loss adds coef · Σ JSD over the trained positions / the same count."""
     device = model_device(policy)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     sums = torch.zeros(len(LossStats.SUMS), dtype=torch.float64, device=device)
     extremes = torch.full((len(LossStats.EXTREMES),), -math.inf, dtype=torch.float64, device=device)
     trained_rows, applied, mismatch = 0, CorrectionSums(), MismatchSums()
-    h_sum = torch.zeros((), dtype=torch.float64, device=device)
-    h_tokens = 0
+    h_sum, j_sum = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
+    h_tokens = j_tokens = 0
     for i, chunk in enumerate(plan.chunks):
-        with (
-            autocast(device, inputs.dtype),
-            _recomputing(cfg, policy),
-            adapter_dropout(policy, cfg.lora_dropout > 0),
-        ):
-            out = logprobs(policy, chunk.rollout, temperature=cfg.temperature,
-                           buckets=chunk.buckets, with_entropy=bonus is not None)  # fmt: skip
-        logp, entropy = out if bonus is not None else (out, None)  # (n, T) fp32
+        logp, entropy, jsd = _forward(cfg, policy, chunk, inputs, bonus is not None)  # (n, T)
         sampled, chunk_mask = chunk.rollout, inputs.mask[chunk.rows]
         keep = None if inputs.keep is None else inputs.keep[chunk.rows]
         chosen = None if selections is None else selections[i]
-        weight = _selection_weight(cfg, keep, chosen, logp.dtype)
-        if inputs.correction is not None:
-            proximal = logp.detach() if inputs.bypass else sampled.old_logp
-            corrected, done = correction_weights(
-                proximal, sampled.sampler_logp, chunk_mask, inputs.correction, logp=logp,
-                advantages=inputs.advantages[chunk.rows],
-            )  # fmt: skip
-            weight = corrected if weight is None else weight * corrected
-            if chunk.weight:
-                applied += done
+        weight, done = _token_weight(cfg, inputs, chunk, logp, keep, chosen)
+        applied = applied + done if chunk.weight else applied
         if inputs.bypass and first_epoch and chunk.weight:
             mismatch += logp_mismatch(sampled.sampler_logp, logp.detach(), chunk_mask)
         ref_logp = None if inputs.ref_logp is None else inputs.ref_logp[chunk.rows]
@@ -365,6 +351,11 @@ def _backward(
                           num_seqs=plan.num_seqs, token_weight=weight,
                           penalty_mask=chosen if cfg.objective == "kl_cov" else None)  # fmt: skip
         loss = out.loss
+        if jsd is not None:  # distillation's divergence over the trained positions
+            total = torch.where(chunk_mask, jsd, 0.0).sum()
+            loss = loss + inputs.teacher.coef * total / plan.num_tokens
+            j_sum, j_tokens = (j_sum + total.detach() * chunk.weight,
+                               j_tokens + int(chunk_mask.sum()) * chunk.weight)  # fmt: skip
         if entropy is not None:  # the bonus over the kept trained tokens
             total, tokens = _entropy_term(entropy, chunk_mask, keep)
             if bonus:  # the adaptive coefficient's 0 only measures: no backward through H
@@ -381,9 +372,54 @@ def _backward(
             sums += out.stats.sums()
             extremes = torch.maximum(extremes, out.stats.extremes())
             trained_rows += len(chunk.rows)
-    shared = torch.cat([loss_sum[None], sums, h_sum[None]]).tolist()  # one host sync
-    return PassSums(shared[0], shared[1:-1], float(trained_rows), float(plan.num_rows),
-                    extremes.cpu(), applied, mismatch, (shared[-1], float(h_tokens)))  # fmt: skip
+    shared = torch.cat([loss_sum[None], sums, h_sum[None], j_sum[None]]).tolist()  # one sync
+    return PassSums(shared[0], shared[1:-2], float(trained_rows), float(plan.num_rows),
+                    extremes.cpu(), applied, mismatch, (shared[-2], float(h_tokens)),
+                    (shared[-1], float(j_tokens)))  # fmt: skip
+
+
+def _forward(
+    cfg: RunConfig, policy, chunk, inputs: _LossInputs, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A pass's forward: the log-probs (n, T) of its rows, their entropies (or None), and with
+    --teacher-loss jsd the divergence from the teacher at each position (or None)."""
+    device = model_device(policy)
+    with (
+        autocast(device, inputs.dtype),
+        _recomputing(cfg, policy),
+        adapter_dropout(policy, cfg.lora_dropout > 0),
+    ):
+        divergence = None if inputs.teacher is None else inputs.teacher.divergence(chunk.rollout)
+        out = logprobs(policy, chunk.rollout, temperature=cfg.temperature, buckets=chunk.buckets,
+                       with_entropy=with_entropy, divergence=divergence)  # fmt: skip
+    out = list(out) if isinstance(out, tuple) else [out]
+    logp = out.pop(0)
+    entropy = out.pop(0) if with_entropy else None
+    return logp, entropy, (out.pop(0) if divergence is not None else None)
+
+
+def _token_weight(
+    cfg: RunConfig,
+    inputs: _LossInputs,
+    chunk,
+    logp: torch.Tensor,
+    keep: torch.Tensor | None,
+    chosen: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, CorrectionSums]:
+    """A pass's per-token weight of the objective (None: all 1): the selections'
+    (`_selection_weight`) times the off-policy correction's, from the trainer's old_logp
+    against the sampler's or in bypass mode from this forward's (detached) log-probs; and what
+    the correction did."""
+    weight = _selection_weight(cfg, keep, chosen, logp.dtype)
+    if inputs.correction is None:
+        return weight, CorrectionSums()
+    sampled = chunk.rollout
+    proximal = logp.detach() if inputs.bypass else sampled.old_logp
+    corrected, done = correction_weights(
+        proximal, sampled.sampler_logp, inputs.mask[chunk.rows], inputs.correction, logp=logp,
+        advantages=inputs.advantages[chunk.rows],
+    )  # fmt: skip
+    return (corrected if weight is None else weight * corrected), done
 
 
 def _zero_gradients(params: list[nn.Parameter]) -> None:
