@@ -64,7 +64,7 @@ def test_clipping_example(data):
     )
 
 
-def test_run_prints_five_tables(capsys):
+def test_run_prints_six_tables(capsys):
     assert run() == 0
     out = capsys.readouterr().out
     for text in (
@@ -73,6 +73,7 @@ def test_run_prints_five_tables(capsys):
         "3. Where the clip binds",
         "4. The gradient each token keeps",
         "5. Example 1's group [1, 0, 0, 0], by estimator",
+        "6. The entropy mechanism",
         "e^200 ≈ 7.2e86",
         "1.105",
     ):
@@ -116,3 +117,19 @@ def test_estimators_example(data):
     assert shown["grpo_passk"] == approx([2.0, 0.0, 0.0, 0.0])
     assert shown["grpo"] == approx([3**0.5, -(3**-0.5), -(3**-0.5), -(3**-0.5)])
     assert data["objectives"]["slopes"]["gpg"] == {"A=+1": [1.0, 1.0], "A=-1": [-1.0, -1.0]}
+
+
+def test_covariance_example(data):
+    """Example 1's group [1, 0, 0, 0]: Â = (√3, −1/√3, −1/√3, −1/√3), mean 0; each completion's
+    tokens have π 0.9 and 0.05, so log π − mean log π = ±d with d = (log 0.9 − log 0.05)/2 =
+    log(18)/2. cov = Â·(±d): o1's confident token √3·d ≈ 2.50 lies in Clip-Cov's band (1, 5) and
+    is KL-Cov's top token (the top 2e-4 of 8 tokens is at least one); o2-o4's unlikely tokens
+    d/√3 ≈ 0.83 fall below the band; the other two are negative."""
+    cov = data["covariance"]
+    d = math.log(18) / 2
+    approx = lambda xs: pytest.approx(xs, rel=1e-12, abs=1e-15)  # noqa: E731
+    r3 = 3**0.5
+    assert cov["covariance"] == [approx([r3 * d, -r3 * d])] + [approx([-d / r3, d / r3])] * 3
+    assert round(r3 * d, 2) == 2.50 and round(d / r3, 2) == 0.83
+    assert cov["clip_cov_candidates"] == [[True, False]] + [[False, False]] * 3
+    assert cov["kl_cov_selected"] == [[True, False]] + [[False, False]] * 3

@@ -10,6 +10,10 @@
    REINFORCE stop none.
 5. Example 1's batch under verl's other baselines (grouprl.core.estimators): the group [1, 0, 0, 0]
    as GRPO, RLOO, OPO, GPG, REINFORCE++ (with and without its baseline) and Pass@k see it.
+6. The entropy mechanism (grouprl.core.entropy): that group's GRPO advantages on two tokens per
+   completion, a confident one (π 0.9) and an unlikely one (π 0.05); the covariance of log π and
+   Â says which token's update lowers the entropy most, which Clip-Cov holds back and KL-Cov
+   penalises.
 """
 
 import math
@@ -33,6 +37,7 @@ from grouprl.core import (
     reinforce_pp_advantages,
     sapo_objective,
 )
+from grouprl.core.entropy import clip_cov_candidates, covariance_count, token_covariance
 
 EPSILON = 0.2  # the clip range of example 3
 SIGNS = {"A=+1": 1.0, "A=-1": -1.0}
@@ -182,14 +187,38 @@ def _estimators_example() -> dict:
             "advantages": {name: a.tolist() for name, a in estimates.items()}}  # fmt: skip
 
 
+#: Example 6: each completion's two tokens' probabilities, and verl's Clip-Cov band and KL-Cov share
+_COV_PROBS, _COV_BAND, _KL_COV_RATIO = [0.9, 0.05], (1.0, 5.0), 2e-4
+
+
+def _covariance_example() -> dict:
+    """Example 1's group [1, 0, 0, 0] with GRPO's advantages, each completion the tokens
+    `_COV_PROBS`: cov_t = (Â − mean Â)·(log π_t − mean log π) over the 8 tokens; Clip-Cov's
+    candidates lie in the band, KL-Cov's choice is the top covariance."""
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    adv = group_advantages(rewards, eps=0.0)[0]  # (4,)
+    logp = torch.tensor(_COV_PROBS, dtype=torch.float64).log().expand(4, 2)  # (4, 2)
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    mean_adv, mean_logp = float(adv.mean()), float(logp.mean())
+    cov = token_covariance(adv, logp, mask, mean_adv, mean_logp)  # (4, 2)
+    k = covariance_count(_KL_COV_RATIO, int(mask.sum()))
+    top = torch.zeros(8, dtype=torch.bool)
+    top[cov.flatten().topk(k).indices] = True
+    return {"probs": _COV_PROBS, "advantages": adv.tolist(), "mean_logp": mean_logp,
+            "covariance": cov.tolist(), "band": list(_COV_BAND), "kl_cov_ratio": _KL_COV_RATIO,
+            "clip_cov_candidates": clip_cov_candidates(cov, *_COV_BAND).tolist(),
+            "kl_cov_selected": top.view(4, 2).tolist()}  # fmt: skip
+
+
 def worked_examples() -> dict:
-    """All numbers of the five examples (what ``grouprl explain --json`` prints)."""
+    """All numbers of the six examples (what ``grouprl explain --json`` prints)."""
     return {
         "advantages": _advantages_example(),
         "sequence_ratio": _sequence_ratio_example(),
         "clipping": _clipping_example(),
         "objectives": _objectives_example(),
         "estimators": _estimators_example(),
+        "covariance": _covariance_example(),
     }
 
 
@@ -245,8 +274,31 @@ def _estimators_table(est: dict) -> tuple[Table, list[str]]:
     return table, notes
 
 
+def _covariance_table(cov: dict) -> tuple[Table, list[str]]:
+    table = _table(
+        "6. The entropy mechanism: cov(log π, Â) per token of example 1's group",
+        ["token", "π", "Â", "log π − mean", "cov", "Clip-Cov band", "KL-Cov top"],
+    )
+    for i, label in ((0, "o1"), (1, "o2-o4")):
+        for j, p in enumerate(cov["probs"]):
+            centred = math.log(p) - cov["mean_logp"]
+            table.add_row(f"{label} t{j + 1}", _num(p, 2), _num(cov["advantages"][i]),
+                          _num(centred), _num(cov["covariance"][i][j]),
+                          "in" if cov["clip_cov_candidates"][i][j] else "-",
+                          "top" if cov["kl_cov_selected"][i][j] else "-")  # fmt: skip
+    low, high = cov["band"]
+    notes = [
+        "The entropy falls by this covariance (Cui et al. 2025): rewarding a likely",
+        "token (o1 t1) or penalising an unlikely one (o2-o4 t2) sharpens the policy;",
+        "o1 t2 and o2-o4 t1 have negative covariance: their updates raise it.",
+        f"Clip-Cov: a random share of the tokens with {low:g} < cov < {high:g} lose their gradient.",
+        f"KL-Cov: the top {cov['kl_cov_ratio']:g} of the tokens by cov (at least 1) pay coef·|log r|.",
+    ]
+    return table, notes
+
+
 def render(data: dict, console: Console) -> None:
-    """The five examples as tables, each with its notes."""
+    """The six examples as tables, each with its notes."""
     adv = data["advantages"]
     t1 = _table(
         "1. Group-relative advantages (GRPO): Â_i = (R_i − mean R) / std R",
@@ -313,8 +365,16 @@ def render(data: dict, console: Console) -> None:
 
     t4, notes4 = _objectives_table(data["objectives"])
     t5, notes5 = _estimators_table(data["estimators"])
-    console.print("GRPO and GSPO in five worked examples (every number computed by grouprl.core)")
-    for table, notes in ((t1, notes1), (t2, notes2), (t3, notes3), (t4, notes4), (t5, notes5)):
+    t6, notes6 = _covariance_table(data["covariance"])
+    console.print("GRPO and GSPO in six worked examples (every number computed by grouprl.core)")
+    for table, notes in (
+        (t1, notes1),
+        (t2, notes2),
+        (t3, notes3),
+        (t4, notes4),
+        (t5, notes5),
+        (t6, notes6),
+    ):
         console.print()
         console.print(table)
         for note in notes:

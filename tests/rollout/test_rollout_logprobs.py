@@ -219,16 +219,15 @@ def test_empty_completions_give_zeros(llama, tokenizer):
 @pytest.mark.numerics
 @pytest.mark.parametrize("chunk_tokens", [7, None])  # several recomputed chunks; one stored
 def test_a_divergence_against_a_teacher_equals_the_full_distributions(
-    model64, tokenizer, chunk_tokens
+    model64, make_model, tokenizer, chunk_tokens
 ):
     """`divergence` sees each position's whole log-softmax and the teacher's at the same
     position (`next_token_log_softmax`): the JSD per position and its gradients equal those of
     both models' full logits over the N full sequences."""
-    from conftest import build_model
     from grouprl.core import generalized_jsd
     from grouprl.rollout.logprobs import next_token_log_softmax
 
-    teacher = build_model("qwen2", len(tokenizer), seed=3, dtype=torch.float64)
+    teacher = make_model("qwen2", seed=3, dtype=torch.float64)
     rollout = sample_groups(model64, tokenizer, PROMPTS, group_size=3, max_new_tokens=16, seed=2)
     temperature = 0.8
     theirs = next_token_log_softmax(teacher, rollout, temperature=temperature)
