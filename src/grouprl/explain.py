@@ -297,43 +297,45 @@ def _covariance_table(cov: dict) -> tuple[Table, list[str]]:
     return table, notes
 
 
-def render(data: dict, console: Console) -> None:
-    """The six examples as tables, each with its notes."""
-    adv = data["advantages"]
-    t1 = _table(
+def _advantages_table(adv: dict) -> tuple[Table, list[str]]:
+    table = _table(
         "1. Group-relative advantages (GRPO): Â_i = (R_i − mean R) / std R",
         ["rewards R", "mean", "std", "advantages Â"],
     )
     for g in adv["groups"]:
-        t1.add_row(
+        table.add_row(
             _vector(g["rewards"], 0), _num(g["mean"], 2), _num(g["std"]), _vector(g["advantages"])
         )
-    notes1 = [
+    notes = [
         "The group mean is the baseline (no critic needed); the advantages sum to 0.",
         "Equal rewards give all zeros: a zero-variance group adds no gradient.",
         f"({adv['std']} std, eps = {adv['eps']:g} here; training adds eps = 1e-4 to the std)",
     ]
+    return table, notes
 
-    seq = data["sequence_ratio"]
-    t2 = _table(
+
+def _sequence_ratio_table(seq: dict) -> tuple[Table, list[str]]:
+    table = _table(
         f"2. GSPO's sequence ratio vs the product of token ratios (mean log-ratio {seq['mean_log_ratio']:g})",
         ["tokens |y|", "mean log-ratio", "GSPO ratio e^mean", "product of token ratios"],
     )
     for c in seq["completions"]:
-        t2.add_row(
+        table.add_row(
             str(c["tokens"]),
             _num(c["sequence_log_ratio"]),
             _num(c["sequence_ratio"]),
             c["token_ratio_product"],
         )
-    notes2 = [
+    notes = [
         "GSPO's ratio is a geometric mean: its range does not grow with length.",
         "The product is kept in log space (multiplied out, float32 overflows at e^89).",
     ]
+    return table, notes
 
-    clip = data["clipping"]
+
+def _clipping_table(clip: dict) -> tuple[Table, list[str]]:
     eps = clip["epsilon"]
-    t3 = _table(
+    table = _table(
         f"3. Where the clip binds (ε = {eps:g}): objective min(r·Â, clip(r, {1 - eps:g}, {1 + eps:g})·Â)",
         ["", "old p", "new p", "ratio r", "clip(r)", "Â=+1", "Â=-1", "clip binds"],
     )
@@ -344,7 +346,7 @@ def render(data: dict, console: Console) -> None:
     for k, (name, unit, i) in enumerate(rows):
         objective = clip[f"{unit}_objective"]
         binds = [s for s in SIGNS if clip[f"{unit}_clip_binds"][s][i]]
-        t3.add_row(
+        table.add_row(
             name,
             _num(olds[k], 2),
             _num(news[k], 2),
@@ -355,26 +357,28 @@ def render(data: dict, console: Console) -> None:
             " and ".join("if Â > 0" if SIGNS[s] > 0 else "if Â < 0" for s in binds) or "never",
         )
     frac = clip["token_clip_frac"]
-    notes3 = [
+    notes = [
         "Where the clip binds, the clipped term wins: that token gets no gradient.",
         f"Token level (GRPO): clipped share {frac['A=+1']['high']:.2f} for Â > 0, "
         f"{frac['A=-1']['low']:.2f} for Â < 0.",
         f"Sequence level (GSPO): s = √(2.0·0.5) = {clip['sequence_ratio']:.2f}, in "
         f"[{1 - eps:g}, {1 + eps:g}]: not clipped.",
     ]
+    return table, notes
 
-    t4, notes4 = _objectives_table(data["objectives"])
-    t5, notes5 = _estimators_table(data["estimators"])
-    t6, notes6 = _covariance_table(data["covariance"])
+
+def render(data: dict, console: Console) -> None:
+    """The six examples as tables, each with its notes."""
+    examples = [
+        _advantages_table(data["advantages"]),
+        _sequence_ratio_table(data["sequence_ratio"]),
+        _clipping_table(data["clipping"]),
+        _objectives_table(data["objectives"]),
+        _estimators_table(data["estimators"]),
+        _covariance_table(data["covariance"]),
+    ]
     console.print("GRPO and GSPO in six worked examples (every number computed by grouprl.core)")
-    for table, notes in (
-        (t1, notes1),
-        (t2, notes2),
-        (t3, notes3),
-        (t4, notes4),
-        (t5, notes5),
-        (t6, notes6),
-    ):
+    for table, notes in examples:
         console.print()
         console.print(table)
         for note in notes:
