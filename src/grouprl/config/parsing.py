@@ -36,7 +36,7 @@ LIVE_KEY = "live"
 #: and where it runs. Anything else would make the rest of the run a different run.
 RESUMABLE_FIELDS = (
     "steps", "eval_every", "eval_size", "eval_samples", "save_every", "keep_last",
-    "log_samples", "log_ratios", "log_ratios_every", "doctor", "threads", "progress",
+    "log_samples", "log_ratios", "log_ratios_every", "log_groups", "log_groups_every", "doctor", "threads", "progress",
     "reward_timeout", "tool_timeout", "device", "strategy", "report_to", "run_name", "trl_metrics",
     "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_sleep", "vllm_enforce_eager",
     "vllm_mode", "sampler_threads",

@@ -233,6 +233,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         (cfg.keep_last >= 1, "keep_last must be at least 1"),
         (cfg.log_ratios >= 0, "log_ratios must be >= 0"),
         (cfg.log_ratios_every >= 1, "log_ratios_every must be at least 1"),
+        (cfg.log_groups >= 0, "log_groups must be >= 0"),
+        (cfg.log_groups_every >= 1, "log_groups_every must be at least 1"),
         (cfg.threads is None or cfg.threads >= 1, "threads must be at least 1"),
         (
             cfg.micro_batch_size is None or cfg.micro_batch_size >= 1,

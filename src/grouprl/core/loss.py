@@ -245,9 +245,20 @@ def _objective(
                            lambda_neg=opts.vespo_lambda_neg)  # fmt: skip
 
 
-def _bounded(opts: "LossOptions", ratio: Tensor, adv: Tensor) -> tuple[Tensor, Tensor]:
-    """The tokens the objective's bound acted on, (below, above): the clip's, CISPO's cap (above,
-    whatever Â's sign), GMPO's log-space clip (on token ratios), none for SAPO's or VESPO's."""
+def importance_ratio(
+    logp: Tensor, old_logp: Tensor, mask: Tensor, *, level: str = "token"
+) -> Tensor:
+    """The ratio r (N, T) the loss weighs: exp(log_ratio(level)) with the log-ratio clamped to
+    ±MAX_LOG_RATIO first (as verl does); 1 at masked positions. Differentiable in `logp`."""
+    return log_ratio(logp, old_logp, mask, level=level).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+
+
+def bounded_tokens(opts: "LossOptions", ratio: Tensor, adv: Tensor) -> tuple[Tensor, Tensor]:
+    """The tokens (N, T) bool the objective's bound acted on, (below, above), from the ratio
+    (`importance_ratio`) and the advantages (N, T), 0 at padding: the clip's (Â < 0 and
+    r < 1 − clip_low; Â > 0 and r > 1 + clip_high), CISPO's cap (above, whatever Â's sign),
+    GMPO's log-space clip (on token ratios), none for SAPO's, VESPO's, GPG's or KL-Cov's. The
+    clip fractions `policy_loss` reports count these."""
     if opts.objective == "cispo":
         return torch.zeros_like(ratio, dtype=torch.bool), ratio > opts.cispo_cap
     if opts.objective in ("sapo", "vespo", "gpg", "kl_cov"):
@@ -493,8 +504,7 @@ def policy_loss(
     old_logp = torch.where(mask, old_logp.detach(), 0.0)  # (N, T)
     per_row = advantages.detach()[:, None] if advantages.dim() == 1 else advantages.detach()
     adv = torch.where(mask, per_row, 0.0)  # (N, T)
-    ratio = log_ratio(logp, old_logp, mask, level=opts.level)
-    ratio = ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # (N, T)
+    ratio = importance_ratio(logp, old_logp, mask, level=opts.level)  # (N, T)
     per_token = -_objective(opts, ratio, logp, old_logp, adv, mask)  # (N, T)
     if penalty_mask is not None:
         drift = (torch.where(mask, logp, 0.0) - old_logp).abs()
@@ -531,7 +541,7 @@ def _stats(
         filled = torch.where(mask, x, -torch.inf).flatten()
         return torch.cat([filled, x.new_full((1,), -torch.inf)]).amax()
 
-    below, above = _bounded(opts, ratio, adv)
+    below, above = bounded_tokens(opts, ratio, adv)
     new_logp = torch.where(mask, new_logp, 0.0)  # (N, T)
     return LossStats(
         tokens=mask.sum().to(ratio.dtype),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,9 +64,52 @@ def truncate_jsonl(path: Path, *, keep_through_step: int) -> int:
     return broken
 
 
+#: The run viewer's records in a run directory: groups/step_000010.json.gz, one per logged
+#: step, and groups/vocab.json.gz (each token id's text), once.
+GROUPS_DIR, VOCAB_FILE = "groups", "vocab.json.gz"
+_STEP_FILE = re.compile(r"step_(\d+)\.json\.gz")
+
+
+def group_file(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / GROUPS_DIR / f"step_{step:06d}.json.gz"
+
+
+def group_steps(run_dir: Path) -> list[int]:
+    """The steps with a groups/ record, in order."""
+    folder = Path(run_dir) / GROUPS_DIR
+    found = (_STEP_FILE.fullmatch(p.name) for p in folder.iterdir()) if folder.is_dir() else ()
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def write_json_gz(path: Path, record: dict[str, Any]) -> None:
+    """`record` as gzipped JSON, written whole or not at all (a temporary file, then renamed):
+    a reader never sees half a file. mtime 0: the same record gives the same bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    data = json.dumps(_clean_tree(record), separators=(",", ":"), allow_nan=False)
+    tmp.write_bytes(gzip.compress(data.encode("utf-8"), compresslevel=6, mtime=0))
+    os.replace(tmp, path)
+
+
+def _clean_tree(value: Any) -> Any:
+    """`_clean` through nested dicts and lists."""
+    if isinstance(value, dict):
+        return {k: _clean_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean_tree(v) for v in value]
+    return _clean(value)
+
+
+def truncate_groups(run_dir: Path, *, keep_through_step: int) -> None:
+    """Delete the groups/ records after `keep_through_step` (a resumed run writes them again)."""
+    for step in group_steps(run_dir):
+        if step > keep_through_step:
+            group_file(run_dir, step).unlink(missing_ok=True)
+
+
 class MetricSinks:
     """metrics.jsonl, eval.jsonl, samples.jsonl and ratios.jsonl in a run directory, mirrored to
-    the trackers `--report-to` names (see `grouprl.report.trackers`)."""
+    the trackers `--report-to` names (see `grouprl.report.trackers`), and the viewer's groups/."""
 
     def __init__(
         self,
@@ -101,6 +146,16 @@ class MetricSinks:
     def log_ratios(self, step: int, lengths: list[int], log_ratios: list[float]) -> None:
         """Completion lengths and Σ_t log ρ_t after the step's updates (see `grouprl compare`)."""
         self.ratios.write({"step": step, "lengths": lengths, "log_ratio_sum": log_ratios})
+
+    def log_groups(self, step: int, record: dict[str, Any]) -> None:
+        """A logged step's whole groups, token by token (`grouprl.train.groups`)."""
+        write_json_gz(group_file(self.run_dir, step), {"step": step, **record})
+
+    def log_vocabulary(self, vocab: dict[str, Any]) -> None:
+        """Each token id's text, for the viewer: once per run (a resumed run keeps the file)."""
+        path = self.run_dir / GROUPS_DIR / VOCAB_FILE
+        if not path.exists():
+            write_json_gz(path, vocab)
 
     def log_plots(self, step: int, paths: list[Path]) -> None:
         if self.trackers is not None:
@@ -159,6 +214,12 @@ class NullSinks:
         pass
 
     def log_ratios(self, step: int, lengths: list[int], log_ratios: list[float]) -> None:
+        pass
+
+    def log_groups(self, step: int, record: dict[str, Any]) -> None:
+        pass
+
+    def log_vocabulary(self, vocab: dict[str, Any]) -> None:
         pass
 
     def log_plots(self, step: int, paths: list[Path]) -> None:

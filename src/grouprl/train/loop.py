@@ -240,6 +240,8 @@ def log_step(run: Run, state: RunState, log: StepLog, bar: _StepBar) -> None:
         run.sinks.log_samples(state.step, log.samples)
         if log.ratios is not None:
             run.sinks.log_ratios(state.step, *log.ratios)
+        if log.groups is not None:
+            run.sinks.log_groups(state.step, log.groups)
 
     run.on_main(write)
     bar.update(

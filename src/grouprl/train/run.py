@@ -42,7 +42,7 @@ from grouprl.models.loading import resolve_device
 from grouprl.models.lora import save_final
 from grouprl.report import MetricSinks, plot_run
 from grouprl.report.runs import FINAL_MARKER, finished_at
-from grouprl.report.sinks import NullSinks, trl_names, truncate_jsonl
+from grouprl.report.sinks import NullSinks, trl_names, truncate_groups, truncate_jsonl
 from grouprl.report.trackers import Trackers
 from grouprl.rollout import stop_token_ids
 from grouprl.tasks import Task
@@ -64,6 +64,7 @@ from grouprl.train.build import (
 )
 from grouprl.train.collect import Sampler
 from grouprl.train.evaluate import EVAL_BATCH_PROMPTS
+from grouprl.train.groups import vocabulary
 from grouprl.train.parallel import distributed
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep, full_state, shard
@@ -309,6 +310,7 @@ def _replay_logs(run: Run, state: RunState) -> None:
                        ("samples.jsonl", last_kept), ("ratios.jsonl", last_kept)):  # fmt: skip
         if truncate_jsonl(run.run_dir / name, keep_through_step=keep):
             run.warn(f"{name}: dropped a half-written line (the process was killed mid-write)")
+    truncate_groups(run.run_dir, keep_through_step=last_kept)
 
 
 def _write_config(run: Run) -> None:
@@ -341,6 +343,8 @@ def open_sinks(run: Run, state: RunState) -> Iterator[None]:
             raise
         aliases = trl_names if run.cfg.trl_metrics else None
         run.sinks = MetricSinks(run.run_dir, trackers, aliases=aliases)
+        if run.cfg.log_groups:
+            run.sinks.log_vocabulary(vocabulary(run.tokenizer))
 
     run.on_main(open_on_main)
     ok = False

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from grouprl.config.options import RunConfig
+from grouprl.config.validation import loss_options
 from grouprl.core import (
     gdpo_advantages,
     gpg_advantages,
@@ -27,6 +28,7 @@ from grouprl.models.lora import base_model_context
 from grouprl.rollout import Rollout
 from grouprl.train.batch import Batch
 from grouprl.train.collect import Collected
+from grouprl.train.groups import TokenWatch, group_records, watch_groups
 from grouprl.train.metrics import step_metrics
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.run import Run, RunState
@@ -40,6 +42,7 @@ class StepLog:
     metrics: dict[str, float]
     samples: list[dict[str, Any]]  # samples.jsonl's lines
     ratios: tuple[list[int], list[float]] | None  # ratios.jsonl's line, on a probed step
+    groups: dict[str, Any] | None = None  # the viewer's whole groups, on a logged step
 
 
 def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, StepLog]:
@@ -50,14 +53,17 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
     start = time.perf_counter()
     cfg, dist, batch = run.cfg, run.dist, collected.kept
     weights = run.sampler.rewards.weights
-    trained, samples, ratios, nonfinite = None, [], None, state.nonfinite_in_a_row
+    trained, samples, ratios, groups = None, [], None, None
+    nonfinite = state.nonfinite_in_a_row
     if batch is not None:
         probe = _ratio_probe(cfg, state.step, batch, run)
+        watch = watch_groups(cfg, state.step, batch, loss_options(cfg), dist)
         advantages, trained = train_on(run, batch, (state.entropy_coef, state.entropy_last),
-                                       step=state.step)  # fmt: skip
+                                       step=state.step, watch=watch)  # fmt: skip
         nonfinite = nonfinite + 1 if trained["nonfinite_updates"] else 0
         samples = _samples(batch, advantages, cfg.log_samples)
         ratios = None if probe is None else _probe_ratios(cfg, probe, run.policy, dist)
+        groups = None if watch is None else _watched_groups(run, batch, advantages, watch)
         run.sampler.engine.policy_updated(state.step + 1)  # an engine's own copy follows
     lr = run.optimizer.param_groups[0]["lr"]  # the rate this step's updates used
     metrics = step_metrics(collected, trained, dist=dist, weights=weights, lr=lr)
@@ -76,7 +82,7 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
     if trained is not None and "entropy_coef" in trained:  # the adaptive coefficient moved on
         entropy = (trained["entropy_coef"], trained["entropy_last"])
     state = RunState(state.step + 1, collected.position, nonfinite, state.initial_eval, *entropy)
-    return state, StepLog(metrics, samples, ratios)
+    return state, StepLog(metrics, samples, ratios, groups)
 
 
 def train_on(
@@ -85,11 +91,12 @@ def train_on(
     entropy_state: tuple[float | None, float | None] = (None, None),
     *,
     step: int = 0,
+    watch: TokenWatch | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One update on `batch`: its advantages (N,) over the whole job's batch, the reference
     log-probs when beta > 0 (the initial policy: a frozen copy, or LoRA's base model), then
-    `update` (with the adaptive entropy coefficient's state); returns the advantages and the
-    update's diagnostics."""
+    `update` (with the adaptive entropy coefficient's state; `watch`: the viewer's rows, see
+    `grouprl.train.groups`); returns the advantages and the update's diagnostics."""
     cfg, dist = run.cfg, run.dist
     advantages = batch_advantages(cfg, batch, dist, run.sampler.rewards.weights)  # (N,)
     ref_logp = None
@@ -106,7 +113,7 @@ def train_on(
                          teacher_logp=teacher_logp, teacher=jsd_teacher,
                          dtype=run.sampler.dtype, scaler=run.scaler, dist=dist,
                          lockstep=run.lockstep, entropy_state=entropy_state,
-                         step=step)  # fmt: skip
+                         step=step, watch=watch)  # fmt: skip
     return advantages, diagnostics
 
 
@@ -241,3 +248,13 @@ def _samples(batch: Batch, advantages: torch.Tensor, k: int) -> list[dict[str, A
         if batch.rollout.turns is not None:  # the whole transcript, tool turns marked
             out[-1]["transcript"] = batch.rollout.turns.transcripts[row]
     return out
+
+
+def _watched_groups(
+    run: Run, batch: Batch, advantages: torch.Tensor, watch: TokenWatch
+) -> dict[str, Any]:
+    """The watched groups' records (`grouprl.train.groups`), with their completions' log-probs
+    under the policy after the step: one no-grad forward on them (every rank its own)."""
+    sub = batch.select_groups(watch.groups)
+    after = no_grad_logprobs(run.cfg, run.policy, sub.rollout, run.sampler.dtype)  # (k·G, T)
+    return group_records(run.cfg, batch, advantages, watch, after, run.dist)

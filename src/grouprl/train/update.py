@@ -38,6 +38,7 @@ from grouprl.models.precision import autocast
 from grouprl.rollout import Rollout, model_device
 from grouprl.train.batch import Batch
 from grouprl.train.entropy import EntropyTerms, high_entropy_tokens
+from grouprl.train.groups import TokenWatch
 from grouprl.train.metrics import UpdateSums
 from grouprl.train.parallel.distributed import SINGLE, Dist
 from grouprl.train.parallel.fsdp import Lockstep, logprobs
@@ -67,12 +68,14 @@ def update(
     step: int = 0,
     teacher_logp: torch.Tensor | None = None,
     teacher: nn.Module | None = None,
+    watch: TokenWatch | None = None,
 ) -> dict[str, float]:
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
 
     entropy_state, step: the adaptive entropy coefficient and last entropy as the run's state
     holds them, and the step (Clip-Cov's draw's seed): see `EntropyTerms`. teacher_logp (N, T)
     / teacher: the teacher's log-probs of the samples, or itself (`grouprl.train.teacher`).
+    watch: rows whose loss terms each pass records (`grouprl.train.groups`), or None.
 
     advantages: (N,); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
     run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of fp16 forwards (see
@@ -113,7 +116,7 @@ def update(
         for index, plan in enumerate(plans):
             optimizer.zero_grad(set_to_none=True)
             passes = _backward(cfg, policy, plan, inputs, scaler, first_epoch=epoch == 0,
-                               **extras.before(plan, epoch, index))  # fmt: skip
+                               watch=watch, **extras.before(plan, epoch, index))  # fmt: skip
             applied, bypass_mismatch = applied + passes.applied, bypass_mismatch + passes.mismatch
             if passes.trained_rows == 0:  # nothing trained here: a zero gradient (AdamW steps)
                 _zero_gradients(params)
@@ -317,6 +320,7 @@ def _backward(
     first_epoch: bool = True,
     bonus: float | None = None,
     selections: list[torch.Tensor | None] | None = None,
+    watch: TokenWatch | None = None,
 ) -> PassSums:
     """Forward and backward of every pass of a minibatch, gradients accumulated; what they add
     up to on this rank (a lockstep filler adds nothing).
@@ -350,6 +354,9 @@ def _backward(
                           options=inputs.options, ref_logp=ref_logp, num_tokens=plan.num_tokens,
                           num_seqs=plan.num_seqs, token_weight=weight,
                           penalty_mask=chosen if cfg.objective == "kl_cov" else None)  # fmt: skip
+        if watch is not None and chunk.weight:  # what the viewer shows of this pass's rows
+            watch.see(chunk.rows, logp, sampled.old_logp, given[chunk.rows], chunk_mask, weight,
+                      chosen if cfg.objective == "kl_cov" else None)  # fmt: skip
         loss = out.loss
         if jsd is not None:  # distillation's divergence over the trained positions
             total = torch.where(chunk_mask, jsd, 0.0).sum()
