@@ -220,6 +220,16 @@ CASES = {
         {},
         set(),
     ),
+    "distillation_jsd_stalled": (  # --teacher-loss jsd's divergence flat
+        dict(teacher_jsd=lambda s: 0.2),
+        {},
+        {("distillation_stalled", "warning")},
+    ),
+    "distillation_jsd_learning": (
+        dict(teacher_jsd=ramp(0.2, 0.02)),
+        {},
+        set(),
+    ),
     "entropy_bonus_blowup": (  # a fixed bonus pushing entropy up 5x
         dict(policy_entropy=ramp(0.2, 1.0)),
         {"config": {"entropy_coef": 0.05}},

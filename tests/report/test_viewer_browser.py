@@ -9,9 +9,12 @@ channel may differ by 1."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -100,13 +103,26 @@ def clipped_group(rec: dict) -> int:
     raise AssertionError("no clipped token in this step: the test needs one")
 
 
+@contextlib.contextmanager
+def view_command(*runs: Path):
+    """`grouprl view RUN ... --no-browser` as a user starts it; yields the address it prints."""
+    cmd = [sys.executable, "-m", "grouprl", "view", *map(str, runs), "--no-browser"]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("grouprl view: http://127.0.0.1:"), line
+        yield line.split()[2]
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
 def test_the_page_shows_the_groups_the_colours_and_the_clipped_tokens(browser, runs):
     gspo, _ = runs
-    with_server = ViewerServer([gspo]).start()
-    try:
+    with view_command(gspo) as url:
         rec = record(gspo, 2)
         k = clipped_group(rec)
-        open_page(browser, f"{with_server.url}#step=2&group={k}&channel=ratio&runs=0")
+        open_page(browser, f"{url}#step=2&group={k}&channel=ratio&runs=0")
         rows = browser.find_elements("css selector", "[data-testid=group-row]")
         assert len(rows) == len(rec["groups"]) == 4
         badges = browser.find_elements("css selector", "[data-testid=zero-variance-badge]")
@@ -130,8 +146,6 @@ def test_the_page_shows_the_groups_the_colours_and_the_clipped_tokens(browser, r
         assert outlined > 0
         seq = browser.find_elements("css selector", "[data-testid=seq-ratio]")
         assert len(seq) == len(group["completions"])  # GSPO: each completion's s and its band
-    finally:
-        with_server.close()
 
 
 def test_model_text_is_shown_as_text(browser, runs, tmp_path):

@@ -206,9 +206,13 @@ ENTROPY_BONUS_GROWTH = 3.0
 
 
 def check_distillation(run: RunLog) -> list[Finding]:
-    """With a teacher: the student's reverse KL to it (`teacher_kl`) not falling."""
-    ends = window_medians(run, "teacher_kl")
-    if ends is None or ends[0] <= 0:
+    """With a teacher: the student's divergence from it not falling (`teacher_kl`, its reverse
+    KL, or `teacher_jsd`, --teacher-loss jsd's generalized JSD)."""
+    for metric, name in (("teacher_kl", "KL(student || teacher)"), ("teacher_jsd", "JSD")):
+        ends = window_medians(run, metric)
+        if ends is not None and ends[0] > 0:
+            break
+    else:
         return []
     first, last, early, late = ends
     if last < DISTILL_STALL * first:
@@ -218,7 +222,7 @@ def check_distillation(run: RunLog) -> list[Finding]:
             "distillation_stalled",
             "warning",
             "the student is not getting closer to its teacher",
-            f"KL(student || teacher) per token {first:.3g} ({early}) -> {last:.3g} ({late})",
+            f"{name} per token {first:.3g} ({early}) -> {last:.3g} ({late})",
             "raise --teacher-coef or --lr, or weigh the task less (--teacher-task-weight); a "
             "teacher far from the student's start may need more steps",
         )
