@@ -208,11 +208,10 @@ ENTROPY_BONUS_GROWTH = 3.0
 def check_distillation(run: RunLog) -> list[Finding]:
     """With a teacher: the student's divergence from it not falling (`teacher_kl`, its reverse
     KL, or `teacher_jsd`, --teacher-loss jsd's generalized JSD)."""
-    for metric, name in (("teacher_kl", "KL(student || teacher)"), ("teacher_jsd", "JSD")):
-        ends = window_medians(run, metric)
-        if ends is not None and ends[0] > 0:
-            break
-    else:
+    ends, name = window_medians(run, "teacher_kl"), "KL(student || teacher)"
+    if ends is None or ends[0] <= 0:
+        ends, name = window_medians(run, "teacher_jsd"), "JSD"
+    if ends is None or ends[0] <= 0:
         return []
     first, last, early, late = ends
     if last < DISTILL_STALL * first:
