@@ -28,7 +28,16 @@ from pathlib import Path
 
 import tyro
 
-from harness import LLAMA_20M, fmt, md_table, random_llama_dir, read_jsonl, run_child, versions
+from harness import (
+    LLAMA_20M,
+    fmt,
+    log_path,
+    md_table,
+    random_llama_dir,
+    read_jsonl,
+    run_child,
+    versions,
+)
 from vllm_engine import write_data
 
 
@@ -94,7 +103,7 @@ def main(args: Args) -> None:
                 run_dir = out / f"{spec.replace(':', '-')}-{arm.replace(':', '-')}-{r}"
                 _, threads, _ = arm_parts(arm)
                 child = run_child(command(args, spec, arm, run_dir, out),
-                                  run_dir.with_suffix(".log"), threads)  # fmt: skip
+                                  log_path(run_dir), threads)  # fmt: skip
                 if child.returncode != 0:
                     raise SystemExit(f"{spec} {arm} failed: see {child.log}")
                 got = per.setdefault(arm, {"step": [], "wait": [], "sampler": [], "update": []})

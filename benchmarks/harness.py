@@ -91,6 +91,12 @@ def run_child(
     )  # ru_maxrss is in KiB on Linux
 
 
+def log_path(run_dir: Path) -> Path:
+    """A child run's log beside its directory: RUN_DIR.log (a name with a dot in it, say
+    `entropy_0.2-s0`, keeps it: `with_suffix` would cut it at the dot)."""
+    return run_dir.with_name(run_dir.name + ".log")
+
+
 def train_run(run_dir: Path, flags: list[str], label: str) -> Path:
     """`grouprl train --output-dir run_dir *flags` in a child process with one torch thread,
     its output in run_dir.log; a run that finished before (its final/) is kept, one left
@@ -100,10 +106,10 @@ def train_run(run_dir: Path, flags: list[str], label: str) -> Path:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "grouprl", "train", "--threads", "1", "--no-progress",
            "--output-dir", str(run_dir), *flags]  # fmt: skip
-    with run_dir.with_suffix(".log").open("w") as log:
+    with log_path(run_dir).open("w") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(1))
     if done.returncode != 0:
-        raise SystemExit(f"{label} failed: see {run_dir.with_suffix('.log')}")
+        raise SystemExit(f"{label} failed: see {log_path(run_dir)}")
     print(f"{label}: done", flush=True)
     return run_dir
 

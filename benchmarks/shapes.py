@@ -53,6 +53,7 @@ from harness import (
     check_trl_equivalent,
     fmt,
     grouprl_speed_run,
+    log_path,
     matmul_rate,
     md_table,
     model_spec,
@@ -243,7 +244,7 @@ def run_grouprl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, rewa
         cmd += ["--micro-batch-size", str(cell.micro_batch_size)]
     if args.bf16:
         cmd += ["--precision", "bf16"]
-    child = run_child(cmd, run_dir.with_suffix(".log"), args.threads)
+    child = run_child(cmd, log_path(run_dir), args.threads)
     n = cell.prompts_per_step * cell.group_size
     return grouprl_speed_run(child, run_dir, n, args.warmup_steps)
 
@@ -260,7 +261,7 @@ def run_trl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, reward: 
             "lora": cell.model in REAL}  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, str(Path(__file__).resolve()), "_trl-child", str(run_dir / "spec.json")]
-    child = run_child(cmd, run_dir.with_suffix(".log"), args.threads)
+    child = run_child(cmd, log_path(run_dir), args.threads)
     return trl_speed_run(child, run_dir / "trl_result.json", args.warmup_steps)
 
 

@@ -30,7 +30,16 @@ from pathlib import Path
 
 import tyro
 
-from harness import LLAMA_20M, fmt, md_table, random_llama_dir, read_jsonl, run_child, versions
+from harness import (
+    LLAMA_20M,
+    fmt,
+    log_path,
+    md_table,
+    random_llama_dir,
+    read_jsonl,
+    run_child,
+    versions,
+)
 
 REWARD = """
 def length(completions, **kwargs):
@@ -101,7 +110,7 @@ def main(args: Args) -> None:
             for engine in order[r % 2]:
                 run_dir = out / f"{spec.replace(':', '-')}-{engine}-{r}"
                 child = run_child(command(args, spec, engine, run_dir, out),
-                                  run_dir.with_suffix(".log"), args.threads)  # fmt: skip
+                                  log_path(run_dir), args.threads)  # fmt: skip
                 if child.returncode != 0:
                     raise SystemExit(f"{spec} {engine} failed: see {child.log}")
                 steps = [m for m in read_jsonl(run_dir / "metrics.jsonl")
