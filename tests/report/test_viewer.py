@@ -116,3 +116,6 @@ def test_the_command_exports_and_refuses_what_is_not_a_run(run, tmp_path, capsys
     assert len(err) == 1 and "does not exist" in err[0]
     assert main(["view", str(run), "--steps", "1"]) == 2
     assert "--steps" in capsys.readouterr().err
+    assert main(["view", str(run), "--export", str(out), "--steps", "2", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps 7: not logged" in err and "logged steps: 1 2" in err

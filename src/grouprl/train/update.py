@@ -76,7 +76,6 @@ def update(
     holds them, and the step (Clip-Cov's draw's seed): see `EntropyTerms`. teacher_logp (N, T)
     / teacher: the teacher's log-probs of the samples, or itself (`grouprl.train.teacher`).
     watch: rows whose loss terms each pass records (`grouprl.train.groups`), or None.
-
     advantages: (N,); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
     run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of fp16 forwards (see
     `grad_scaler`). Returns the update's diagnostics (`UpdateSums.metrics`).
@@ -88,9 +87,7 @@ def update(
     minibatch left empty still takes its optimizer step (zero gradients move AdamW's moments and
     step count), so the parameters equal the full computation's up to float rounding (a
     parameter no forward touches would keep no gradient there: no supported model has one).
-    `trained_frac` is the fraction of completions trained.
-
-    A step whose loss or gradient norm is not finite is skipped (`nonfinite_updates`; the run
+    `trained_frac` is the fraction of completions trained. A step whose loss or gradient norm is not finite is skipped (`nonfinite_updates`; the run
     stops after `max_nonfinite_steps` in a row): no NaN reaches the weights or AdamW's moments.
     Micro-batching: chunks of at most `micro_batch_size` completions accumulate gradients, each
     loss divided by the whole minibatch's counts, so the update is the same. Data parallel

@@ -140,6 +140,11 @@ def export_html(runs: list[Path], out: Path, steps: list[int] | None = None) -> 
     """Write the page with the runs' records inside it to `out` (it opens from file://, with no
     server); `steps`: only these logged steps (None: all). Returns the file's size in bytes."""
     summaries = [summary(p) for p in runs]
+    logged = sorted({s for info in summaries for s in info["steps"]})
+    missing = sorted(set(steps or ()) - set(logged))
+    if missing:
+        raise UserError(f"--steps {' '.join(map(str, missing))}: not logged in these runs (logged "
+                        f"steps: {' '.join(map(str, logged)) or 'none'})")  # fmt: skip
     records: dict[str, dict[str, Any]] = {}
     vocabs: dict[str, Any] = {}
     for i, (path, info) in enumerate(zip(runs, summaries, strict=True)):
