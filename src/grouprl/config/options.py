@@ -154,7 +154,12 @@ class DataOptions:
     """What the model is asked and how its answers are scored (shared by train and eval)."""
 
     task: str | None = None
-    """A built-in task (arithmetic). None: arithmetic, unless --dataset is given."""
+    """A built-in task (arithmetic, lookup), or reasoning_gym:NAME, any of reasoning-gym's
+    generators (its extra: pip install 'grouprl[reasoning-gym]'). None: arithmetic, unless
+    --dataset is given."""
+    task_config: dict[str, str] | None = None
+    """Config keywords of a reasoning_gym:NAME task's generator, e.g. --task-config
+    min_animals 1 max_animals 3 (values read as YAML: 3 is a number, [1, 2] a list)."""
     dataset: str | None = None
     """Prompts from a dataset: a JSONL/JSON/CSV/Parquet file, a save_to_disk directory, or a
     hub id given to datasets.load_dataset. Needs --rewards."""

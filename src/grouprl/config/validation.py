@@ -63,6 +63,10 @@ def _data_checks(opts: DataOptions) -> list[tuple[bool, str]]:
             opts.dataset is not None or not given,
             f"{given[0] if given else ''} applies to --dataset, which is not given",
         ),
+        (
+            not opts.task_config or (opts.task or "").startswith("reasoning_gym:"),
+            "--task-config configures a --task reasoning_gym:NAME generator, which is not given",
+        ),
         (0 < opts.eval_fraction < 1, "eval_fraction must lie in (0, 1)"),
         (
             opts.max_prompt_length is None or opts.max_prompt_length >= 1,

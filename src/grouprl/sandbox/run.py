@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import grouprl.sandbox.slots as slots
-from grouprl.sandbox.runtime import Unavailable
+from grouprl.sandbox.runtime import PACKAGES_MOUNT, Unavailable, packages_dir
 
 HARNESS = (Path(__file__).with_name("harness.py")).read_text(encoding="utf-8")
 #: Tests one request runs (one worker process each, forked before the tests are read); a row
@@ -119,9 +119,12 @@ def _lines(data: bytes, nonce: str) -> list[list[str]]:
     return out
 
 
-def _sandbox(program: str, tests: Tests, limits: Limits) -> tuple[list[list[str]], str]:
-    """`program` against up to TESTS_PER_SANDBOX of `tests`, in a sandbox slot. The harness's
-    verdict lines, and the kind of failure of the tests it sent none for."""
+def _sandbox(
+    program: str, tests: Tests, limits: Limits, packages: Packages | None = None
+) -> tuple[list[list[str]], str]:
+    """`program` against up to TESTS_PER_SANDBOX of `tests`, in a sandbox slot (one whose
+    harness has `packages` loaded, when given). The harness's verdict lines, and the kind of
+    failure of the tests it sent none for."""
     n = len(tests.cases)
     stdio = tests.kind == "stdio"
     wire = limits.wire()
@@ -131,7 +134,8 @@ def _sandbox(program: str, tests: Tests, limits: Limits) -> tuple[list[list[str]
         [nonce, tests.kind, tests.entry_point or "", *cases]
     )
     cap = n * (wire["output"] * 2 + 4096) + 65536
-    slot = slots.take(HARNESS, limits.scratch_mb << 20)
+    harness, mounted = (HARNESS, None) if packages is None else (packages.harness, packages.dir)
+    slot = slots.take(harness, limits.scratch_mb << 20, mounted)
     out, state = b"", "dead"
     try:
         out, state = slot.ask(data, time.monotonic() + n * (limits.wall + 1) + 10, cap)
@@ -199,6 +203,29 @@ def check(program: str, tests: Tests, limits: Limits | None = None) -> Verdict:
 
 
 @dataclass(frozen=True)
+class Packages:
+    """Third-party code a sandboxed program may import: the installed distributions `names`
+    (and what they require), mounted read-only (`runtime.packages_dir`), and `preload`, the
+    modules the harness imports once before it forks any worker, so that a program importing
+    them pays nothing. For trusted programs that treat model text as data but hand it to a
+    library that may evaluate it (a scorer calling sympy's parse_expr): the evaluation then
+    happens where the model's own programs run."""
+
+    names: tuple[str, ...]
+    preload: tuple[str, ...] = ()
+
+    @property
+    def dir(self) -> Path:
+        return packages_dir(self.names)
+
+    @property
+    def harness(self) -> str:
+        lines = [f"import sys\nsys.path.insert(0, {PACKAGES_MOUNT!r})"]
+        lines += [f"import {module}" for module in self.preload]
+        return "\n".join(lines) + "\n" + HARNESS
+
+
+@dataclass(frozen=True)
 class Ran:
     """A program run once on an input: its stdout (None unless it exited 0 within its limits),
     the failure kind (None when it exited 0), the CPU seconds."""
@@ -210,15 +237,42 @@ class Ran:
 
 def run(program: str, stdin: str = "", limits: Limits | None = None) -> Ran:
     """Run `program` once in the sandbox with `stdin`; its output comes back."""
-    lines, missing = _sandbox(program, Tests("stdio", ((stdin, ""),)), limits or Limits())
-    if not lines:
-        return Ran(None, missing, math.nan)
-    if lines[0] == ["syntax"]:
-        return Ran(None, "syntax", 0.0)
-    _, _, kind, seconds, out = lines[0]
+    return run_each(program, [stdin], limits)[0]
+
+
+def run_each(
+    program: str,
+    stdins: Sequence[str],
+    limits: Limits | None = None,
+    packages: Packages | None = None,
+) -> list[Ran]:
+    """Run `program` once per input, each in a worker of its own (TESTS_PER_SANDBOX to a
+    sandbox request), with `packages` importable; each run's output comes back."""
+    limits, out = limits or Limits(), []
+    for start in range(0, len(stdins), TESTS_PER_SANDBOX):
+        chunk = [(stdin, "") for stdin in stdins[start : start + TESTS_PER_SANDBOX]]
+        lines, missing = _sandbox(program, Tests("stdio", tuple(chunk)), limits, packages)
+        if lines[:1] == [["syntax"]]:
+            out += [Ran(None, "syntax", 0.0)] * len(chunk)
+            continue
+        got = [Ran(None, missing, math.nan)] * len(chunk)
+        for fields in lines:
+            try:
+                index, _, kind, seconds, hexed = fields
+                i = int(index)
+                if not 0 <= i < len(chunk):
+                    break
+                got[i] = _ran(kind, float(seconds), hexed)
+            except ValueError:
+                break
+        out += got
+    return out
+
+
+def _ran(kind: str, seconds: float, hexed: str) -> Ran:
     if kind != "-":
-        return Ran(None, kind, float(seconds))
+        return Ran(None, kind, seconds)
     try:
-        return Ran(bytes.fromhex(out).decode("utf-8"), None, float(seconds))
+        return Ran(bytes.fromhex(hexed).decode("utf-8"), None, seconds)
     except UnicodeDecodeError:
-        return Ran(None, "decode", float(seconds))
+        return Ran(None, "decode", seconds)

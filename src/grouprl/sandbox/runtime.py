@@ -14,6 +14,7 @@ test suite left out.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 #: The uids a root trainer runs sandboxes as: a range no distribution hands out (systemd's
@@ -213,11 +215,83 @@ class UidPool:
 UIDS = UidPool()
 
 
-def command(rt: Runtime, harness: str, scratch_bytes: int) -> list[str]:
+#: Where `packages_dir`'s copy is mounted inside a sandbox (read-only).
+PACKAGES_MOUNT = "/packages"
+
+
+def _distribution_closure(names: tuple[str, ...]) -> list[metadata.Distribution]:
+    """The installed distributions `names` and everything they require (extras left out),
+    each once."""
+    from packaging.requirements import Requirement
+
+    seen: dict[str, metadata.Distribution] = {}
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        key = name.lower().replace("_", "-")
+        if key in seen:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            raise Unavailable(f"the sandbox needs {name}, which is not installed") from None
+        seen[key] = dist
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return list(seen.values())
+
+
+@functools.cache
+def packages_dir(names: tuple[str, ...]) -> Path:
+    """A world-readable copy (hard links where it can) of the files of the installed
+    distributions `names` and their requirements, made once per set of versions, for a
+    sandbox that must import them (mounted read-only at PACKAGES_MOUNT; nothing else of
+    site-packages is visible there). Root-owned when the trainer is root, like the
+    interpreter's copy."""
+    dists = sorted(_distribution_closure(names), key=lambda d: d.metadata["Name"].lower())
+    stamp = "\0".join(f"{d.metadata['Name']}=={d.version}@{d.locate_file('')}" for d in dists)
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    home = Path(tempfile.gettempdir()) / f"grouprl-sandbox-packages-{key}"
+    if (home / "complete").is_file():
+        info = home.stat()
+        if os.geteuid() == 0 and (info.st_uid != 0 or info.st_mode & 0o022):
+            raise Unavailable(f"{home} is not root's alone; remove it")
+        return home
+    building = Path(tempfile.mkdtemp(prefix="grouprl-sandbox-packages-build-"))
+    try:
+        for dist in dists:
+            root = Path(dist.locate_file("")).resolve()
+            for file in dist.files or []:
+                source = Path(dist.locate_file(file)).resolve()
+                if source.is_file() and source.is_relative_to(root) and "__pycache__" not in (
+                        file.parts):  # fmt: skip
+                    _link(source, building / source.relative_to(root))
+        (building / "complete").write_text(stamp)
+        for top, dirs, _ in os.walk(building):
+            for d in dirs:
+                os.chmod(Path(top) / d, 0o755)
+        building.chmod(0o755)
+        try:
+            building.rename(home)
+        except OSError:  # another process finished first
+            shutil.rmtree(building, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return home
+
+
+def command(
+    rt: Runtime, harness: str, scratch_bytes: int, packages: Path | None = None
+) -> list[str]:
     """bwrap's command line: every namespace unshared (network, PID, IPC, UTS, mount, user,
     cgroup), no new user namespaces inside, no capabilities, a cleared environment, the system
     libraries and the interpreter read-only, a private tmpfs of `scratch_bytes` as /tmp and the
-    working directory, and the harness as process 1."""
+    working directory, and the harness as process 1. `packages` (`packages_dir`): third-party
+    code the harness imports, read-only at PACKAGES_MOUNT, with one thread per numeric library
+    (a harness forks its workers)."""
     args = [str(rt.bwrap), "--unshare-all", "--unshare-user", "--disable-userns"]
     args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
     args += ["--setenv", "HOME", "/tmp", "--setenv", "PATH", "/usr/bin:/bin"]
@@ -232,6 +306,10 @@ def command(rt: Runtime, harness: str, scratch_bytes: int) -> list[str]:
         args += ["--ro-bind", str(rt.prefix_source), str(rt.prefix)]
     for hidden in rt.hide:
         args += ["--tmpfs", str(hidden)]
+    if packages is not None:
+        args += ["--ro-bind", str(packages), PACKAGES_MOUNT]
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            args += ["--setenv", var, "1"]
     args += ["--proc", "/proc", "--dev", "/dev"]
     args += ["--size", str(scratch_bytes), "--perms", "1777", "--tmpfs", "/tmp", "--chdir", "/tmp"]
     args += ["--as-pid-1", str(rt.python), "-I", "-S", "-B", "-c", harness]

@@ -15,6 +15,7 @@ import select
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 from grouprl.sandbox.runtime import UIDS, Unavailable, command, runtime
 
@@ -54,16 +55,16 @@ def _popen(args: list[str], **kwargs) -> subprocess.Popen:
 class Slot:
     """One running sandbox, used by one thread at a time."""
 
-    def __init__(self, harness: str, scratch_bytes: int) -> None:
+    def __init__(self, harness: str, scratch_bytes: int, packages: Path | None = None) -> None:
         rt = runtime()
-        self.scratch_bytes = scratch_bytes
+        self.scratch_bytes, self.harness, self.packages = scratch_bytes, harness, packages
         self.uid = UIDS.take() if rt.as_root else None
         user = (
             {"user": self.uid, "group": self.uid, "extra_groups": []}
             if self.uid is not None
             else {}
         )
-        args = command(rt, harness, scratch_bytes)
+        args = command(rt, harness, scratch_bytes, packages)
         try:
             self.proc = _popen(
                 args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -145,8 +146,8 @@ _IDLE: list[Slot] = []
 _BUSY: set[Slot] = set()
 
 
-def take(harness: str, scratch_bytes: int) -> Slot:
-    """An idle slot with this scratch size, or a new one."""
+def take(harness: str, scratch_bytes: int, packages: Path | None = None) -> Slot:
+    """An idle slot running this harness with this scratch size and packages, or a new one."""
     ended = []
     found = None
     with _LOCK:
@@ -154,7 +155,8 @@ def take(harness: str, scratch_bytes: int) -> Slot:
             if slot.proc.poll() is not None:  # ended while idle: closed, its uid returned
                 _IDLE.remove(slot)
                 ended.append(slot)
-            elif found is None and slot.scratch_bytes == scratch_bytes:
+            elif found is None and (slot.harness, slot.scratch_bytes, slot.packages) == (
+                    harness, scratch_bytes, packages):  # fmt: skip
                 _IDLE.remove(slot)
                 _BUSY.add(slot)
                 found = slot
@@ -162,7 +164,7 @@ def take(harness: str, scratch_bytes: int) -> Slot:
         slot.close()
     if found is not None:
         return found
-    slot = Slot(harness, scratch_bytes)
+    slot = Slot(harness, scratch_bytes, packages)
     with _LOCK:
         _BUSY.add(slot)
     return slot

@@ -2,7 +2,8 @@
 
 `get_task(name, **knobs)` builds a task from the `TASKS` registry (name -> factory). The
 built-in tasks are `arithmetic` (see `grouprl.tasks.arithmetic` for its format and splits) and
-`lookup`, a tool-use task (`grouprl.tasks.lookup`).
+`lookup`, a tool-use task (`grouprl.tasks.lookup`); `reasoning_gym:NAME` is any of
+reasoning-gym's generators (`grouprl.tasks.reasoning_gym`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from grouprl.errors import UserError
 from grouprl.tasks.arithmetic import arithmetic_task
 from grouprl.tasks.base import SPLITS, RewardFn, Task
 from grouprl.tasks.lookup import lookup_task
+from grouprl.tasks.reasoning_gym import PREFIX as RG_PREFIX
+from grouprl.tasks.reasoning_gym import reasoning_gym_task
 from grouprl.tasks.rewards import REWARDS
 
 #: Task factories by name; each takes keyword knobs and returns a Task.
@@ -21,10 +24,15 @@ TASKS: dict[str, Callable[..., Task]] = {"arithmetic": arithmetic_task, "lookup"
 
 
 def get_task(name: str, **knobs) -> Task:
-    """Build the task `name` with its knobs; an unknown name or knob raises UserError."""
+    """Build the task `name` with its knobs; an unknown name or knob raises UserError.
+    `reasoning_gym:NAME` is reasoning-gym's generator NAME (`grouprl.tasks.reasoning_gym`;
+    knobs: its `config` and the run's `seed`)."""
+    if name.startswith(RG_PREFIX):
+        return reasoning_gym_task(name.removeprefix(RG_PREFIX), **knobs)
     factory = TASKS.get(name)
     if factory is None:
-        raise UserError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
+        raise UserError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}, "
+                        "reasoning_gym:NAME")  # fmt: skip
     params = inspect.signature(factory).parameters
     unknown = sorted(set(knobs) - set(params))
     if unknown:

@@ -24,6 +24,7 @@ from grouprl.tasks.chat_tools import ChatTools
 from grouprl.tasks.data import DEFAULT_MAX_NEW_TOKENS, RowFormat, dataset_task, environment_task
 from grouprl.tasks.environments import load_environment
 from grouprl.tasks.live import is_live, live_object, live_tokenizer
+from grouprl.tasks.reasoning_gym import PREFIX as RG_PREFIX
 from grouprl.tasks.scoring import RewardSet, build_reward_set
 from grouprl.tasks.tool_use import ToolUse
 from grouprl.tasks.tools import PlainTurns, TagTools, ToolHandler, load_tools
@@ -36,7 +37,7 @@ def task_defaults(opts: DataOptions) -> dict[str, Any]:
     length. `resolve`'s keywords."""
     if opts.dataset is not None or owns_data(opts):
         return {"task_max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "task_model": "builtin:arith"}
-    task = get_task(opts.task or "arithmetic")
+    task = chosen_task(opts)
     return {"task_max_new_tokens": task.max_new_tokens, "task_model": task.default_model,
             "task_steps": task.default_steps}  # fmt: skip
 
@@ -109,13 +110,28 @@ def owns_data(opts: DataOptions) -> bool:
     return opts.environment is not None and opts.dataset is None and opts.task is None
 
 
+def chosen_task(opts: DataOptions) -> Task:
+    """`--task` (default arithmetic) with its knobs: a reasoning_gym:NAME task takes
+    `--task-config` and the run's seed; `--task-config` on another task is one line."""
+    name = opts.task or "arithmetic"
+    if not name.startswith(RG_PREFIX):
+        if opts.task_config:
+            raise UserError(f"--task-config configures a reasoning_gym:NAME task, not {name}")
+        return get_task(name)
+    if getattr(opts, "model", "given") is None:
+        raise UserError(f"--task {name} needs --model: an instruct model with a chat template "
+                        "(the built-in policies know only their own task)")  # fmt: skip
+    return get_task(name, config=opts.task_config, seed=getattr(opts, "seed", 0),
+                    system_prompt=opts.system_prompt)  # fmt: skip
+
+
 def build_task(opts: DataOptions) -> Task:
     """The built-in task (`--task`, default arithmetic), a task over `--dataset`, or the
     episodes of an environment that owns its data."""
     if owns_data(opts):
         return environment_task(opts.environment.rpartition(":")[2])
     if opts.dataset is None:
-        return get_task(opts.task or "arithmetic")
+        return chosen_task(opts)
     fmt = RowFormat(
         prompt_column=opts.prompt_column,
         answer_column=opts.answer_column,
