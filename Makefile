@@ -16,7 +16,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev,trackers,gguf,trl]"
+	$(BIN)/pip install --quiet -e ".[dev,trackers,gguf,trl,envs]"
 	touch $(STAMP)
 
 demo: $(STAMP)

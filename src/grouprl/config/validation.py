@@ -22,6 +22,12 @@ if TYPE_CHECKING:  # core imports torch: only when a run is validated
 TEMPERATURE_RULE = "temperature must be > 0: log-probs are taken at it"
 
 
+#: --task-config without a generator to configure
+TASK_CONFIG_ALONE = (
+    "--task-config configures a --task reasoning_gym:NAME generator, which is not given"
+)
+
+
 def _choice_problems(cfg: Any) -> list[str]:
     """Values outside their Literal choices: the parser checks flags and files, but a config
     built in Python bypasses it."""
@@ -65,7 +71,7 @@ def _data_checks(opts: DataOptions) -> list[tuple[bool, str]]:
         ),
         (
             not opts.task_config or (opts.task or "").startswith("reasoning_gym:"),
-            "--task-config configures a --task reasoning_gym:NAME generator, which is not given",
+            TASK_CONFIG_ALONE,
         ),
         (0 < opts.eval_fraction < 1, "eval_fraction must lie in (0, 1)"),
         (

@@ -12,12 +12,17 @@ then the answer between <answer> tags) and the question as a user message, rende
 model's chat template.
 
 Scoring. The reward `correct` is the generator's own `score_answer` on the text between the
-completion's last <answer> tags (reasoning-gym's `extract_answer`; none: 0), a number in [0, 1]
-(1: right; some generators give partial credit). Many generators' scorers evaluate the answer
+completion's last <answer> tags (reasoning-gym's `extract_answer`), or, in a reply without
+them, on the whole reply stripped (small models rarely write the tags; reasoning-gym's default
+scorer then gives 1 for exactly the answer and len(answer)/len(reply) for a reply holding it):
+a number in [0, 1], 1 meaning right. Many generators' scorers evaluate the answer
 (sympy's parse_expr, eval), so the scorer runs in the sandbox where the model's programs run,
 each answer in a worker of its own with reasoning-gym mounted read-only and preloaded (a fork
 per answer: about 8 ms): model text never runs in the trainer. An answer whose scorer fails or
-runs out of its limits scores 0. `answer_tag` (weight 0: logged) says whether the tags were there.
+runs out of its limits scores 0. `answer_tag` (weight 0: logged) says whether the tags were
+there. A scorer that evaluates an answer runs it in the scorer's own worker: the sandbox keeps it
+from the machine, the trainer and every other answer's score, but an answer written to fool that
+evaluation could set its own score, as it could in any trainer that runs these scorers.
 """
 
 from __future__ import annotations
@@ -161,15 +166,24 @@ def reasoning_gym_task(
                 max_new_tokens=512, default_steps=200)  # fmt: skip
 
 
-def extracted(completion: Any) -> str | None:
-    """The text between the completion's last <answer> tags (reasoning-gym's rule)."""
+def tagged(completion: Any) -> str | None:
+    """The text between the completion's last <answer> tags (reasoning-gym's rule), or None."""
     text = completion_text(completion)
     return None if text is None else _rg().utils.extract_answer(text)
 
 
+def extracted(completion: Any) -> str | None:
+    """The answer to score: `tagged`'s, else the whole reply stripped (None: no text)."""
+    found = tagged(completion)
+    if found is not None:
+        return found
+    text = completion_text(completion)
+    return None if text is None or not text.strip() else text.strip()
+
+
 def answer_tag(completions, **_) -> list[float]:
     """1 where the completion gave an answer between <answer> tags."""
-    return [float(extracted(c) is not None) for c in completions]
+    return [float(tagged(c) is not None) for c in completions]
 
 
 def scorer(name: str, config: dict[str, Any]):

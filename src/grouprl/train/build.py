@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from grouprl.config.options import DataOptions, ModelOptions, RunConfig
+from grouprl.config.validation import TASK_CONFIG_ALONE
 from grouprl.errors import UserError
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models import load_model, load_tokenizer
@@ -116,7 +117,7 @@ def chosen_task(opts: DataOptions) -> Task:
     name = opts.task or "arithmetic"
     if not name.startswith(RG_PREFIX):
         if opts.task_config:
-            raise UserError(f"--task-config configures a reasoning_gym:NAME task, not {name}")
+            raise UserError(TASK_CONFIG_ALONE)
         return get_task(name)
     if getattr(opts, "model", "given") is None:
         raise UserError(f"--task {name} needs --model: an instruct model with a chat template "
