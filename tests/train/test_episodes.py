@@ -108,7 +108,11 @@ def _record(monkeypatch) -> list[dict]:
         before = random.getstate(), np.random.get_state()[1].copy()
         collected = original(cfg, sampler, step, position)
         kept = random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
-        seen.append({"step": step, "batch": collected.sampled, "caller_state_kept": kept})
+        # the environments' states now: once scored, their instances serve the next rollouts
+        states = [(e.key, e.addend, e.value, list(e.draws))
+                  for e in collected.sampled.rollout.turns.environments]  # fmt: skip
+        seen.append({"step": step, "batch": collected.sampled, "caller_state_kept": kept,
+                     "states": states})  # fmt: skip
         return collected
 
     monkeypatch.setattr(loop, "collect_batch", collect)
@@ -132,13 +136,13 @@ def test_episodes_start_together_draw_apart_and_repeat_from_the_seed(
     keys, called_apart = set(), 0
     for record in seen:
         batch = record["batch"]
-        envs = batch.rollout.turns.environments
+        envs = record["states"]
         for g in range(len(batch.rows)):
             group = envs[g * 4 : (g + 1) * 4]
-            start = {(e.key, e.addend, e.value) for e in group}
+            start = {(key, addend, value) for key, addend, value, _ in group}
             assert len(start) == 1, start  # one initial state per group
             keys |= start
-            callers = [e.draws for e in group if e.draws]
+            callers = [draws for *_, draws in group if draws]
             called_apart += len(callers) >= 2 and len({c[0] for c in callers}) == len(callers)
         assert int(batch.rollout.turns.calls.sum()) > 0  # the model called the tool
     assert len(keys) == 24  # every group of every step a fresh episode

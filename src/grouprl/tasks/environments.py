@@ -1,7 +1,8 @@
 """Environments: stateful tasks in TRL's `environment_factory` shape (`--environment
 path/env.py:Class`, or `package.module:Class`).
 
-The class is instantiated with no arguments, once per rollout (G per prompt), and used thus:
+The class is instantiated with no arguments, one instance per rollout running at once (G per
+prompt), and used thus:
 
 - `reset(self, **row) -> str | None` starts an episode from the dataset row (every column,
   `prompt` included). Text it returns is appended to the prompt as TRL appends it: to the
@@ -17,6 +18,14 @@ The class is instantiated with no arguments, once per rollout (G per prompt), an
   model turn that ends (EOS or a stop string) without a tool call is passed to `step`, and what
   it returns is the next observation (None: the episode is over). Steps count against
   `--max-turns`, as tool calls do.
+- `close(self)`, if defined, is called once, when the run is done with the instance.
+
+Instances are kept and reused, as TRL keeps them: a rollout takes one from the pool (a new one
+when every kept instance is in use), `reset` starts its episode, and it goes back once the
+rollout is scored. So an environment that holds a session (an OpenEnv client's WebSocket) holds
+one per rollout running at once, never one per rollout ever run. Before training,
+`Environment.preflight` opens as many as a step and an evaluation run at once, so a server that
+cannot serve that many says so (one line naming the OpenEnv settings) before the first step.
 
 Without a dataset (and no task) the environment owns the data: each group's `reset` gets no
 row (only `seed=`, when it takes one) and returns the prompt itself, as TRL calls it.
@@ -39,6 +48,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +68,7 @@ from grouprl.tasks.specs import is_file_spec
 from grouprl.tasks.tools import Tool
 
 #: Methods of an environment that are not tools.
-NOT_TOOLS = frozenset({"reset", "get_reward", "step"})
+NOT_TOOLS = frozenset({"reset", "get_reward", "step", "close"})
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,12 @@ class Environment:
     has_reward: bool
     has_step: bool
     takes_seed: bool
+    #: instances not in use, kept for the next rollouts (`take`, `release`)
+    free: list[Any] = dataclasses.field(default_factory=list, compare=False, repr=False)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False,
+                                             repr=False)  # fmt: skip
+    #: how many instances the run holds at once ("at_once", set by `preflight`)
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -106,7 +122,7 @@ class Environment:
         for g, (row, seed) in enumerate(zip(rows, seeds, strict=True)):
             texts = []
             for k in range(group_size):
-                env = self.new()
+                env = self.take()
                 with seeded(seed):
                     text = self._reset(env, row, seed)
                 bind_stream(env, RandomStream(group_seed(seed, k)))
@@ -132,6 +148,8 @@ class Environment:
         try:
             text = env.reset(**kwargs)
         except Exception as err:
+            if refused(err):
+                raise UserError(self._capacity(err)) from None
             given = "no row (the environment owns the data)" if owns_data else (
                 f"every column of the row: {', '.join(row)}")  # fmt: skip
             raise UserError(
@@ -170,10 +188,61 @@ class Environment:
         try:
             return self.cls()
         except Exception as err:
+            if refused(err):
+                raise UserError(self._capacity(err)) from None
             raise UserError(
                 f"environment {self.name}() raised {type(err).__name__}: {err}; the class is "
-                "instantiated with no arguments, once per rollout"
+                "instantiated with no arguments, once per rollout running at once"
             ) from None
+
+    def take(self) -> Any:
+        """A kept instance not in use, or a new one."""
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+        return self.new()
+
+    def release(self, instances: Sequence[Any]) -> None:
+        """Instances whose rollouts are scored: kept for the next rollouts."""
+        with self.lock:
+            self.free.extend(instances)
+
+    def close_all(self) -> None:
+        """Close every kept instance (`close`, where the class defines it) and forget them."""
+        with self.lock:
+            kept, self.free[:] = list(self.free), []
+        for env in kept:
+            close = getattr(env, "close", None)
+            if callable(close):
+                try:
+                    with stream_of(env):
+                        close()
+                except Exception as err:  # the run is over: say so, lose nothing
+                    print(f"warning: environment {self.name}.close raised "
+                          f"{type(err).__name__}: {err}")  # fmt: skip
+
+    def preflight(self, rows: Sequence[dict], at_once: int, *, chat: bool = False) -> None:
+        """Start `at_once` instances from the first row and keep them (the first rollouts use
+        them): a server that refuses that many sessions says so now, before training."""
+        self.sizes["at_once"] = at_once
+        self.release(self.start(rows[:1], at_once, [0], chat=chat).instances)
+
+    def _capacity(self, err: Exception) -> str:
+        n = self.sizes.get("at_once")
+        need = f"{n} at once here" if n else "one per rollout running at once"
+        return (
+            f"environment {self.name}: its server refused a session ({type(err).__name__}: "
+            f"{err}); grouprl keeps one session per rollout, {need} (a step's prompts x group "
+            "size, or an evaluation batch's); serve the environment with "
+            "SUPPORTS_CONCURRENT_SESSIONS = True on its class and create_app(..., "
+            f"max_concurrent_envs={n or 'N'}) or more"
+        )
+
+
+def refused(err: Exception) -> bool:
+    """Whether `err` is a session server turning a session away for lack of room: OpenEnv's
+    SessionCapacityError, or its client's report of one (code CAPACITY_REACHED)."""
+    return type(err).__name__ == "SessionCapacityError" or "CAPACITY_REACHED" in str(err)
 
 
 @dataclass(frozen=True)

@@ -77,3 +77,9 @@ class ToolUse:
             episodes.row_tools(), episodes.steps(), episodes.instances
         )
         return RolloutStart(episodes.prompts, handler, episodes.instances, episodes.rows)
+
+    def scored(self, environments: Sequence[Any] | None) -> None:
+        """A rollout's environments once its rewards are computed: back to the environment's
+        kept instances, for the next rollouts (`Environment.release`)."""
+        if self.environment is not None and environments:
+            self.environment.release(environments)

@@ -70,9 +70,9 @@ def build_tools(
         # binds its own instances' (`ToolHandler.for_rollout`)
         # (reset on the first row: a reset that cannot take a row, or one that writes no
         # prompt for an environment that owns the data, is found now)
-        probe = environment.tools_of(
-            environment.start(task.train[:1], 1, [0], chat=_chat(tokenizer)).instances[0]
-        )
+        (instance,) = environment.start(task.train[:1], 1, [0], chat=_chat(tokenizer)).instances
+        probe = environment.tools_of(instance)
+        environment.release([instance])
         clash = sorted(set(probe) & {t.name for t in tools})
         if clash:
             raise UserError(

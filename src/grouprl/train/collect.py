@@ -186,6 +186,8 @@ def sample_round(
         transcripts=None if rollout.turns is None else rollout.turns.transcripts,
         environments=None if rollout.turns is None else rollout.turns.environments,
     )
+    if sampler.tools is not None and rollout.turns is not None:
+        sampler.tools.scored(rollout.turns.environments)  # kept for the next rollouts
     rewards = scores.total  # (N,) on the CPU
     if cfg.overlong_penalty:
         penalty = overlong_penalty(

@@ -217,6 +217,8 @@ def evaluate(
                         if agree is None:
                             raise
                         error = err
+                for rollout in rollouts if tools is not None else ():
+                    tools.scored(None if rollout.turns is None else rollout.turns.environments)
                 if error is not None and lockstep is None:
                     break
                 bar.advance(task_id, len(batch))
@@ -419,8 +421,12 @@ def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
                           seed=cfg.seed, tools=tools and tools.handler)  # fmt: skip
     start = time.perf_counter()
     with contextlib.closing(engine):
-        result = _evaluate_with(engine, model, tokenizer, heldout, rewards, cfg, max_new_tokens,
-                                task, budget, tools, progress)  # fmt: skip
+        try:
+            result = _evaluate_with(engine, model, tokenizer, heldout, rewards, cfg,
+                                    max_new_tokens, task, budget, tools, progress)  # fmt: skip
+        finally:
+            if tools is not None and tools.environment is not None:
+                tools.environment.close_all()
     return {
         "model": name,
         "task": task.name,

@@ -109,6 +109,8 @@ def train(
         finally:
             if run.ahead is not None:  # the sampler's thread ends with the run, however it ends
                 run.ahead.close()
+            if run.sampler.tools is not None and run.sampler.tools.environment is not None:
+                run.sampler.tools.environment.close_all()  # their sessions end with the run
 
 
 def _train(run: Run) -> TrainSummary:

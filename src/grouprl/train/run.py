@@ -195,6 +195,9 @@ def setup_run(
     )
     optimizer = make_optimizer(cfg, policy)
     heldout = evaluation_rows(cfg, task, sampler, warn)
+    if tools is not None and tools.environment is not None:  # a server's capacity, said now
+        tools.environment.preflight(task.train, environments_at_once(cfg, dist, heldout),
+                                    chat=tools.chat)  # fmt: skip
     return Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -423,6 +426,15 @@ def evaluation_rows(
     if not rows.rows:
         raise UserError("no held-out prompt fits the prompt budget; raise --max-prompt-length")
     return rows
+
+
+def environments_at_once(cfg: RunConfig, dist: Dist, heldout: HeldOut) -> int:
+    """Environment instances this rank holds at once: a step's groups (a sampling round's,
+    scored before the next), or an evaluation batch's problems with their samples and the
+    greedy one, whichever is more."""
+    step = cfg.prompts_per_step // dist.world_size * cfg.group_size
+    rows = min(EVAL_BATCH_PROMPTS, len(dist.mine(len(heldout.rows))))
+    return max(step, rows * (cfg.eval_samples + 1))
 
 
 def lr_factor(cfg: RunConfig, step: int) -> float:
