@@ -10,15 +10,15 @@ import pytest
 
 pytest.importorskip("reasoning_gym", reason="pip install -e '.[reasoning-gym]' (make test does)")
 
-import reasoning_gym  # noqa: E402
+import reasoning_gym
 
-import grouprl  # noqa: E402
-from grouprl import sandbox  # noqa: E402
-from grouprl.cli import main  # noqa: E402
-from grouprl.errors import UserError  # noqa: E402
-from grouprl.sandbox.run import Limits, Packages, run_each  # noqa: E402
-from grouprl.tasks import get_task  # noqa: E402
-from grouprl.tasks.reasoning_gym import HELDOUT_ROWS  # noqa: E402
+import grouprl
+from grouprl import sandbox
+from grouprl.cli import main
+from grouprl.errors import UserError
+from grouprl.sandbox.run import Limits, Packages, run_each
+from grouprl.tasks import get_task
+from grouprl.tasks.reasoning_gym import HELDOUT_ROWS
 
 CONFIG = {"min_terms": "2", "max_terms": "2", "min_digits": "1", "max_digits": "2",
           "allow_negation": "false"}  # fmt: skip

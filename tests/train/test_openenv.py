@@ -12,6 +12,7 @@ import random
 import socket
 import threading
 import time
+from typing import ClassVar
 
 import pytest
 
@@ -69,10 +70,10 @@ class GuessGame(Environment):
     open at once)."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
-    seeds: list[int] = []
-    open: set[int] = set()
-    peak = 0
-    lock = threading.Lock()
+    seeds: ClassVar[list[int]] = []
+    open: ClassVar[set[int]] = set()
+    peak: ClassVar[int] = 0
+    lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self):
         super().__init__()
