@@ -36,6 +36,7 @@ def test_rows_come_from_the_seed_and_never_repeat_a_held_out_problem():
     assert first == [r["entry"]["question"] for r in again.train[:200]]
     assert first != [r["entry"]["question"] for r in b.train[:200]]
     assert a.heldout == b.heldout and len(a.heldout) == HELDOUT_ROWS  # every run, one held-out
+    assert len({r["entry"]["question"] for r in a.heldout}) == HELDOUT_ROWS  # distinct
     held = {r["entry"]["question"] for r in a.heldout}
     assert not held & set(first) and not held & {r["entry"]["question"] for r in a.train[:3000]}
     # the generator's own rows: index i of the seed's generator unless it is a held-out question
@@ -49,6 +50,14 @@ def test_rows_come_from_the_seed_and_never_repeat_a_held_out_problem():
     assert row["answer"] == row["entry"]["answer"]
 
 
+def test_a_small_problem_space_holds_out_a_fifth():
+    """One-digit sums: about a hundred problems; a fifth is held out, the rest trained on."""
+    t = get_task("reasoning_gym:chain_sum", config={**CONFIG, "max_digits": "1"})
+    held = {r["entry"]["question"] for r in t.heldout}
+    seen = {r["entry"]["question"] for r in t.train[:2000]}
+    assert 10 <= len(held) <= 40 and not held & seen and len(seen) >= 2 * len(held)
+
+
 def test_config_mistakes_are_one_line():
     with pytest.raises(UserError, match="no task 'chain_summ'; did you mean chain_sum"):
         get_task("reasoning_gym:chain_summ")
@@ -57,7 +66,7 @@ def test_config_mistakes_are_one_line():
     with pytest.raises(UserError, match="--task-config seed: the run sets it"):
         get_task("reasoning_gym:chain_sum", config={"seed": "3"})
     with pytest.raises(UserError, match="widen it"):  # every problem held out: none to train on
-        get_task("reasoning_gym:count_bits", config={"min_n": "1", "max_n": "3"}).train[0]
+        get_task("reasoning_gym:count_bits", config={"min_n": "2", "max_n": "2"}).train[0]
 
 
 @needs_sandbox

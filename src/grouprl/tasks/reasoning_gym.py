@@ -7,6 +7,8 @@ generator is procedural: row i is the same for the same seed and config), lazily
 always fresh problems; held-out rows come from a seed of their own, fixed by the task's name and
 config (every run of a comparison evaluates on the same problems), and a training row whose
 question is a held-out one is replaced by another index's, so the two never share a problem.
+Held-out problems are distinct: 500 of them, or from a small problem space (an easy config) a
+fifth of the problems its draws found, so most remain for training.
 Each row's prompt is a system message (`--system-prompt`, else reasoning-gym's default: think,
 then the answer between <answer> tags) and the question as a user message, rendered by the
 model's chat template.
@@ -111,6 +113,20 @@ def _row(entry: dict[str, Any], system: str) -> dict[str, Any]:
     return {"prompt": prompt, "answer": plain["answer"], "entry": plain}
 
 
+def held_out_entries(name: str, config_json: str, seed: int) -> list[dict]:
+    """HELDOUT_ROWS distinct problems of the held-out generator; from a small problem space
+    (fewer than 2 x HELDOUT_ROWS distinct among 4 x HELDOUT_ROWS draws) a fifth of the distinct
+    problems drawn, so most stay for training."""
+    generator = _generator(name, config_json, seed, 4 * HELDOUT_ROWS)
+    distinct: dict[str, dict] = {}
+    for i in range(4 * HELDOUT_ROWS):
+        entry = generator[i]
+        distinct.setdefault(entry["question"], entry)
+    entries = list(distinct.values())
+    keep = HELDOUT_ROWS if len(entries) >= 2 * HELDOUT_ROWS else max(1, len(entries) // 5)
+    return entries[:keep]
+
+
 class GeneratedRows(Sequence):
     """Training rows generated on demand from a seed (row i: generator index i, or a
     replacement index when index i's question is a held-out one)."""
@@ -155,8 +171,7 @@ def reasoning_gym_task(
     text = json.dumps(values, sort_keys=True)
     system = system_prompt or rg.utils.SYSTEM_PROMPTS["default"]
     heldout_seed = zlib.crc32(f"grouprl held-out {name} {text}".encode())
-    held = _generator(name, text, heldout_seed, HELDOUT_ROWS)
-    heldout = [_row(held[i], system) for i in range(HELDOUT_ROWS)]
+    heldout = [_row(entry, system) for entry in held_out_entries(name, text, heldout_seed)]
     questions = {row["entry"]["question"] for row in heldout}
     train = GeneratedRows(lambda: _generator(name, text, seed, TRAIN_ROWS * DISJOINT_TRIES),
                           questions, system, name)  # fmt: skip
