@@ -70,7 +70,7 @@ def _data_checks(opts: DataOptions) -> list[tuple[bool, str]]:
             f"{given[0] if given else ''} applies to --dataset, which is not given",
         ),
         (
-            not opts.task_config or (opts.task or "").startswith("reasoning_gym:"),
+            not opts.task_config or (opts.task or "").startswith(("reasoning_gym:", "verifiers:")),
             TASK_CONFIG_ALONE,
         ),
         (0 < opts.eval_fraction < 1, "eval_fraction must lie in (0, 1)"),

@@ -18,6 +18,8 @@ from grouprl.tasks.lookup import lookup_task
 from grouprl.tasks.reasoning_gym import PREFIX as RG_PREFIX
 from grouprl.tasks.reasoning_gym import reasoning_gym_task
 from grouprl.tasks.rewards import REWARDS
+from grouprl.tasks.verifiers_env import PREFIX as VF_PREFIX
+from grouprl.tasks.verifiers_env import verifiers_task
 
 #: Task factories by name; each takes keyword knobs and returns a Task.
 TASKS: dict[str, Callable[..., Task]] = {"arithmetic": arithmetic_task, "lookup": lookup_task}
@@ -29,10 +31,12 @@ def get_task(name: str, **knobs) -> Task:
     knobs: its `config` and the run's `seed`)."""
     if name.startswith(RG_PREFIX):
         return reasoning_gym_task(name.removeprefix(RG_PREFIX), **knobs)
+    if name.startswith(VF_PREFIX):
+        return verifiers_task(name.removeprefix(VF_PREFIX), **knobs)
     factory = TASKS.get(name)
     if factory is None:
         raise UserError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}, "
-                        "reasoning_gym:NAME")  # fmt: skip
+                        "reasoning_gym:NAME, verifiers:ENV")  # fmt: skip
     params = inspect.signature(factory).parameters
     unknown = sorted(set(knobs) - set(params))
     if unknown:

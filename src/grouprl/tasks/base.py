@@ -59,6 +59,9 @@ class Task:
     heldout_episodes: bool = False
     """The held-out evaluation runs `eval_size` fresh episodes of `heldout[0]`, seeded apart
     from training's, instead of held-out rows."""
+    driver: Any = None
+    """An environment of another ecosystem that runs its own rollouts and scores them (a
+    verifiers environment: `grouprl.tasks.verifiers_env`); None: grouprl's own loop."""
 
     def split(self, name: str) -> Sequence[dict]:
         """The rows of split `name`: "train", "heldout", or "all" (train, then heldout)."""

@@ -78,6 +78,10 @@ class ToolUse:
         )
         return RolloutStart(episodes.prompts, handler, episodes.instances, episodes.rows)
 
+    def sampled(self, rollout: Any, handler: Any) -> None:
+        """After a rollout is sampled with `handler` (its `RolloutStart.handler`), before it
+        is scored: nothing here (an environment that drives its own rollouts finishes them)."""
+
     def scored(self, environments: Sequence[Any] | None) -> None:
         """A rollout's environments once its rewards are computed: back to the environment's
         kept instances, for the next rollouts (`Environment.release`)."""

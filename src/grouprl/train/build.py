@@ -29,6 +29,8 @@ from grouprl.tasks.reasoning_gym import PREFIX as RG_PREFIX
 from grouprl.tasks.scoring import RewardSet, build_reward_set
 from grouprl.tasks.tool_use import ToolUse
 from grouprl.tasks.tools import PlainTurns, TagTools, ToolHandler, load_tools
+from grouprl.tasks.verifiers_env import PREFIX as VF_PREFIX
+from grouprl.tasks.verifiers_env import verifiers_use
 
 
 def task_defaults(opts: DataOptions) -> dict[str, Any]:
@@ -58,6 +60,12 @@ def build_tools(
     """The tools a run's sampler answers calls with (`--tools`, default: the task's, and the
     `--environment`'s methods), in `--tool-format`; None without any. `end_ids`: the ids that
     end a turn (the sampler's EOS ids), for the chat format."""
+    if task.driver is not None:  # a verifiers environment runs its own rollouts
+        if opts.tools or opts.environment:
+            raise UserError(f"{task.name} brings its own tools and loop: drop --tools and "
+                            "--environment")  # fmt: skip
+        return verifiers_use(task, tokenizer, end_ids, opts.max_turns,
+                             getattr(opts, "model", None) or "the model")  # fmt: skip
     environment = load_environment(opts.environment) if opts.environment else None
     # an environment brings its own tools: the task's are used only without one
     default = [] if environment is not None else sorted(task.tools or {})
@@ -115,6 +123,8 @@ def chosen_task(opts: DataOptions) -> Task:
     """`--task` (default arithmetic) with its knobs: a reasoning_gym:NAME task takes
     `--task-config` and the run's seed; `--task-config` on another task is one line."""
     name = opts.task or "arithmetic"
+    if name.startswith(VF_PREFIX):
+        return get_task(name, config=opts.task_config)
     if not name.startswith(RG_PREFIX):
         if opts.task_config:
             raise UserError(TASK_CONFIG_ALONE)

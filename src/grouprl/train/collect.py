@@ -246,6 +246,8 @@ def _sample(
             seed=cfg.seed * 1_000_003 + step * 97 + round_ + sampler.dist.rank * 0x9E3779B1,
             tools=handler,
         )
+    if sampler.tools is not None:
+        sampler.tools.sampled(rollout, handler)
     return rollout, rows
 
 

@@ -271,6 +271,8 @@ class _Sampling:
                 ids = reset_prompt_ids(self.tokenizer, start.prompts, self.tools, self.budget)
         rollout = self.engine.sample(ids, max_new_tokens=self.max_new_tokens, stop=self.stop,
                                      tools=handler, **settings)  # fmt: skip
+        if self.tools is not None:
+            self.tools.sampled(rollout, handler)
         return rows, rollout
 
 
