@@ -64,6 +64,9 @@ def build_tools(
         if opts.tools or opts.environment:
             raise UserError(f"{task.name} brings its own tools and loop: drop --tools and "
                             "--environment")  # fmt: skip
+        if getattr(opts, "engine", "hf") != "hf":
+            raise UserError(f"{task.name} runs on grouprl's own sampler (its turns answer the "
+                            "environment's requests): drop --engine vllm")  # fmt: skip
         return verifiers_use(task, tokenizer, end_ids, opts.max_turns,
                              getattr(opts, "model", None) or "the model")  # fmt: skip
     environment = load_environment(opts.environment) if opts.environment else None
