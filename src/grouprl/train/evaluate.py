@@ -201,33 +201,45 @@ def evaluate(
     keys = list(keys) if keys is not None else list(rows)
     sampling = _Sampling(engine, tokenizer, tools, seed, samples, temperature, max_new_tokens,
                          stop, greedy, budget)  # fmt: skip
-    counts, error = _Counts(samples, greedy), None
+    counts = _Counts(samples, greedy)
     was_training = model.training
     model.eval()
     try:
         with _progress(console, progress) as bar:
-            task_id = bar.add_task("eval", total=len(rows))
-            for i, first in enumerate(range(0, len(rows), batch_prompts)):
-                span = slice(first, first + batch_prompts)
-                batch, rollouts = sampling.rollouts(rows[span], ids[span], keys[span], i)
-                if error is None:
-                    try:
-                        counts.add(batch, rollouts, judge)
-                    except UserError as err:
-                        if agree is None:
-                            raise
-                        error = err
-                for rollout in rollouts if tools is not None else ():
-                    tools.scored(None if rollout.turns is None else rollout.turns.environments)
-                if error is not None and lockstep is None:
-                    break
-                bar.advance(task_id, len(batch))
+            error = _batches(sampling, counts, rows, ids, keys, batch_prompts, judge, bar,
+                             stop_at_error=lockstep is None, raise_at_once=agree is None)  # fmt: skip
     finally:
         model.train(was_training)
     if agree is not None:
         agree(error)
     mine = counts.first(len(rows) if real_rows is None else real_rows)
     return _result(gather(mine) if gather is not None else [mine], samples, greedy, tools)
+
+
+def _batches(sampling: _Sampling, counts: _Counts, rows, ids, keys, batch_prompts: int,
+             judge: Judge, bar: Any, *, stop_at_error: bool,
+             raise_at_once: bool) -> UserError | None:  # fmt: skip
+    """Sample and judge `rows` batch by batch into `counts`; a judge's user error is raised at
+    once (`raise_at_once`) or returned, the remaining batches still sampled unless
+    `stop_at_error` (a rank in lockstep keeps the others' forwards matched). Each batch's
+    environments go back once it is judged."""
+    task_id, error = bar.add_task("eval", total=len(rows)), None
+    for i, first in enumerate(range(0, len(rows), batch_prompts)):
+        span = slice(first, first + batch_prompts)
+        batch, rollouts = sampling.rollouts(rows[span], ids[span], keys[span], i)
+        if error is None:
+            try:
+                counts.add(batch, rollouts, judge)
+            except UserError as err:
+                if raise_at_once:
+                    raise
+                error = err
+        for rollout in rollouts if sampling.tools is not None else ():
+            sampling.tools.scored(None if rollout.turns is None else rollout.turns.environments)
+        if error is not None and stop_at_error:
+            break
+        bar.advance(task_id, len(batch))
+    return error
 
 
 @dataclass(frozen=True)

@@ -164,15 +164,7 @@ def setup_run(
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    # under FSDP the whole model stays in host memory; each rank moves only its shards
-    policy, tokenizer, reference = load_policy(cfg, torch.device("cpu") if dist.fsdp else device)
-    teacher = load_teacher(cfg, tokenizer, policy, torch.device("cpu") if dist.fsdp else device)
-    if dist.fsdp:
-        for model in (policy, reference, teacher):
-            if model is not None:
-                shard(model, device=device)
-    else:
-        dist.broadcast_parameters(policy)
+    policy, tokenizer, reference, teacher = _models(cfg, dist, device)
     tools = estimator_tools(
         cfg, build_tools(cfg, task, tokenizer, stop_token_ids(policy, tokenizer))
     )
@@ -218,6 +210,22 @@ def setup_run(
         callbacks=callbacks,
         live=live,
     )
+
+
+def _models(cfg: RunConfig, dist: Dist, device: torch.device) -> tuple[Any, Any, Any, Any]:
+    """The policy, its tokenizer, the reference and the teacher (None where unused), on
+    `device`: under FSDP the whole models stay in host memory and each rank moves only its
+    shards; otherwise the policy's parameters are rank 0's."""
+    host = torch.device("cpu") if dist.fsdp else device
+    policy, tokenizer, reference = load_policy(cfg, host)
+    teacher = load_teacher(cfg, tokenizer, policy, host)
+    if dist.fsdp:
+        for model in (policy, reference, teacher):
+            if model is not None:
+                shard(model, device=device)
+    else:
+        dist.broadcast_parameters(policy)
+    return policy, tokenizer, reference, teacher
 
 
 def run_engine(
