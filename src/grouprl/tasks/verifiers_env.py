@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -72,6 +73,8 @@ def load_vf_environment(spec: str, args: dict[str, Any]) -> Any:
     """The environment `spec` names: a file path/env.py (its `load_environment(**args)`) or an
     installed environment module (`verifiers.load_environment(spec, **args)`)."""
     vf = _vf()
+    quiet = logging.getLogger("verifiers")
+    level, quiet.level = quiet.level, logging.CRITICAL  # its own error lines: ours says it
     try:
         if spec.endswith(".py"):
             from grouprl.tasks.scoring import import_file
@@ -90,6 +93,8 @@ def load_vf_environment(spec: str, args: dict[str, Any]) -> Any:
     except Exception as err:
         raise UserError(f"verifiers environment {spec!r} did not load ({type(err).__name__}: "
                         f"{err}); check its name and --task-config") from None  # fmt: skip
+    finally:
+        quiet.setLevel(level)
     if not isinstance(env, vf.Environment):
         raise UserError(f"{spec}: load_environment returned a {type(env).__name__}, not a "
                         "verifiers Environment")  # fmt: skip
