@@ -132,6 +132,22 @@ def test_cpu_time_decides_a_timeout_and_repeats_are_cached():
     assert sandbox.check_many(jobs) == first and first[0].fraction == 1.0
 
 
+def test_a_full_cache_evicting_this_calls_hits_loses_no_verdict(monkeypatch):
+    """A call whose own new verdicts push its cached ones out of a full cache still answers
+    every job (it once raised KeyError: a hit read back after the eviction)."""
+    from grouprl.sandbox import pool
+
+    monkeypatch.setattr(pool, "CACHE_SIZE", 2)
+    monkeypatch.setattr(pool, "_CACHE", type(pool._CACHE)())
+    tests = sandbox.Tests.asserts(MBPP[:1])
+    cached = (RIGHT_FN, tests)
+    assert sandbox.check_many([cached])[0].fraction == 1.0
+    new = [(RIGHT_FN + f"\n# {i}", tests) for i in range(2)]
+    verdicts = sandbox.check_many([cached, *new])
+    assert [v.fraction for v in verdicts] == [1.0, 1.0, 1.0] and cached[0] not in str(
+        list(pool._CACHE))  # fmt: skip
+
+
 def test_more_tests_than_one_sandbox_holds_are_all_run():
     many = [f"assert add({i}, 1) == {i + 1}" for i in range(40)] + ["assert add(0, 0) == 1"]
     verdict = sandbox.check(RIGHT_FN, sandbox.Tests.asserts(many))

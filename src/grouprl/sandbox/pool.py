@@ -45,28 +45,29 @@ def check_many(
     keys = [_key(p, t, limits) for p, t in jobs]
     todo: dict[str, tuple[str, Tests]] = {}
     results: dict[str, Verdict] = {}
-    with _CACHE_LOCK:
+    with _CACHE_LOCK:  # the hits now: storing this call's verdicts may evict them
         for key, job in zip(keys, jobs):
-            if key not in _CACHE:
+            if key in _CACHE:
+                results[key] = _CACHE[key]
+            else:
                 todo.setdefault(key, job)
     if todo:
         with ThreadPoolExecutor(max_workers=min(parallel or workers(), len(todo))) as pool:
             futures = {k: pool.submit(check, p, t, limits) for k, (p, t) in todo.items()}
             try:
-                results = {k: f.result() for k, f in futures.items()}
+                fresh = {k: f.result() for k, f in futures.items()}
             except BaseException:
                 for f in futures.values():
                     f.cancel()
                 slots.kill_busy()
                 raise
+        results.update(fresh)
         with _CACHE_LOCK:
-            for key, verdict in results.items():
+            for key, verdict in fresh.items():
                 _CACHE[key] = verdict
             while len(_CACHE) > CACHE_SIZE:
                 _CACHE.popitem(last=False)
-    with _CACHE_LOCK:
-        found = {k: _CACHE.get(k) for k in keys}
-    return [found[k] if found[k] is not None else results[k] for k in keys]
+    return [results[k] for k in keys]
 
 
 def probe() -> str | None:
