@@ -25,8 +25,10 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from rich.console import Console
@@ -34,8 +36,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from grouprl.errors import UserError
 from grouprl.models import load_model, load_tokenizer
+from grouprl.models.lora import apply_lora, save_final
 from grouprl.models.tiny import TinySize, build_tiny_llama
 from grouprl.models.tokenizer import build_char_tokenizer, save_tokenizer
+from grouprl.rollout import encode_prompts
 from grouprl.tasks import Task, get_task
 
 
@@ -48,7 +52,28 @@ class SFTConfig:
     overwrite: bool = False
     """Write into a non-empty output directory (files of the same name are replaced)."""
     task: str = "arithmetic"
-    """Task whose training split and worked solutions to fit."""
+    """Task whose training split and worked solutions to fit (not with --data)."""
+    data: str | None = None
+    """Conversations to fit instead of a task's solutions: a data file, a save_to_disk
+    directory or a hub id whose rows are TRL's conversational SFT shape (`messages` with
+    assistant `tool_calls` and `tool` results, optional `tools` schemas); loss on the
+    assistant's tokens only, encoded as `grouprl train --tool-format F` samples them. Needs
+    --model (an instruct model with a chat template)."""
+    tools: list[str] | None = None
+    """With --data: the tools the conversations call (as `grouprl train --tools` names them),
+    described in the prompts as training will describe them."""
+    tool_format: Literal["tags", "chat"] = "tags"
+    """With --data: how calls and results are written (as `grouprl train --tool-format`)."""
+    tool_prompt: str = "auto"
+    """With --data and the tags format: the tools' description (as `grouprl train
+    --tool-prompt`: auto, default, none, or a Jinja template file)."""
+    lora_r: int | None = None
+    """Train LoRA adapters of this rank instead of every weight (merged into the written
+    model). None: full fine-tuning."""
+    lora_alpha: float | None = None
+    """LoRA scaling numerator (None: 2 * lora_r)."""
+    lora_target_modules: list[str] | None = None
+    """LoRA target module names (None: every linear layer but the output head)."""
     model: str | None = None
     """Model to start from (directory or builtin:NAME). None: a fresh tiny Llama, char tokenizer."""
     steps: int = 1000
@@ -64,7 +89,8 @@ class SFTConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0: off)."""
     noise: float = 0.3
-    """Chance that a trace's column digit is made wrong (the trace follows the error). 0: clean."""
+    """Chance that a task's trace is made wrong (the trace follows the error). 0: clean. Not
+    used with --data."""
     seed: int = 0
     """Seed of the model initialisation, the row order and the injected noise."""
     threads: int = 2
@@ -136,21 +162,27 @@ def encode_batch(
     a model fitted to tool turns would learn to invent tool outputs.
     """
     prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
-    rows, trained = [], []  # ids after the prompt, and whether each is the policy's
+    rows = []
     for completion in completions:
         turns = [("assistant", completion)] if isinstance(completion, str) else completion
-        ids, own = [], []
-        for role, text in turns:
-            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-            ids += piece
-            own += [role != "tool"] * len(piece)
-        rows.append([*ids, tokenizer.eos_token_id])
-        trained.append([*own, True])
-    length = max(len(p) + len(r) for p, r in zip(prompt_ids, rows))
-    input_ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
+        pieces = [(tokenizer(text, add_special_tokens=False)["input_ids"], role != "tool")
+                  for role, text in turns]  # fmt: skip
+        rows.append([*pieces, ([tokenizer.eos_token_id], True)])
+    return padded(prompt_ids, rows, tokenizer.pad_token_id)
+
+
+def padded(
+    prompt_ids: list[list[int]], rows: list[list[tuple[list[int], bool]]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded [prompt, pieces...] sequences: input_ids, attention_mask and labels (-100
+    on the prompt, on padding and on pieces that carry no loss), each (R, L)."""
+    flat = [[i for ids, _ in row for i in ids] for row in rows]
+    trained = [[own for ids, own in row for _ in ids] for row in rows]
+    length = max(len(p) + len(r) for p, r in zip(prompt_ids, flat))
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), -100, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, (p, r, own) in enumerate(zip(prompt_ids, rows, trained)):
+    for i, (p, r, own) in enumerate(zip(prompt_ids, flat, trained)):
         full = torch.tensor(p + r)
         input_ids[i, : len(full)] = full
         attention_mask[i, : len(full)] = 1
@@ -177,8 +209,13 @@ def train_sft(cfg: SFTConfig, console: Console | None = None) -> SFTResult:
     console = console or Console(stderr=True)
     _validate(cfg)
     _check_output_dir(cfg)
-    task = get_task(cfg.task)
-    if cfg.noise > 0 and task.noisy_solution is None and task.transcript is None:
+    task = None if cfg.data is not None else get_task(cfg.task)
+    if (
+        task is not None
+        and cfg.noise > 0
+        and task.noisy_solution is None
+        and (task.transcript is None)
+    ):
         raise UserError(f"task {cfg.task!r} has no noisy traces; use --noise 0")
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
@@ -188,22 +225,117 @@ def train_sft(cfg: SFTConfig, console: Console | None = None) -> SFTResult:
         torch.set_num_threads(threads_before)
 
 
-def _train(cfg: SFTConfig, task: Task, console: Console) -> SFTResult:
-    torch.manual_seed(cfg.seed)
-    if cfg.model is None:
-        tokenizer = build_char_tokenizer()
-        size = TinySize(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size)
-        model = build_tiny_llama(tokenizer, size)
-    else:
-        tokenizer, model = load_tokenizer(cfg.model), load_model(cfg.model)
-    model.train()
-    n_params = sum(p.numel() for p in model.parameters())
-    console.log(f"sft: {type(model).__name__} with {n_params / 1e6:.2f}M parameters")
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
+
+def task_batches(cfg: SFTConfig, task: Task, tokenizer: Any) -> Callable[[], Batch]:
+    """Each call: `batch_size` training rows drawn from the seed's order, their worked
+    solutions written (noisy at rate `noise`), encoded."""
     noise_rng = random.Random(f"sft-noise:{cfg.seed}")
     order_rng = random.Random(f"sft-order:{cfg.seed}")
     rows = task.train
+
+    def draw() -> Batch:
+        batch = [rows[order_rng.randrange(len(rows))] for _ in range(cfg.batch_size)]
+        if task.transcript is not None:  # a tool-use task: turns, tool turns untrained
+            completions = [task.transcript(r, noise_rng, cfg.noise) for r in batch]
+        elif cfg.noise > 0:
+            assert task.noisy_solution is not None
+            completions = [task.noisy_solution(r, noise_rng, cfg.noise) for r in batch]
+        else:
+            completions = [r["solution"] for r in batch]
+        return encode_batch(tokenizer, [r["prompt"] for r in batch], completions)
+
+    return draw
+
+
+def conversation_batches(cfg: SFTConfig, tokenizer: Any) -> tuple[Callable[[], Batch], int]:
+    """Each call: `batch_size` conversations of --data drawn from the seed's order, encoded
+    (once, up front) as `grouprl train` samples them; and how many there are."""
+    from grouprl.tasks.conversations import encode_chat, encode_tags
+    from grouprl.tasks.data import load_table
+    from grouprl.tasks.tool_prompt import describe_schemas, describe_tools, load_template
+    from grouprl.tasks.tools import load_tools
+
+    assert cfg.data is not None
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"--data {cfg.data} holds conversations, and the model's tokenizer has "
+                        "no chat template to render them; give --model an instruct model")  # fmt: skip
+    tools = load_tools(cfg.tools or [], _builtin_tools())
+    template = load_template(cfg.tool_prompt) if cfg.tool_format == "tags" else None
+    table = load_table(cfg.data)
+
+    def encode(messages: list[dict], schemas: list[dict] | None) -> list[int]:
+        return encode_prompts(tokenizer, [messages], tools=schemas)[0][0]
+
+    encoded = []
+    for i, row in enumerate(table):
+        where = f"--data {cfg.data} row {i}"
+        if cfg.tool_format == "chat":
+            schemas = [_schema(t) for t in tools] if tools else None
+            encoded.append(encode_chat(tokenizer, row, schemas, where, encode))
+            continue
+        description = None
+        if template is not None and (tools or row.get("tools")):
+            description = (describe_tools(tools, template) if tools
+                           else describe_schemas(row["tools"], template))  # fmt: skip
+        encoded.append(encode_tags(tokenizer, row, description, where, encode))
+    if not encoded:
+        raise UserError(f"--data {cfg.data} has no rows")
+    order_rng = random.Random(f"sft-order:{cfg.seed}")
+
+    def draw() -> Batch:
+        batch = [encoded[order_rng.randrange(len(encoded))] for _ in range(cfg.batch_size)]
+        return padded([e.prompt for e in batch], [e.pieces for e in batch],
+                      tokenizer.pad_token_id)  # fmt: skip
+
+    return draw, len(encoded)
+
+
+def _builtin_tools() -> dict[str, Callable[..., Any]]:
+    from grouprl.tasks.code_task import BUILTIN_TOOLS
+
+    return BUILTIN_TOOLS
+
+
+def _schema(tool: Any) -> dict:
+    from grouprl.tasks.chat_tools import tool_schema
+
+    return tool_schema(tool)
+
+
+def _policy(cfg: SFTConfig) -> tuple[Any, torch.nn.Module]:
+    """The tokenizer and model to fit: a fresh tiny Llama, or --model (with LoRA adapters)."""
+    if cfg.model is None:
+        if cfg.data is not None:
+            raise UserError("--data needs --model: an instruct model with a chat template")
+        tokenizer = build_char_tokenizer()
+        size = TinySize(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size)
+        return tokenizer, build_tiny_llama(tokenizer, size)
+    tokenizer, model = load_tokenizer(cfg.model), load_model(cfg.model)
+    if cfg.lora_r is not None:
+        alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_r
+        model = apply_lora(model, r=cfg.lora_r, alpha=alpha,
+                           target_modules=cfg.lora_target_modules)  # fmt: skip
+    return tokenizer, model
+
+
+def _train(cfg: SFTConfig, task: Task | None, console: Console) -> SFTResult:
+    torch.manual_seed(cfg.seed)
+    tokenizer, model = _policy(cfg)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    console.log(f"sft: {type(model).__name__} with {n_params / 1e6:.2f}M parameters"
+                + (f" ({n_trained / 1e6:.2f}M trained)" if n_trained < n_params else ""))  # fmt: skip
+    if task is not None:
+        draw = task_batches(cfg, task, tokenizer)
+    else:
+        draw, count = conversation_batches(cfg, tokenizer)
+        console.log(f"sft: {count} conversations from {cfg.data} ({cfg.tool_format} format)")
+
+    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    device = next(model.parameters()).device
     start = time.perf_counter()
     losses: list[float] = []
     window: list[float] = []
@@ -220,24 +352,15 @@ def _train(cfg: SFTConfig, task: Task, console: Console) -> SFTResult:
     with progress:
         bar = progress.add_task("sft", total=cfg.steps, loss="-")
         for step in range(cfg.steps):
-            batch = [rows[order_rng.randrange(len(rows))] for _ in range(cfg.batch_size)]
-            if task.transcript is not None:  # a tool-use task: turns, tool turns untrained
-                completions = [task.transcript(r, noise_rng, cfg.noise) for r in batch]
-            elif cfg.noise > 0:
-                assert task.noisy_solution is not None
-                completions = [task.noisy_solution(r, noise_rng, cfg.noise) for r in batch]
-            else:
-                completions = [r["solution"] for r in batch]
-            input_ids, attention_mask, labels = encode_batch(
-                tokenizer, [r["prompt"] for r in batch], completions
-            )
+            input_ids, attention_mask, labels = (t.to(device) for t in draw())
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg)
             loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                params = [p for p in model.parameters() if p.requires_grad]
+                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             losses.append(loss.item())
             window.append(losses[-1])
@@ -249,8 +372,11 @@ def _train(cfg: SFTConfig, task: Task, console: Console) -> SFTResult:
 
     model.eval()
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(cfg.output_dir)
-    save_tokenizer(tokenizer, cfg.output_dir)
+    if cfg.model is None:
+        model.save_pretrained(cfg.output_dir)
+        save_tokenizer(tokenizer, cfg.output_dir)
+    else:  # LoRA adapters merged in (and kept alone in adapter/)
+        save_final(model, tokenizer, cfg.output_dir)
     # Provenance: the exact configuration that produced these weights.
     skip = {"output_dir", "overwrite", "progress"}
     recipe = {k: v for k, v in asdict(cfg).items() if k not in skip}

@@ -213,6 +213,11 @@ class DataOptions:
     text (for base and character-level models); chat, as the model's chat template writes tool
     calls and results (Hermes/Qwen2.5 <tool_call> JSON, Llama-3.1 JSON), the tools rendered
     into the prompt from their signatures and docstrings."""
+    tool_prompt: str = "auto"
+    """How the tags format describes the tools to the model, in the system message of chat
+    prompts or before plain ones: auto (grouprl's description, for a model with a chat
+    template), default (grouprl's, for any model), none, or path/to/template.jinja rendered
+    with `tools` (their JSON schemas). In the chat format the chat template describes them."""
     environment: str | None = None
     """A stateful environment, TRL's environment_factory shape: path/env.py:Class or
     package.module:Class, one instance per rollout; reset(**row) starts it, its public methods

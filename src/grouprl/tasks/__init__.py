@@ -14,6 +14,7 @@ from collections.abc import Callable
 from grouprl.errors import UserError
 from grouprl.tasks.arithmetic import arithmetic_task
 from grouprl.tasks.base import SPLITS, RewardFn, Task
+from grouprl.tasks.code_task import code_task
 from grouprl.tasks.lookup import lookup_task
 from grouprl.tasks.reasoning_gym import PREFIX as RG_PREFIX
 from grouprl.tasks.reasoning_gym import reasoning_gym_task
@@ -22,7 +23,11 @@ from grouprl.tasks.verifiers_env import PREFIX as VF_PREFIX
 from grouprl.tasks.verifiers_env import verifiers_task
 
 #: Task factories by name; each takes keyword knobs and returns a Task.
-TASKS: dict[str, Callable[..., Task]] = {"arithmetic": arithmetic_task, "lookup": lookup_task}
+TASKS: dict[str, Callable[..., Task]] = {
+    "arithmetic": arithmetic_task,
+    "lookup": lookup_task,
+    "code": code_task,
+}
 
 
 def get_task(name: str, **knobs) -> Task:

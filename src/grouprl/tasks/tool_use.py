@@ -50,6 +50,7 @@ class ToolUse:
     handler: ToolHandler
     environment: Environment | None = None
     chat: bool = False  # the model has a chat template: a reset's prompt is a user message
+    description: str | None = None  # the tags format's description of the tools (tool_prompt)
 
     @property
     def schemas(self) -> list[dict] | None:

@@ -22,11 +22,13 @@ from grouprl.models.loading import DTYPES, context_length, with_pad_token, with_
 from grouprl.models.lora import apply_lora
 from grouprl.tasks import Task, get_task
 from grouprl.tasks.chat_tools import ChatTools
+from grouprl.tasks.code_task import BUILTIN_TOOLS
 from grouprl.tasks.data import DEFAULT_MAX_NEW_TOKENS, RowFormat, dataset_task, environment_task
 from grouprl.tasks.environments import load_environment
 from grouprl.tasks.live import is_live, live_object, live_tokenizer
 from grouprl.tasks.reasoning_gym import PREFIX as RG_PREFIX
 from grouprl.tasks.scoring import RewardSet, build_reward_set
+from grouprl.tasks.tool_prompt import describe_tools, load_template
 from grouprl.tasks.tool_use import ToolUse
 from grouprl.tasks.tools import PlainTurns, TagTools, ToolHandler, load_tools
 from grouprl.tasks.verifiers_env import PREFIX as VF_PREFIX
@@ -75,7 +77,7 @@ def build_tools(
     specs = opts.tools if opts.tools is not None else default
     if not specs and environment is None:
         return None
-    tools = load_tools(specs, task.tools)
+    tools = load_tools(specs, {**BUILTIN_TOOLS, **(task.tools or {})})
     if environment is not None:
         # the methods of one instance stand for every rollout's (names, schemas); each rollout
         # binds its own instances' (`ToolHandler.for_rollout`)
@@ -96,6 +98,7 @@ def build_tools(
         max_response_tokens=opts.max_tool_response_tokens,
         timeout=opts.tool_timeout,
     )
+    description = tags_description(opts, tokenizer, tools)
     if opts.tool_format == "chat":
         handler: ToolHandler = ChatTools(
             tools,
@@ -108,7 +111,22 @@ def build_tools(
         handler = TagTools(tools, tokenizer, **limits)
     else:  # an environment played by step() alone
         handler = PlainTurns(tokenizer, **limits)
-    return ToolUse(handler, environment, chat=_chat(tokenizer))
+    return ToolUse(handler, environment, chat=_chat(tokenizer), description=description)
+
+
+def tags_description(opts: DataOptions, tokenizer: Any, tools: list) -> str | None:
+    """What the tags format puts before the prompts about the tools (`--tool-prompt`; auto:
+    grouprl's description for a model with a chat template, one that reads instructions)."""
+    spec = getattr(opts, "tool_prompt", "auto")
+    if opts.tool_format == "chat":
+        if spec != "auto":
+            raise UserError(f"--tool-prompt {spec} is for the tags format; in the chat format "
+                            "the model's chat template describes the tools")  # fmt: skip
+        return None
+    template = load_template(spec)
+    if not tools or template is None or (spec == "auto" and not _chat(tokenizer)):
+        return None
+    return describe_tools(tools, template)
 
 
 def _chat(tokenizer: Any) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 from grouprl.errors import UserError
 from grouprl.rollout import encode_prompts
 from grouprl.tasks.base import Task
+from grouprl.tasks.tool_prompt import with_tool_prompt
 from grouprl.tasks.tool_use import Episode, ToolUse
 
 
@@ -19,6 +20,8 @@ def prompt_ids(tokenizer: Any, prompt: Any, tools: ToolUse | None = None) -> lis
     the chat tool format, to string prompts too, with the tools rendered)."""
     schemas = None if tools is None else tools.schemas
     chat = schemas is not None
+    if tools is not None and tools.description is not None:
+        prompt = with_tool_prompt(prompt, tools.description)
     return encode_prompts(tokenizer, [prompt], chat_template=chat, tools=schemas)[0][0]
 
 
