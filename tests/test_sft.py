@@ -92,6 +92,7 @@ def test_learning_rate_schedule() -> None:
         ({"hidden_size": 30, "num_heads": 4}, "divisible"),
         ({"task": "nope"}, "unknown task"),
         ({"model": "/no/such/model"}, "not a local directory"),
+        ({"tools": ["multiply"]}, "conversations of --data"),
     ],
 )
 def test_user_errors(tmp_path, overrides: dict, match: str) -> None:

@@ -1,6 +1,10 @@
-"""Rewards for the SmolLM2 tools example: the right product in the model's final words."""
+"""The reward of the SmolLM2 tools example: the right product in the model's final words, in a
+completion that ended."""
 
 import re
+
+#: The config's max_new_tokens: a completion this long was cut off by the budget, not finished.
+BUDGET = 48
 
 
 def _final_text(completion):
@@ -12,11 +16,15 @@ def _final_text(completion):
     return completion
 
 
-def right_number(completions, answer, **kwargs):
+def _says(text, answer):
+    numbers = re.findall(r"-?\d{1,3}(?:,\d{3})+(?!\d)|-?\d+", text)
+    return str(answer) in [n.replace(",", "") for n in numbers]
+
+
+def right_number(completions, answer, completion_ids, **kwargs):
     """1 when the final reply holds the right product as a whole number (digits may be grouped
-    with commas), else 0."""
-    scores = []
-    for c, a in zip(completions, answer, strict=True):
-        numbers = re.findall(r"-?\d[\d,]*", _final_text(c))
-        scores.append(1.0 if str(a) in [n.replace(",", "").rstrip(",") for n in numbers] else 0.0)
-    return scores
+    in threes with commas) and the completion ended before the budget cut it (its token ids,
+    the call and the tool's result included, are fewer than BUDGET), else 0: an answer followed
+    by whatever comes next until the budget runs out is not an answer."""
+    return [float(_says(_final_text(c), a) and len(ids) < BUDGET)
+            for c, a, ids in zip(completions, answer, completion_ids, strict=True)]  # fmt: skip

@@ -135,6 +135,9 @@ def _validate(cfg: SFTConfig) -> None:
         raise UserError(f"--noise must lie in [0, 1), got {cfg.noise}")
     if cfg.lr <= 0:
         raise UserError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.data is None and (cfg.tools or cfg.tool_format != "tags" or cfg.tool_prompt != "auto"):
+        raise UserError("--tools, --tool-format and --tool-prompt describe the conversations of "
+                        "--data; a task's traces (--task) bring their own")  # fmt: skip
     if cfg.hidden_size % cfg.num_heads:
         raise UserError(
             f"--hidden-size {cfg.hidden_size} must be divisible by --num-heads {cfg.num_heads}"

@@ -17,7 +17,7 @@ BLAKE2b hash: a held-out problem shows a function on inputs no training row show
 is tested is finding which function three pairs describe (and writing it), not recalling a
 prompt. `grouprl sft --task code --noise p` fits a model to
 canonical solutions with a constant or the shape made wrong at rate p: how the bundled policy
-`builtin:code` was made (see `examples/code_task/README.md`). `python` (`python_tool`) is a
+`builtin:code` was made (see its README.md). `python` (`python_tool`) is a
 tool any run can name (`--tools python`): code run in the sandbox, what it prints returned.
 """
 
@@ -213,5 +213,5 @@ def code_task(*, seed: int = 0, train_size: int = 1_000_000, heldout_size: int =
         max_new_tokens=MAX_NEW_TOKENS,
         noisy_solution=noisy_solution,
         default_model="builtin:code",
-        default_steps=100,
+        default_steps=600,
     )
