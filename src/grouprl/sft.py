@@ -223,7 +223,8 @@ def train_sft(cfg: SFTConfig, console: Console | None = None) -> SFTResult:
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg, task, console)
+        data = conversation_data(cfg) if cfg.data is not None else None
+        return _train(cfg, task, data, console)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -252,21 +253,36 @@ def task_batches(cfg: SFTConfig, task: Task, tokenizer: Any) -> Callable[[], Bat
     return draw
 
 
-def conversation_batches(cfg: SFTConfig, tokenizer: Any) -> tuple[Callable[[], Batch], int]:
-    """Each call: `batch_size` conversations of --data drawn from the seed's order, encoded
-    (once, up front) as `grouprl train` samples them; and how many there are."""
-    from grouprl.tasks.conversations import encode_chat, encode_tags
+def conversation_data(cfg: SFTConfig) -> tuple[Any, list]:
+    """--data's rows and --tools' functions, read before the model loads (a wrong path or tool
+    is one line at once)."""
+    from grouprl.tasks.code_task import BUILTIN_TOOLS
     from grouprl.tasks.data import load_table
-    from grouprl.tasks.tool_prompt import describe_schemas, describe_tools, load_template
     from grouprl.tasks.tools import load_tools
 
     assert cfg.data is not None
+    tools = load_tools(cfg.tools or [], BUILTIN_TOOLS)
+    table = load_table(cfg.data)
+    if len(table) == 0:
+        raise UserError(f"--data {cfg.data} has no rows")
+    return table, tools
+
+
+def conversation_batches(
+    cfg: SFTConfig, tokenizer: Any, table: Any, tools: list
+) -> Callable[[], Batch]:
+    """Each call: `batch_size` conversations of --data drawn from the seed's order, encoded
+    (once, up front) as `grouprl train` samples them."""
+    from grouprl.tasks.chat_tools import tool_schema
+    from grouprl.tasks.conversations import encode_chat, encode_tags
+    from grouprl.tasks.tool_prompt import describe_schemas, describe_tools, load_template
+
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"--data {cfg.data} holds conversations, and the model's tokenizer has "
                         "no chat template to render them; give --model an instruct model")  # fmt: skip
-    tools = load_tools(cfg.tools or [], _builtin_tools())
     template = load_template(cfg.tool_prompt) if cfg.tool_format == "tags" else None
-    table = load_table(cfg.data)
+    schemas = [tool_schema(t) for t in tools] or None  # chat: the template renders them
+    described = describe_tools(tools, template) if tools and template is not None else None
 
     def encode(messages: list[dict], schemas: list[dict] | None) -> list[int]:
         return encode_prompts(tokenizer, [messages], tools=schemas)[0][0]
@@ -275,16 +291,12 @@ def conversation_batches(cfg: SFTConfig, tokenizer: Any) -> tuple[Callable[[], B
     for i, row in enumerate(table):
         where = f"--data {cfg.data} row {i}"
         if cfg.tool_format == "chat":
-            schemas = [_schema(t) for t in tools] if tools else None
             encoded.append(encode_chat(tokenizer, row, schemas, where, encode))
             continue
-        description = None
-        if template is not None and (tools or row.get("tools")):
-            description = (describe_tools(tools, template) if tools
-                           else describe_schemas(row["tools"], template))  # fmt: skip
+        description = described
+        if description is None and template is not None and row.get("tools"):
+            description = describe_schemas(row["tools"], template)
         encoded.append(encode_tags(tokenizer, row, description, where, encode))
-    if not encoded:
-        raise UserError(f"--data {cfg.data} has no rows")
     order_rng = random.Random(f"sft-order:{cfg.seed}")
 
     def draw() -> Batch:
@@ -292,19 +304,7 @@ def conversation_batches(cfg: SFTConfig, tokenizer: Any) -> tuple[Callable[[], B
         return padded([e.prompt for e in batch], [e.pieces for e in batch],
                       tokenizer.pad_token_id)  # fmt: skip
 
-    return draw, len(encoded)
-
-
-def _builtin_tools() -> dict[str, Callable[..., Any]]:
-    from grouprl.tasks.code_task import BUILTIN_TOOLS
-
-    return BUILTIN_TOOLS
-
-
-def _schema(tool: Any) -> dict:
-    from grouprl.tasks.chat_tools import tool_schema
-
-    return tool_schema(tool)
+    return draw
 
 
 def _policy(cfg: SFTConfig) -> tuple[Any, torch.nn.Module]:
@@ -323,7 +323,9 @@ def _policy(cfg: SFTConfig) -> tuple[Any, torch.nn.Module]:
     return tokenizer, model
 
 
-def _train(cfg: SFTConfig, task: Task | None, console: Console) -> SFTResult:
+def _train(
+    cfg: SFTConfig, task: Task | None, data: tuple[Any, list] | None, console: Console
+) -> SFTResult:
     torch.manual_seed(cfg.seed)
     tokenizer, model = _policy(cfg)
     model.train()
@@ -334,8 +336,9 @@ def _train(cfg: SFTConfig, task: Task | None, console: Console) -> SFTResult:
     if task is not None:
         draw = task_batches(cfg, task, tokenizer)
     else:
-        draw, count = conversation_batches(cfg, tokenizer)
-        console.log(f"sft: {count} conversations from {cfg.data} ({cfg.tool_format} format)")
+        assert data is not None
+        draw = conversation_batches(cfg, tokenizer, *data)
+        console.log(f"sft: {len(data[0])} conversations from {cfg.data} ({cfg.tool_format} format)")
 
     optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
     device = next(model.parameters()).device
