@@ -407,7 +407,9 @@ def test_the_shared_prompt_decoding_state_is_each_threads_own():
     with _hf.SharedPromptDecoding(mine, SimpleNamespace(layers=["mine"])):
         worker = threading.Thread(target=other_thread)
         worker.start()
-        entered.wait(10)
-        worker.join(10)
+        # the other thread needs nothing of this one: it ends while this one is still inside
+        # (a backstop, not a speed check: it takes microseconds)
+        assert entered.wait(60)
+        worker.join(60)
         assert list(_hf._active.layers) == ["mine"] and seen == [["theirs"]]
     assert tuple(_hf._active.layers) == () and mine.config._attn_implementation == "sdpa"

@@ -4,7 +4,6 @@ what sandboxes left running."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -25,23 +24,27 @@ def fenced(program: str) -> str:
     return f"Here is my solution.\n```python\n{program}\n```\n"
 
 
-def sandbox_processes(settle: float = 2.0) -> list[tuple[int, int, bytes]]:
-    """(pid, real uid, command line) of every host process a sandbox started, run as a sandbox
-    uid or carrying the harness's command line, except the sandboxes kept running between
-    programs (each slot's bwrap and its harness, process 1 inside); processes a killed sandbox
-    held get `settle` seconds to end."""
-    deadline = time.monotonic() + settle
-    while True:
-        found = all_sandbox_processes(kept_too=False)
-        if not found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.02)
+def sandbox_processes() -> list[tuple[int, int, bytes]]:
+    """(pid, real uid, command line) of every host process a sandbox started that is still
+    running, except the sandboxes kept running between programs (each slot's bwrap and its
+    harness, process 1 inside). Read once, with no grace period: a killed sandbox is gone by the
+    time the call that killed it returns (`slots.Slot.close`). A zombie (state Z: ended, waiting
+    for its parent to read its exit status) or a process being torn down (X) runs nothing and
+    holds no memory: it is not counted."""
+    return [(pid, uid, cmdline) for pid, uid, state, cmdline in _processes(kept_too=False)
+            if state not in ("Z", "X")]  # fmt: skip
 
 
 def all_sandbox_processes(kept_too: bool = True) -> list[tuple[int, int, bytes]]:
-    """Every host process of this process's sandboxes now: run as a uid this process holds
-    (wherever on the machine it is), or descended from this process and carrying the harness's command line (a trainer that is not root runs them as itself).
-    Without `kept_too`, not the sandboxes kept running (each slot's bwrap and process 1)."""
+    """Every host process of this process's sandboxes now, zombies included: run as a uid this
+    process holds (wherever on the machine it is), or descended from this process and carrying
+    the harness's command line (a trainer that is not root runs them as itself). Without
+    `kept_too`, not the sandboxes kept running (each slot's bwrap and process 1)."""
+    return [(pid, uid, cmdline) for pid, uid, _, cmdline in _processes(kept_too)]
+
+
+def _processes(kept_too: bool) -> list[tuple[int, int, str, bytes]]:
+    """(pid, real uid, state letter, command line) of `all_sandbox_processes`."""
     ours = UIDS.held()
     kept = set() if kept_too else {slot.proc.pid for slot in slots._IDLE}
     table = {}
@@ -54,7 +57,8 @@ def all_sandbox_processes(kept_too: bool = True) -> list[tuple[int, int, bytes]]
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        table[int(entry.name)] = (int(fields["Uid"].split()[0]), int(fields["PPid"]), cmdline)
+        uid, parent = int(fields["Uid"].split()[0]), int(fields["PPid"])
+        table[int(entry.name)] = (uid, parent, fields["State"].split()[0], cmdline)
 
     def descends(pid: int) -> bool:
         seen = set()
@@ -66,11 +70,11 @@ def all_sandbox_processes(kept_too: bool = True) -> list[tuple[int, int, bytes]]
         return False
 
     found = []
-    for pid, (uid, parent, cmdline) in table.items():
+    for pid, (uid, parent, state, cmdline) in table.items():
         if pid in kept or parent in kept or pid == os.getpid():
             continue
         if uid in ours or (MARKER in cmdline and descends(pid)):
-            found.append((pid, uid, cmdline[:80]))
+            found.append((pid, uid, state, cmdline[:80]))
     return found
 
 

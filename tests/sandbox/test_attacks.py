@@ -9,6 +9,7 @@ batch still scores 1. The whole file takes about 15 s on 2 cores (CPU limits of 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import socket
@@ -36,13 +37,13 @@ REWARD = code_reward(limits=LIMITS)
 HONEST = "print(sum(map(int, input().split())))"
 
 
-def score(program: str, expected: str) -> tuple[float, float, dict[str, float]]:
+def score(program: str, expected: str, reward=REWARD) -> tuple[float, float, dict[str, float]]:
     """The hostile program's reward, an honest program's in the same batch, and the metrics,
     for a stdin/stdout case whose expected output only the attack's success prints."""
     logged: dict[str, float] = {}
     info = {"language": "python", "test_cases": [{"input": "2 3\n", "output": expected}]}
     honest = {"language": "python", "test_cases": [{"input": "2 3\n", "output": "5"}]}
-    scores = REWARD(
+    scores = reward(
         [fenced(program), fenced(HONEST)],
         verification_info=[info, honest],
         log_metric=lambda k, v: logged.__setitem__(k, v),
@@ -51,8 +52,8 @@ def score(program: str, expected: str) -> tuple[float, float, dict[str, float]]:
     return scores[0], scores[1], logged
 
 
-def contained(program: str, expected: str = "ESCAPED") -> dict[str, float]:
-    hostile, honest, logged = score(program, expected)
+def contained(program: str, expected: str = "ESCAPED", reward=REWARD) -> dict[str, float]:
+    hostile, honest, logged = score(program, expected, reward)
     assert (hostile, honest) == (0.0, 1.0)
     return logged
 
@@ -111,10 +112,11 @@ def test_the_program_runs_unprivileged_and_its_forks_are_bounded():
 
 def test_a_fork_bomb_is_contained():
     uid_and_limits_hold()  # only then can the bomb not take the machine down
-    start = time.monotonic()
-    contained("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
-              "        pass")  # fmt: skip
-    assert time.monotonic() - start < 30
+    logged = contained("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+                       "        pass")  # fmt: skip
+    # ended by its own limits (CPU time, or the wall clock when its forks crowd it out), not by
+    # the trainer giving up on the sandbox ("sandbox")
+    assert logged.get("code_errors/timeout", 0) + logged.get("code_errors/wall", 0) == 1.0, logged
 
 
 # --- the network, the host's files and environment ---------------------------------------------
@@ -206,10 +208,11 @@ def test_memory_past_the_limit_fails_as_memory():
 
 
 def test_spinning_past_the_cpu_limit_is_a_timeout():
-    start = time.monotonic()
-    logged = contained("while True:\n    pass")
-    assert logged["code_errors/timeout"] == 1.0
-    assert time.monotonic() - start < LIMITS.wall + 5
+    """CPU time decides: with the wall-clock backstop far off (a loaded machine may give the
+    spinner a small share of a core), only the CPU limit can end it."""
+    reward = code_reward(limits=dataclasses.replace(LIMITS, wall_seconds=60.0))
+    logged = contained("while True:\n    pass", reward=reward)
+    assert logged["code_errors/timeout"] == 1.0, logged
 
 
 def test_filling_the_scratch_directory_stops_at_its_size():
@@ -222,10 +225,9 @@ def test_filling_the_scratch_directory_stops_at_its_size():
 
 
 def test_printing_gigabytes_stops_at_the_output_limit():
-    start = time.monotonic()
+    # "output", not "timeout" or "wall": the output limit stopped it, not its time running out
     logged = contained("import sys\nwhile True:\n    sys.stdout.write('x' * (1 << 20))")
     assert logged["code_errors/output"] == 1.0
-    assert time.monotonic() - start < 10
 
 
 def test_its_own_limits_cannot_be_raised():

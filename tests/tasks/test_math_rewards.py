@@ -20,6 +20,13 @@ from grouprl.tasks.math_rewards import (
 GSM8K = "Natalia sold 48/2 = 24 clips in May.\nIn all she sold 48+24 = 72 clips.\n#### 72"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def math_verify_loaded():
+    """math-verify (sympy, its LaTeX grammar) imported and warmed once, outside any time limit:
+    the guard below then bounds one answer's check alone."""
+    accuracy(["\\boxed{1}"], answer=["1"])
+
+
 def score(completion, answer="72"):
     with time_limit(20):  # a guard: a completion that hangs fails here instead of hanging
         return accuracy([completion], answer=[answer])[0]

@@ -89,11 +89,11 @@ def test_huge_completions_score_zero_fast() -> None:
     nested = "|" * 500_000 + "82"
     unicode_mb = "٨" * 1_000_000
     many_steps = ",".join(["7+5=12"] * 200_000) + "|82"
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: another process's load adds none
     for text in (megabyte, nested, unicode_mb, many_steps):
         assert correct([text], answer=["82"]) == [0.0]
         assert format_([text]) == [0.0]
-    assert time.perf_counter() - start < 0.5
+    assert time.process_time() - start < 0.5
     edge = "|82".rjust(MAX_COMPLETION_CHARS)  # at the limit, whitespace padded: still read
     assert score(edge) == 1.0 and score(" " + edge) == 0.0
 

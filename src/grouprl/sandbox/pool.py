@@ -40,7 +40,8 @@ def check_many(
 ) -> list[Verdict]:
     """`check` for each (program, tests), `parallel` sandboxes at a time (default: one per
     core), repeated jobs run once. If the caller is interrupted (a reward deadline), every
-    sandbox still running is killed before the interruption goes on."""
+    sandbox still running or starting is killed before the interruption goes on, and no
+    program starts after it."""
     limits = limits or Limits()
     keys = [_key(p, t, limits) for p, t in jobs]
     todo: dict[str, tuple[str, Tests]] = {}
@@ -52,11 +53,15 @@ def check_many(
             else:
                 todo.setdefault(key, job)
     if todo:
+        stop = threading.Event()
         with ThreadPoolExecutor(max_workers=min(parallel or workers(), len(todo))) as pool:
-            futures = {k: pool.submit(check, p, t, limits) for k, (p, t) in todo.items()}
-            try:
+            futures = {}
+            try:  # the submitting too: an interruption may land while it goes on
+                for key, (program, tests) in todo.items():
+                    futures[key] = pool.submit(check, program, tests, limits, stop=stop)
                 fresh = {k: f.result() for k, f in futures.items()}
             except BaseException:
+                stop.set()  # before kill_busy: a slot made busy after it looked sees this
                 for f in futures.values():
                     f.cancel()
                 slots.kill_busy()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -120,11 +121,15 @@ def _lines(data: bytes, nonce: str) -> list[list[str]]:
 
 
 def _sandbox(
-    program: str, tests: Tests, limits: Limits, packages: Packages | None = None
+    program: str,
+    tests: Tests,
+    limits: Limits,
+    packages: Packages | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[list[list[str]], str]:
     """`program` against up to TESTS_PER_SANDBOX of `tests`, in a sandbox slot (one whose
-    harness has `packages` loaded, when given). The harness's verdict lines, and the kind of
-    failure of the tests it sent none for."""
+    harness has `packages` loaded, when given; killed at once if `stop` is set already). The
+    harness's verdict lines, and the kind of failure of the tests it sent none for."""
     n = len(tests.cases)
     stdio = tests.kind == "stdio"
     wire = limits.wire()
@@ -135,7 +140,7 @@ def _sandbox(
     )
     cap = n * (wire["output"] * 2 + 4096) + 65536
     harness, mounted = (HARNESS, None) if packages is None else (packages.harness, packages.dir)
-    slot = slots.take(harness, limits.scratch_mb << 20, mounted)
+    slot = slots.take(harness, limits.scratch_mb << 20, mounted, stop)
     out, state = b"", "dead"
     try:
         out, state = slot.ask(data, time.monotonic() + n * (limits.wall + 1) + 10, cap)
@@ -148,8 +153,10 @@ def _sandbox(
     return lines, {"wall": "wall", "output": "output"}.get(state, "sandbox")
 
 
-def run_tests(program: str, tests: Tests, limits: Limits) -> Verdict:
-    lines, missing = _sandbox(program, tests, limits)
+def run_tests(
+    program: str, tests: Tests, limits: Limits, stop: threading.Event | None = None
+) -> Verdict:
+    lines, missing = _sandbox(program, tests, limits, stop=stop)
     n = len(tests.cases)
     if lines and lines[0] == ["syntax"]:
         return Verdict.failed("syntax", n)
@@ -184,9 +191,18 @@ def _compare(output: bytes, expected: str) -> str | None:
     return None if got == want else "wrong"
 
 
-def check(program: str, tests: Tests, limits: Limits | None = None) -> Verdict:
+def check(
+    program: str,
+    tests: Tests,
+    limits: Limits | None = None,
+    *,
+    stop: threading.Event | None = None,
+) -> Verdict:
     """Run `program` against `tests` in the sandbox: one verdict per test. Raises
-    `Unavailable` when the sandbox cannot run here (never runs the program unsandboxed)."""
+    `Unavailable` when the sandbox cannot run here (never runs the program unsandboxed).
+    `stop`: once set (a caller that was interrupted), no further sandbox runs this program
+    (its tests not yet run fail as "sandbox"); one already running is the caller's to kill
+    (`slots.kill_busy`)."""
     limits = limits or Limits()
     if not tests.cases:
         return Verdict((), ())
@@ -194,7 +210,10 @@ def check(program: str, tests: Tests, limits: Limits | None = None) -> Verdict:
     for start in range(0, len(tests.cases), TESTS_PER_SANDBOX):
         chunk = Tests(tests.kind, tests.cases[start : start + TESTS_PER_SANDBOX], tests.setup,
                       tests.entry_point)  # fmt: skip
-        parts.append(run_tests(program, chunk, limits))
+        if stop is not None and stop.is_set():
+            parts.append(Verdict.failed("sandbox", len(chunk.cases)))
+        else:
+            parts.append(run_tests(program, chunk, limits, stop))
     return Verdict(
         sum((p.passed for p in parts), ()),
         sum((p.kinds for p in parts), ()),

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,9 @@ CASES = ["grpo-ddp", "grpo-fsdp", "gspo-ddp", "gspo-fsdp", "dapo-ddp", "dapo-fsd
          "gspo-fsdp-entropy_coef-entropy_target"]  # fmt: skip
 
 
-def torchrun(*args, cwd, timeout=240, env=None):
+def torchrun(*args, cwd, timeout=600, env=None):
+    """A 2-process launch; `timeout` is a backstop for a hang (a launch takes well under a
+    minute on 2 idle cores), far below the 30 minutes a rank waits in a collective."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", *map(str, args)]  # fmt: skip
@@ -145,10 +146,10 @@ def test_a_reward_that_raises_on_one_rank_ends_both(tmp_path):
         "        raise ValueError('rank one cannot score this')\n"
         "    return [0.0] * len(completions)\n"
     )
-    start = time.monotonic()
+    # a rank left waiting in a collective would wait its TIMEOUT (30 min): the launch's
+    # backstop (`torchrun`) fails the test long before
     done = torchrun(*TRAIN, "--steps", "3", "--output-dir", "run", "--rewards", "correct", "1",
-                    "rewards.py:picky", "0", cwd=tmp_path, timeout=120)  # fmt: skip
-    assert time.monotonic() - start < 100  # no rank was left waiting in a collective
+                    "rewards.py:picky", "0", cwd=tmp_path)  # fmt: skip
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if "grouprl train: error:" in line]
     assert len(errors) == 1, done.stderr[-3000:]  # rank 0 alone prints the one line
@@ -162,11 +163,9 @@ def test_a_write_that_fails_on_rank_0_ends_every_rank_with_one_line(tmp_path):
     last complete checkpoint is intact. (Every write of rank 0 goes through the same agreement,
     `Dist.on_main`; test_reliability.py fails a log line and a checkpoint in one process.)"""
     spec = "checkpoint:2:ENOSPC"
-    start = time.monotonic()
     env = {"GROUPRL_FAULT": spec}  # only rank 0 writes, so only rank 0 reaches these points
     done = torchrun(*TRAIN, "--steps", "3", "--save-every", "1", "--output-dir", "run",
-                    cwd=tmp_path, timeout=120, env=env)  # fmt: skip
-    assert time.monotonic() - start < 100
+                    cwd=tmp_path, env=env)  # fmt: skip
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if "grouprl train: error:" in line]
     assert len(errors) == 1 and "cannot write" in errors[0], done.stderr[-3000:]
