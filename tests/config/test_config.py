@@ -6,9 +6,17 @@ import re
 import warnings
 
 import pytest
+import yaml
 
 from grouprl.cli import main
-from grouprl.config import PRESETS, TrainConfig, field_names, from_mapping, resolve
+from grouprl.config import (
+    PRESETS,
+    TrainConfig,
+    field_names,
+    from_mapping,
+    parse_train_args,
+    resolve,
+)
 from grouprl.errors import UserError
 
 
@@ -275,6 +283,19 @@ def test_text_values_stay_text(tmp_path):
     assert "output_dir" not in yaml.safe_load(to_yaml(cfg))
     with pytest.raises(UserError, match="stop in f takes a list of strings"):
         from_mapping({"stop": [{"a": 1}]}, source="f")
+
+
+def test_an_empty_list_in_a_saved_config_stays_empty():
+    """`--report-to none` saves `report_to: []`: read back (a resume, a --config) it must stay
+    no tracker, not become None (TensorBoard); `tools: []` stays no tools, not the task's."""
+    from grouprl.config import to_yaml
+
+    saved = yaml.safe_load(to_yaml(resolve(parse_train_args(["--report-to", "none"]),
+                                           task_max_new_tokens=8)))  # fmt: skip
+    assert saved["report_to"] == []
+    again = from_mapping(saved, source="config.yaml")
+    assert again.report_to == [] and resolve(again, task_max_new_tokens=8).report_to == []
+    assert from_mapping({"tools": []}, source="f").tools == []
 
 
 def test_a_flag_without_its_value_is_one_line(capsys):

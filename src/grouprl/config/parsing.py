@@ -110,7 +110,7 @@ def split_mapping(
                 items = value if isinstance(value, (list, tuple)) else [value]
                 if any(isinstance(v, (dict, list)) for v in items):
                     raise UserError(f"{key} in {source} takes a list of strings, got {value!r}")
-                text[name] = [str(v) for v in items] or None
+                text[name] = [str(v) for v in items]  # [] stays []: none, not the default
             elif isinstance(value, (dict, list)):
                 raise UserError(f"{key} in {source} takes a string, got {value!r}")
             else:
