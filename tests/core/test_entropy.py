@@ -31,8 +31,12 @@ def test_the_top_rho_tokens_by_hand():
     assert high_entropy_mask(entropy, mask, entropy_threshold(entropy[mask], 1.0)).equal(mask)
     assert entropy_threshold(torch.tensor([]), 0.2) is None
     assert not high_entropy_mask(entropy, mask, None).any()
+    # rho 0, as TRL accepts it: τ is the maximum, 0.9; only that token stays
+    assert entropy_threshold(entropy[mask], 0.0) == pytest.approx(0.9, rel=2**-24)
+    keep = high_entropy_mask(entropy, mask, entropy_threshold(entropy[mask], 0.0))
+    assert keep.tolist() == [[False, False, True], [False, False, False]]
     with pytest.raises(ValueError, match="rho must lie in"):
-        entropy_threshold(entropy[mask], 0.0)
+        entropy_threshold(entropy[mask], 1.5)
 
 
 def trls_high_entropy_mask(entropies, mask, threshold):
@@ -46,7 +50,7 @@ def trls_high_entropy_mask(entropies, mask, threshold):
     return (masked_entropies >= entropy_threshold_) & mask.bool()
 
 
-@pytest.mark.parametrize("rho", [0.2, 0.5, 0.8, 1.0])
+@pytest.mark.parametrize("rho", [0.0, 0.2, 0.5, 0.8, 1.0])
 def test_the_mask_is_trls(rho):
     g = torch.Generator().manual_seed(int(rho * 10))
     entropy = torch.rand(6, 11, generator=g) * 3

@@ -87,6 +87,31 @@ def test_gpg_by_hand():
           [[1.0, -1.0], [0.0, 0.0], [0.0, 0.0]])  # fmt: skip
 
 
+def test_a_group_with_one_scored_completion_is_its_own_baseline():
+    """The rule for a group that None rewards left with one scored completion: its baseline is
+    its own reward, so it compares nothing, as a group whose scored rewards agree.
+
+    Groups: (1, unscored), (0, 1), (1, 1); trained tokens (2, ·), (1, 3), (2, 2)."""
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, nan], [0.0, 1.0], [1.0, 1.0]], **F64)
+    lengths = torch.tensor([[2, 5], [1, 3], [2, 2]])
+    # OPO: b = (1·0 + 3·1)/4 = 0.75 for the second group; the other two give exact zeros
+    close(opo_advantages(rewards, lengths), [[0.0, 0.0], [-0.75, 0.25], [0.0, 0.0]])
+    # GPG: 5 scored completions, 4 of them non-zero: α = 5/4; (0, 1) centred by 0.5
+    close(gpg_advantages(rewards), [[0.0, 0.0], [-0.625, 0.625], [0.0, 0.0]])
+    # REINFORCE++ with its baseline: v = (0, ·), (−0.5, 0.5), (0, 0) over 10 tokens:
+    # μ = (−0.5 + 3·0.5)/10 = 0.1; σ² = (2·0.01 + 0.36 + 3·0.16 + 4·0.01)/10 · 10/9 = 0.1;
+    # the lone scored completion gets −μ/σ, as the agreeing group does: −0.1/√0.1 = −0.3162...
+    a = reinforce_pp_advantages(rewards, lengths, baseline=True)
+    want = by_hand_whitened([0.0, -0.5, 0.5, 0.0, 0.0], [2, 1, 3, 2, 2])  # (with verl's 1e-8s)
+    close(a, [[want[0], 0.0], want[1:3], want[3:]])
+    plain = [[-0.1 / 0.1**0.5, 0.0], [-0.6 / 0.1**0.5, 0.4 / 0.1**0.5], [-0.1 / 0.1**0.5] * 2]
+    # without the 1e-8s: σ² = 0.1 + 1e-8 moves A by 5e-8 of itself (|A| < 2): within 1e-6
+    torch.testing.assert_close(a, torch.tensor(plain, **F64), rtol=0, atol=1e-6)
+    # Pass@k needs two scored completions: the lone one gets 0
+    close(passk_advantages(rewards)[0], [0.0, 0.0])
+
+
 def test_passk_by_hand():
     # best 1, second 0.5: gap 0.5 over the sample std of (1, 0, 0.5), 0.5
     close(passk_advantages(torch.tensor([[1.0, 0.0, 0.5]])), [[0.5 / (0.5 + 1e-6), 0.0, 0.0]])

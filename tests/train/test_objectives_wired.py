@@ -233,7 +233,7 @@ def test_the_adaptive_coefficient_moves_per_optimizer_step(policy_and_batch):
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"top_entropy_quantile": 0.0}, "top_entropy_quantile must lie in"),
+    ({"top_entropy_quantile": 1.5}, "top_entropy_quantile must lie in"),
     ({"top_entropy_quantile": 0.2, "engine": "vllm"}, "does not give"),
     ({"entropy_coef": -0.1}, "entropy_coef must be >= 0"),
     ({"entropy_coef": 2.0, "entropy_target": 0.2}, "entropy_coef_min <= entropy_coef"),

@@ -291,3 +291,9 @@ def test_trls_entropy_fields():
             adaptive["entropy_coef_max"]) == (0.3, 0.005, 1.0)  # fmt: skip
     with pytest.warns(UserWarning, match="entropy_target=0.3: these apply only with"):
         assert "entropy_target" not in options_from(GRPOConfig(entropy_target=0.3), rows=8)
+    # TRL accepts 0 (only the highest-entropy tokens train): so does the run it maps to
+    from grouprl.config import TrainConfig, resolve
+
+    zero = options_from(GRPOConfig(top_entropy_quantile=0.0), rows=8)["top_entropy_quantile"]
+    cfg = resolve(TrainConfig(top_entropy_quantile=zero), task_max_new_tokens=8)
+    assert cfg.top_entropy_quantile == 0.0

@@ -377,7 +377,8 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """Train only the tokens whose entropy (the sampler's) is in the top rho of the batch
     ("Beyond the 80/20 Rule", arXiv 2506.01939, trains the top 0.2; TRL's top_entropy_quantile):
     the others get weight 0 but keep their place in the loss's denominators, and the KL term
-    still acts on them. 1: every token. Needs the sampler's entropy (--engine hf)."""
+    still acts on them. 1: every token; 0: only the highest-entropy ones (as TRL). Needs the
+    sampler's entropy (--engine hf)."""
     entropy_coef: float = 0.0
     """An entropy bonus: the loss minus this times the current policy's mean entropy over the
     trained (kept) tokens of the update. 0: off. With --entropy-target: the adaptive

@@ -144,7 +144,10 @@ def _objective_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
             cfg.teacher is None or (cfg.teacher_coef >= 0 and cfg.teacher_task_weight >= 0),
             "teacher_coef and teacher_task_weight must be >= 0",
         ),
-        (0 < cfg.top_entropy_quantile <= 1, "top_entropy_quantile must lie in (0, 1] (1: all)"),
+        (
+            0 <= cfg.top_entropy_quantile <= 1,
+            "top_entropy_quantile must lie in [0, 1] (1: every token; 0: the highest-entropy ones)",
+        ),
         (
             cfg.top_entropy_quantile == 1 or cfg.engine == "hf",
             "--top-entropy-quantile reads the sampler's entropy, which --engine vllm does not "

@@ -9,7 +9,8 @@ policy gradient restricted to the tokens whose entropy is in the top ρ of the b
 as TRL 1.16's `top_entropy_quantile` computes it (`GRPOTrainer.get_high_entropy_mask`:
 `torch.quantile`'s linear interpolation, `>=`). The mask is a per-token weight (0 or 1) on the
 objective's term, so a dropped token still counts in the loss's denominators and the KL term
-still acts on it (TRL's order). ρ = 1 keeps every token.
+still acts on it (TRL's order). ρ = 1 keeps every token; ρ = 0 (τ = the maximum) keeps only the
+tokens of the highest entropy, as TRL does.
 
 The adaptive entropy coefficient (Skywork-OR1, arXiv 2505.22312, as TRL 1.16 implements it):
 after each optimizer step the step's mean token entropy H̄ moves the coefficient by δ toward
@@ -23,7 +24,7 @@ The entropy mechanism (Cui et al., "The Entropy Mechanism of RL for Reasoning LM
 covariance of log π and the advantage, so the few tokens of highest covariance are held back,
 
     cov_t = (Â_t − mean Â)·(log π_t − mean log π)      (means over the trained tokens)
-    Clip-Cov: a random ⌈clip_cov_ratio·n⌉ (at least 1) of the tokens with lb < cov_t < ub lose
+    Clip-Cov: a random ⌊clip_cov_ratio·n⌋ (at least 1) of the tokens with lb < cov_t < ub lose
               their gradient (a token weight 0; the clip and the denominators unchanged)
     KL-Cov:   the top ⌊kl_cov_ratio·n⌋ (at least 1) by cov_t get + coef·|log r_t| in the loss,
               whose surrogate is r·Â with no clip
@@ -36,9 +37,9 @@ Tensor = torch.Tensor
 
 def entropy_threshold(entropies: Tensor, quantile: float) -> float | None:
     """τ, the (1 − ρ) quantile of `entropies` (the batch's trained tokens, flat), with ρ =
-    `quantile` in (0, 1]; None over no token."""
-    if not 0 < quantile <= 1:
-        raise ValueError(f"the entropy quantile rho must lie in (0, 1]; got {quantile}")
+    `quantile` in [0, 1]; None over no token."""
+    if not 0 <= quantile <= 1:
+        raise ValueError(f"the entropy quantile rho must lie in [0, 1]; got {quantile}")
     if entropies.numel() == 0:
         return None
     return float(torch.quantile(entropies.detach().float(), 1 - quantile))

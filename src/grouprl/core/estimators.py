@@ -4,7 +4,12 @@ OPO, GPG, GRPO's Pass@k form and ReMax, each a pure function of one scalar rewar
 
 Rewards are (B, G), one row per prompt's group; `lengths` (B, G) are the completions' trained
 token counts where an estimator weighs by them. A NaN reward (not scored) gets advantage 0 and
-is left out of every statistic, as `group_advantages` does. Every function returns (B, G) and
+is left out of every statistic, as `group_advantages` does. A group's baseline is computed from
+its scored completions only, so a group left with one scored completion is its own baseline: it
+compares nothing and is a zero-variance group, like one whose scored rewards all agree (the
+`frac_zero_std` it counts in, and what dynamic sampling drops). verl has no unscored completion;
+its rule for a group of one (baseline 0, so A = R) is for groups sampled with n = 1, which
+grouprl does not make (G >= 2). Every function returns (B, G) and
 no gradient flows to its inputs. The reference is verl 0.9's `verl/trainer/ppo/core_algos.py`
 (the estimator of the same name) and `verl/utils/torch_functional.py` (`masked_whiten`); each
 docstring says its paper and where grouprl's differs. Outcome rewards only: verl's per-token
@@ -32,10 +37,8 @@ def _scored(rewards: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _group_mean(r: Tensor, valid: Tensor) -> Tensor:
-    """(B, 1) mean of each group's valid rewards; 0 for a group of one (verl's singleton rule)."""
-    count = valid.sum(-1, keepdim=True)
-    mean = r.sum(-1, keepdim=True) / count.clamp(min=1)
-    return torch.where(count > 1, mean, 0.0)
+    """(B, 1) mean of each group's valid rewards (0 for a group with none)."""
+    return r.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
 
 
 def _whiten_by_tokens(values: Tensor, tokens: Tensor) -> Tensor:
@@ -59,14 +62,15 @@ def reinforce_pp_advantages(rewards: Tensor, lengths: Tensor, *, baseline: bool)
     and `reinforce_plus_plus_baseline` (True):
 
         v_i = R_i                 (the undiscounted return of an outcome reward, γ = 1)
-        v_i = R_i − mean_g(R)     (baseline: the group's mean; 0 for a group of one)
+        v_i = R_i − mean_g(R)     (baseline: the mean of the group's scored rewards)
         A_i = whiten(v) over every trained token of the whole batch (`_whiten_by_tokens`)
 
     The global whitening is the method's point (a group's local std makes GRPO's estimator
     biased); pass the whole job's batch. The whitening shifts by the batch's token mean, so a
     group whose rewards all agree gets v = 0 but A = −μ/σ, as verl computes it: it still moves
-    the policy (against the batch's mean), and the trainer does not skip it. A batch whose valid
-    values all agree gets exact zeros (verl: rounding-sized values)."""
+    the policy (against the batch's mean), and the trainer does not skip it. A group with one
+    scored completion is such a group (its mean is its reward). A batch whose valid values all
+    agree gets exact zeros (verl: rounding-sized values)."""
     r, valid = _scored(rewards)
     values = r - _group_mean(r, valid) if baseline else r
     tokens = torch.where(valid, lengths.double(), 0.0)  # (B, G)
@@ -89,15 +93,15 @@ def opo_advantages(rewards: Tensor, lengths: Tensor) -> Tensor:
     """OPO (Hao et al., "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585), verl's
     `opo`: the length-weighted group mean as the baseline, no std,
 
-        b_g = Σ_j L_j R_j / Σ_j L_j,   A_i = R_i − b_g        (b = 0 for a group of one)
+        b_g = Σ_j L_j R_j / Σ_j L_j,   A_i = R_i − b_g        (over the scored completions)
 
-    The paper's optimality holds for exactly on-policy training (one update per batch, no KL or
+    A group whose scored rewards agree (one scored completion among them) gets exact zeros. The
+    paper's optimality holds for exactly on-policy training (one update per batch, no KL or
     entropy term): the trainer refuses OPO otherwise."""
     r, valid = _scored(rewards)
     tokens = torch.where(valid, lengths.double(), 0.0)
     weight = tokens.sum(-1, keepdim=True)
     baseline = (tokens * r).sum(-1, keepdim=True) / weight.clamp(min=1e-30)
-    baseline = torch.where(valid.sum(-1, keepdim=True) > 1, baseline, 0.0)
     advantages = torch.where(_constant_groups(r, valid), 0.0, r - baseline)
     return torch.where(valid, advantages, 0.0)
 
@@ -107,10 +111,10 @@ def gpg_advantages(rewards: Tensor) -> Tensor:
     2504.02546), verl's `gpg`: the group-centred reward scaled up by the share of completions
     whose reward is non-zero, over the whole batch, with no std,
 
-        α = B / max(1, #{i: R_i ≠ 0}),   A_i = α · (R_i − mean_g(R))   (mean 0 for a group of one)
+        α = B / max(1, #{i: R_i ≠ 0}),   A_i = α · (R_i − mean_g(R))   (over the scored ones)
 
     with B the batch's scored completions (verl counts every row; an unscored one is left out
-    here). With 0/1 rewards α = B / #correct: the fewer correct, the larger each step. Pair it
+    here); a group whose scored rewards agree (one scored completion among them) gets 0. With 0/1 rewards α = B / #correct: the fewer correct, the larger each step. Pair it
     with the `gpg` objective (−Â·log π, no ratio, no clip)."""
     r, valid = _scored(rewards)
     nonzero = (valid & (r != 0)).sum()
