@@ -288,7 +288,25 @@ def test_long_prompts_are_skipped_and_counted(files, tmp_path, capsys):
     )  # fmt: skip
     assert code == 0
     assert sum(r["skipped_prompts"] for r in metrics(run)) > 0
-    assert capsys.readouterr().err.count("over max_prompt_length 20") == 1  # warned once
+    assert capsys.readouterr().err.count("over the prompt budget of 20") == 1  # warned once
+
+
+def test_when_no_prompt_fits_the_line_says_how_long_and_what_to_change(tmp_path, capsys):
+    rows = [{"q": "1" * 30 + f"+{i}", "total": "0"} for i in range(40)]
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = main(
+        ["train", "--dataset", str(data), "--prompt-template", "{q}=", "--answer-column",
+         "total", "--rewards", "correct", "1", "--max-prompt-length", "20", "--steps", "1",
+         "--max-new-tokens", "24", "--output-dir", str(tmp_path / "run"), *TINY[2:]]
+    )  # fmt: skip
+    assert code == 2
+    errors = [e for e in capsys.readouterr().err.splitlines() if "error:" in e]
+    assert len(errors) == 1, errors
+    assert "fits the prompt budget of 20 tokens (--max-prompt-length 20)" in errors[0]
+    # the char tokenizer: "1"·30 + "+i=" is 33 characters for i < 10, and a BOS
+    assert "the shortest is 34 tokens; raise --max-prompt-length, lower --max-new-tokens or " \
+           "shorten the prompts" in errors[0], errors
 
 
 def test_eval_scores_the_rows_train_holds_out(chat_model_dir, files, capsys):

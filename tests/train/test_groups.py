@@ -153,3 +153,22 @@ def test_a_resumed_run_drops_the_records_after_its_checkpoint(tmp_path):
     (tmp_path / "groups" / "step_000020.json.gz.tmp").write_bytes(b"half")  # a killed write
     truncate_groups(tmp_path, keep_through_step=10)
     assert group_steps(tmp_path) == [5, 10]
+
+
+def test_the_first_and_the_last_step_are_always_logged():
+    """A run shorter than --log-groups-every (10) still has groups to show: its first and its
+    last step, then every 10th."""
+    from types import SimpleNamespace
+
+    from grouprl.config import resolve
+    from grouprl.train.groups import watch_groups
+
+    cfg = resolve(TrainConfig(steps=25, log_groups=2), task_max_new_tokens=8)
+    batch = SimpleNamespace(rows=[0] * 4, rollout=SimpleNamespace(group_size=2))
+    dist = SimpleNamespace(world_size=1)
+    logged = [s + 1 for s in range(25) if watch_groups(cfg, s, batch, None, dist) is not None]
+    assert logged == [1, 10, 20, 25]
+    short = resolve(TrainConfig(steps=3, log_groups=2), task_max_new_tokens=8)
+    assert [s + 1 for s in range(3) if watch_groups(short, s, batch, None, dist)] == [1, 3]
+    none = resolve(TrainConfig(steps=3, log_groups=0), task_max_new_tokens=8)
+    assert not any(watch_groups(none, s, batch, None, dist) for s in range(3))

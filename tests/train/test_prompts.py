@@ -63,5 +63,6 @@ def test_held_out_prompts_are_budgeted_with_their_tool_schemas(chat_run_files, m
     assert run.heldout.rows == want
     assert run.heldout.ids == [prompt_ids(tokenizer, r["prompt"], tools) for r in want]
     assert all(len(ids) <= budget for ids in run.heldout.ids)
-    kept, ids, too_long = rows_that_fit(rows, len(rows), tokenizer, budget, tools)
-    assert (kept, ids, too_long) == (want, run.heldout.ids, len(rows) - len(want))
+    kept, ids, over = rows_that_fit(rows, len(rows), tokenizer, budget, tools)
+    assert (kept, ids, len(over)) == (want, run.heldout.ids, len(rows) - len(want))
+    assert all(length > budget for length in over)

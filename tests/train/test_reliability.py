@@ -127,7 +127,8 @@ def test_preconditions_fail_before_anything_is_written(tmp_path, capsys):
         (["--model", str(bert), "--output-dir", str(tmp_path / "b")],
          "is not a causal LM whose weights are all there"),
         (["--max-new-tokens", "100000", "--output-dir", str(tmp_path / "c")],
-         "max_new_tokens (100000) leaves no room for a prompt in the model's context of 256"),
+         "100000 new tokens leave no room for a prompt in the model's context of 256 tokens; "
+         "lower --max-new-tokens or use a model with a longer context"),
     ]  # fmt: skip
     for flags, message in cases:
         assert main(["train", *flags, "--steps", "1"]) == 2

@@ -297,3 +297,24 @@ def test_trls_entropy_fields():
     zero = options_from(GRPOConfig(top_entropy_quantile=0.0), rows=8)["top_entropy_quantile"]
     cfg = resolve(TrainConfig(top_entropy_quantile=zero), task_max_new_tokens=8)
     assert cfg.top_entropy_quantile == 0.0
+
+
+def test_the_names_errors_give_trl_users_are_options_and_trl_fields():
+    import dataclasses
+
+    from grouprl.config import field_names
+    from grouprl.errors import option_name, option_names, remedy
+    from grouprl.trl.config import OPTION_NAMES
+
+    trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert set(OPTION_NAMES) <= set(field_names()) and set(OPTION_NAMES.values()) <= trl_fields
+    ways = (("raise", "max_prompt_length"), ("lower", "max_new_tokens"))
+    assert remedy(*ways, otherwise="shorten the prompts") == (
+        "raise --max-prompt-length, lower --max-new-tokens or shorten the prompts"
+    )
+    with option_names(OPTION_NAMES):  # no max_prompt_length in TRL: that way is left out
+        assert option_name("max_prompt_length") is None
+        assert remedy(*ways, otherwise="shorten the prompts") == (
+            "lower max_completion_length or shorten the prompts"
+        )
+    assert option_name("max_new_tokens") == "--max-new-tokens"  # and back outside

@@ -171,3 +171,23 @@ def test_trls_async_trainer_is_grouprls_run_at_a_fixed_lag(model_dir, tmp_path):
     with pytest.raises(UserError, match="rollout_worker"):
         AsyncGRPOTrainer(model=model_dir, reward_funcs=right, train_dataset=data,
                          rollout_worker=object())  # fmt: skip
+
+
+def test_an_error_under_the_shim_names_trls_fields(model_dir, tmp_path):
+    """Prompts too long for the model's context (1,024 tokens) after max_completion_length:
+    the line says how long they are against what, and names what a TRL user can change
+    (max_completion_length; TRL 1.16 has no max_prompt_length), not grouprl's flags."""
+    rows = [{"prompt": [{"role": "user", "content": "1 " * 600 + f"+{i}="}], "solution": "0"}
+            for i in range(40)]  # fmt: skip
+    args = _args(tmp_path / "run", max_completion_length=512, max_steps=4, reward_weights=None)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=right, args=args,
+                          train_dataset=Dataset.from_list(rows))  # fmt: skip
+    with pytest.raises(UserError) as caught:
+        trainer.train()
+    message = str(caught.value)
+    assert "fits the prompt budget of 512 tokens" in message and "the shortest is" in message
+    assert (
+        "; lower max_completion_length, shorten the prompts or use a model with a longer "
+        "context" in message
+    ), message
+    assert "--" not in message, message

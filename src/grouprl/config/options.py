@@ -495,7 +495,7 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     entropy, the loss mask and the log-prob after the step (one extra no-grad forward on their
     completions); 0: none."""
     log_groups_every: int = 10
-    """Write groups/ every this many steps."""
+    """Write groups/ every this many steps (and at the first and the last step)."""
     doctor: bool = True
     """Run `grouprl doctor`'s checks at each evaluation and print a line per new warning."""
     progress: bool = True

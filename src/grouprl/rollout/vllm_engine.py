@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grouprl.errors import UserError, one_line
+from grouprl.errors import UserError, one_line, remedy
 from grouprl.rollout.decoding import Decoded, Settings
 from grouprl.rollout.sampling import (
     _texts,
@@ -242,10 +242,11 @@ class VLLMEngine:
         prompt_rows, prompt_texts = encode_prompts(self.tokenizer, prompts)
         longest = max(len(r) for r in prompt_rows)
         if longest + max_new_tokens > self.options.max_model_len:
+            ways = remedy(("raise", "vllm_max_model_length"), ("lower", "max_prompt_length"),
+                          ("lower", "max_new_tokens"), otherwise="shorten the prompts")  # fmt: skip
             raise UserError(
                 f"a prompt of {longest} tokens and {max_new_tokens} new tokens exceed vLLM's "
-                f"max model length {self.options.max_model_len}; raise --vllm-max-model-length "
-                "or lower --max-prompt-length / --max-new-tokens"
+                f"max model length {self.options.max_model_len}; {ways}"
             )
         self._wake()
         try:

@@ -15,7 +15,7 @@ from torch import nn
 
 from grouprl.config.options import DataOptions, ModelOptions, RunConfig
 from grouprl.config.validation import TASK_CONFIG_ALONE
-from grouprl.errors import UserError
+from grouprl.errors import UserError, remedy
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.loading import DTYPES, context_length, with_pad_token, with_template_variables
@@ -433,14 +433,16 @@ def prompt_budget(opts: DataOptions, model: nn.Module, max_new_tokens: int) -> i
         context = engine_length if context is None else min(context, engine_length)
     if context is not None and max_new_tokens >= context:
         raise UserError(
-            f"max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's "
-            f"context of {context} tokens; lower --max-new-tokens"
+            f"{max_new_tokens} new tokens leave no room for a prompt in the model's context of "
+            f"{context} tokens; {remedy(('lower', 'max_new_tokens'), otherwise='use a model with a longer context')}"
         )
     if opts.max_prompt_length is not None:
         if context is not None and opts.max_prompt_length + max_new_tokens > context:
+            ways = remedy(("lower", "max_prompt_length"), ("lower", "max_new_tokens"),
+                          otherwise="use a model with a longer context")  # fmt: skip
             raise UserError(
-                f"max_prompt_length ({opts.max_prompt_length}) + max_new_tokens "
-                f"({max_new_tokens}) exceed the model's context of {context} tokens"
+                f"a prompt budget of {opts.max_prompt_length} tokens and {max_new_tokens} new "
+                f"tokens exceed the model's context of {context} tokens; {ways}"
             )
         return opts.max_prompt_length
     return None if context is None else context - max_new_tokens

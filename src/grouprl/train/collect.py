@@ -24,7 +24,6 @@ import torch
 
 from grouprl.config.options import RunConfig
 from grouprl.core import mixed_groups, overlong_penalty, zero_variance_groups
-from grouprl.errors import UserError
 from grouprl.faults import fault
 from grouprl.models.precision import autocast
 from grouprl.rollout import Rollout, RolloutEngine
@@ -34,7 +33,7 @@ from grouprl.tasks.scoring import RewardSet
 from grouprl.tasks.tool_use import Episode
 from grouprl.train.batch import Batch
 from grouprl.train.parallel.distributed import SINGLE, Dist
-from grouprl.train.prompts import fits, prompt_ids, reset_prompt_ids
+from grouprl.train.prompts import fits, no_prompt_fits, prompt_ids, reset_prompt_ids
 
 
 @dataclass
@@ -53,6 +52,7 @@ class Sampler:
     warn: Callable[[str], None] = print
     tools: Any = None  # the run's ToolUse (`grouprl.tasks.tool_use`): format, tools, environment
     episodes: bool = False  # the task draws fresh episodes (`Task.episodes`), keyed by position
+    budget_by_flag: bool = False  # the budget is --max-prompt-length (else the context's room)
     warned: set[str] = field(default_factory=set)  # one-time warnings already given
 
     def warn_once(self, key: str, message: str) -> None:
@@ -123,6 +123,7 @@ def draw_prompts(
     ids: list[list[int]] = []
     keys: list[Any] = []
     misses = skipped = 0
+    shortest = None  # the shortest prompt over the budget since the last that fitted
     while len(rows) < k:
         for row in sampler.stream.take(position, k - len(rows)):
             position += 1
@@ -132,20 +133,19 @@ def draw_prompts(
                 rows.append(row)
                 ids.append(row_ids)
                 keys.append(Episode(position - 1) if sampler.episodes else row)
-                misses = 0
+                misses, shortest = 0, None
                 continue
             sampler.warn_once(
                 "long prompt",
-                f"skipping a prompt of {len(row_ids)} tokens, over max_prompt_length "
+                f"skipping a prompt of {len(row_ids)} tokens, over the prompt budget of "
                 f"{sampler.budget}; such prompts are counted as skipped_prompts in the metrics",
             )
             skipped += 1
             misses += 1
+            shortest = len(row_ids) if shortest is None else min(shortest, len(row_ids))
         if misses >= len(sampler.stream.rows):
-            raise UserError(
-                f"no prompt of the training data fits in {sampler.budget} tokens; raise "
-                "--max-prompt-length or lower --max-new-tokens"
-            )
+            raise no_prompt_fits("the training data", shortest, sampler.budget,
+                                 by_flag=sampler.budget_by_flag)  # fmt: skip
     return rows, ids, keys, position, skipped
 
 

@@ -1,6 +1,7 @@
 """Whole groups, token by token, for the run viewer (`grouprl view`).
 
-Every `log_groups_every` steps `log_groups` groups of the step's batch, spread evenly over it
+At the first and the last step and every `log_groups_every` steps, `log_groups` groups of the
+step's batch, spread evenly over it
 (so over its minibatches: the first update's ratios are 1 by construction), are watched
 through the update (`TokenWatch`: each pass that trains one of their completions records what
 its loss saw, so the last epoch's pass is what stays) and then written whole (`group_records`):
@@ -94,10 +95,11 @@ class TokenWatch:
 def watch_groups(
     cfg: RunConfig, step: int, batch: Batch, options: LossOptions, dist: Dist
 ) -> TokenWatch | None:
-    """The watch of a logged step (every `log_groups_every`, counting from 1 like the logs):
-    ⌈log_groups / ranks⌉ of this rank's groups, whole, spread evenly over its batch. None on
-    other steps."""
-    if not cfg.log_groups or (step + 1) % cfg.log_groups_every:
+    """The watch of a logged step (the first, the last, and every `log_groups_every`,
+    counting from 1 like the logs: a short run shows groups too): ⌈log_groups / ranks⌉ of this
+    rank's groups, whole, spread evenly over its batch. None on other steps."""
+    logged = step + 1 in (1, cfg.steps) or (step + 1) % cfg.log_groups_every == 0
+    if not cfg.log_groups or not logged:
         return None
     B = len(batch.rows)
     k = min(-(-cfg.log_groups // dist.world_size), B)

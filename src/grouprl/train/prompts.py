@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grouprl.errors import UserError
+from grouprl.errors import UserError, option_name, remedy
 from grouprl.rollout import encode_prompts
 from grouprl.tasks.base import Task
 from grouprl.tasks.tool_prompt import with_tool_prompt
@@ -35,10 +35,11 @@ def rows_that_fit(
     rows: Iterable[dict], limit: int, tokenizer: Any, budget: int | None, tools: ToolUse | None
 ) -> tuple[list[dict], list[list[int]], int]:
     """The first `limit` rows whose prompts, as the sampler feeds them with `tools`, fit in
-    `budget` tokens; their ids; and how many rows before the last kept were too long."""
+    `budget` tokens; their ids; and the lengths of the rows before the last kept that were
+    too long."""
     kept: list[dict] = []
     ids: list[list[int]] = []
-    too_long = 0
+    over: list[int] = []  # the lengths of those too long
     for row in rows:
         if len(kept) == limit:
             break
@@ -47,8 +48,26 @@ def rows_that_fit(
             kept.append(row)
             ids.append(row_ids)
         else:
-            too_long += 1
-    return kept, ids, too_long
+            over.append(len(row_ids))
+    return kept, ids, over
+
+
+def no_prompt_fits(where: str, shortest: int, budget: int, by_flag: bool) -> UserError:
+    """One line for prompts of which none fits the prompt budget: how long the shortest is,
+    where the budget comes from (`by_flag`: --max-prompt-length; else the model's context less
+    the new tokens) and the ways out, in the caller's names (`grouprl.errors.remedy`)."""
+    if by_flag:
+        why = f"{option_name('max_prompt_length') or 'max_prompt_length'} {budget}"
+        ways = remedy(("raise", "max_prompt_length"), ("lower", "max_new_tokens"),
+                      otherwise="shorten the prompts")  # fmt: skip
+    else:
+        why = "what the model's context leaves after the new tokens"
+        ways = remedy(("lower", "max_new_tokens"),
+                      otherwise=("shorten the prompts", "use a model with a longer context"))  # fmt: skip
+    return UserError(
+        f"no prompt of {where} fits the prompt budget of {budget} tokens ({why}): the shortest "
+        f"is {shortest} tokens; {ways}"
+    )
 
 
 def reset_prompt_ids(
@@ -60,10 +79,12 @@ def reset_prompt_ids(
     longest = max(ids, key=len)
     if not fits(longest, budget):
         name = tools.environment.name if tools.environment is not None else "the environment"
+        ways = remedy(("raise", "max_prompt_length"), ("lower", "max_new_tokens"),
+                      otherwise="return a shorter prompt from reset")  # fmt: skip
         raise UserError(
             f"environment {name}'s reset made a prompt of {len(longest)} tokens, over the "
-            f"prompt budget of {budget} (--max-prompt-length, else the model's context less "
-            "--max-new-tokens); return a shorter prompt from reset or raise the budget"
+            f"prompt budget of {budget} (the model's context less the new tokens, or "
+            f"{option_name('max_prompt_length') or 'max_prompt_length'}); {ways}"
         )
     return ids
 
@@ -77,6 +98,7 @@ class HeldOut:
     ids: list[list[int]]
     keys: list[Any]
     too_long: int = 0
+    shortest_too_long: int | None = None  # tokens of the shortest prompt over the budget
 
 
 def held_out(
@@ -86,8 +108,8 @@ def held_out(
     (`Task.heldout_episodes`), `size` fresh episodes of its held-out row, keyed apart from
     training's (`Episode(k, held_out=True)`), whose prompts reset writes or completes."""
     if not task.heldout_episodes:
-        rows, ids, too_long = rows_that_fit(task.heldout, size, tokenizer, budget, tools)
-        return HeldOut(rows, ids, list(rows), too_long)
+        rows, ids, over = rows_that_fit(task.heldout, size, tokenizer, budget, tools)
+        return HeldOut(rows, ids, list(rows), len(over), min(over, default=None))
     row = dict(task.heldout[0])
     ids = [] if "prompt" not in row else prompt_ids(tokenizer, row["prompt"], tools)
     return HeldOut([row] * size, [ids] * size, [Episode(k, held_out=True) for k in range(size)])

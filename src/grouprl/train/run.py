@@ -68,7 +68,7 @@ from grouprl.train.groups import vocabulary
 from grouprl.train.parallel import distributed
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep, full_state, shard
-from grouprl.train.prompts import HeldOut, held_out
+from grouprl.train.prompts import HeldOut, held_out, no_prompt_fits
 from grouprl.train.update import grad_scaler, make_optimizer
 
 
@@ -178,6 +178,7 @@ def setup_run(
         rewards=rewards,
         stop=stop_strings(cfg, task),
         budget=budget,
+        budget_by_flag=cfg.max_prompt_length is not None,
         dtype=dtype,
         device=device,
         dist=dist,
@@ -432,7 +433,8 @@ def evaluation_rows(
     if rows.too_long:
         warn(f"{rows.too_long} held-out prompts are over {sampler.budget} tokens and not evaluated")
     if not rows.rows:
-        raise UserError("no held-out prompt fits the prompt budget; raise --max-prompt-length")
+        raise no_prompt_fits("the held-out rows", rows.shortest_too_long, sampler.budget,
+                             by_flag=cfg.max_prompt_length is not None)  # fmt: skip
     return rows
 
 

@@ -400,6 +400,20 @@ def _precision(args: Any) -> str:
     return "bf16" if supported else "fp32"
 
 
+#: How a TRL user names the grouprl options that messages tell them to change (grouprl field ->
+#: GRPOConfig field). An option absent here has no GRPOConfig field (TRL 1.16 has no
+#: max_prompt_length): messages leave it out of their remedies (`grouprl.errors.option_names`).
+OPTION_NAMES = {
+    "max_new_tokens": "max_completion_length",
+    "vllm_max_model_length": "vllm_max_model_length",
+    "group_size": "num_generations",
+    "lr": "learning_rate",
+    "beta": "beta",
+    "temperature": "temperature",
+    "seed": "seed",
+}
+
+
 def options_from(
     args: Any, *, world: int = 1, rows: int | None = None, lora: bool = False
 ) -> dict[str, Any]:

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.api import Trainer, TrainResult
-from grouprl.errors import UserError
+from grouprl.errors import UserError, option_names
 from grouprl.trl.callbacks import TRLCallbacks
-from grouprl.trl.config import GRPOConfig, options_from, refusal
+from grouprl.trl.config import OPTION_NAMES, GRPOConfig, options_from, refusal
 
 
 class _Accelerator:
@@ -135,9 +135,10 @@ class GRPOTrainer:
                 f"output_dir {self.options['output_dir']} already holds a run; continue it with "
                 "trainer.train(resume_from_checkpoint=True), or choose another output_dir"
             )
-        trainer = self._grouprl(None if not run_dir else Path(run_dir))
-        self._hooks.begin()
-        self.result = trainer.train()
+        with option_names(OPTION_NAMES):  # its messages in TRL's names
+            trainer = self._grouprl(None if not run_dir else Path(run_dir))
+            self._hooks.begin()
+            self.result = trainer.train()
         self.model, self.processing_class = trainer.model, trainer.tokenizer
         self._hooks.end()
         from transformers.trainer_utils import TrainOutput
