@@ -1,5 +1,6 @@
-"""The package's layers: core, sandbox ← rollout, models, tasks, report ← config ← train, sft ← api
-← trl ← cli.
+"""The package's layers: core, sandbox ← rollout, models, tasks, report ← config ← train ←
+workflows ← api ← trl ← cli; and inside tasks its rooms: the floor ← rewards, tools ←
+ecosystems, builtin.
 
 No module imports from a layer above its own, modules of one middle layer do not import each
 other's packages, and there is no import cycle inside a package either (a cycle is where a
@@ -20,10 +21,11 @@ LAYERS = {
     "core": 1, "sandbox": 1,
     "rollout": 2, "models": 2, "tasks": 2, "report": 2, "explain": 2,
     "config": 3,
-    "train": 4, "sft": 4,
-    "api": 5,
-    "trl": 6,
-    "cli": 7, "__main__": 8,
+    "train": 4,
+    "workflows": 5,
+    "api": 6,
+    "trl": 7,
+    "cli": 8, "__main__": 9,
 }  # fmt: skip
 
 
@@ -143,3 +145,35 @@ def test_no_function_is_over_80_lines():
                 if lines > 80:
                     long.append(f"{path.relative_to(ROOT)}:{node.name} ({lines})")
     assert not long, long
+
+
+#: The rooms of grouprl.tasks and their floors (a module of the package itself is on floor 0).
+TASK_ROOMS = {"rewards": 1, "tools": 1, "ecosystems": 2, "builtin": 2}
+
+
+def _task_room(module: str) -> str | None:
+    """The room of a grouprl.tasks module ("" for the package's own modules), None outside."""
+    parts = module.split(".")
+    if parts[:2] != ["grouprl", "tasks"] or len(parts) == 2:
+        return None
+    return parts[2] if parts[2] in TASK_ROOMS else ""
+
+
+def test_the_rooms_of_tasks_import_down_and_not_across():
+    """rewards and tools stand on the package's own modules (the task interface, data, the
+    user's code) and not on each other; the ecosystems' adapters and the built-in tasks use
+    them; nothing below imports those two, nor the package's __init__ (the task registry)."""
+    assert _task_room("grouprl.tasks.rewards.math") == "rewards"
+    assert _task_room("grouprl.tasks.base") == "" and _task_room("grouprl.tasks") is None
+    for module, imported in _modules_under("grouprl.tasks").items():
+        room = _task_room(module)
+        if room is None or module.endswith("__init__") or module in PACKAGES:
+            continue
+        floor = TASK_ROOMS.get(room, 0)
+        for target in imported:
+            assert target != "grouprl.tasks", f"{module} imports the task registry"
+            other = _task_room(target)
+            if other is None or other == room:
+                continue
+            other_floor = TASK_ROOMS.get(other, 0)
+            assert other_floor < floor, f"{module} ({room or 'tasks'}) imports {target}"

@@ -15,9 +15,9 @@ import torch
 import grouprl
 from grouprl.sandbox import slots
 from grouprl.sandbox.runtime import runtime
-from grouprl.tasks.code_rewards import code, code_all
-from grouprl.tasks.math_rewards import accuracy, think_format
-from grouprl.tasks.rewards import correct, format_
+from grouprl.tasks.rewards.arithmetic import correct, format_
+from grouprl.tasks.rewards.code import code, code_all
+from grouprl.tasks.rewards.math import accuracy, think_format
 
 SRC = Path(grouprl.__file__).parent
 #: The one file that executes code: the sandbox's harness, which runs only inside the sandbox

@@ -193,7 +193,7 @@ class Trainer:
         """Completions of the trained model (before `train()`: of the model given) for
         `prompt`, or for rows of the run's data (`split=`, `limit=`), rendered as training
         renders them: for each, the prompt as the model sees it and `samples` completions."""
-        from grouprl.train.generation import load_generator
+        from grouprl.workflows.generate import load_generator
 
         cfg, objects = self._after_training(GenerateConfig, prompt=prompt, samples=samples,
                                             **options)  # fmt: skip

@@ -1,5 +1,5 @@
 """Chat messages and tool turns as they cross layers: TRL's conversational format, and what a
-sampler and a tool handler say to each other (`grouprl.rollout.turns`, `grouprl.tasks.tools`).
+sampler and a tool handler say to each other (`grouprl.rollout.turns`, `grouprl.tasks.tools.calls`).
 One definition for every layer."""
 
 from __future__ import annotations

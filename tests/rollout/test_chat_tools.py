@@ -17,8 +17,8 @@ from grouprl.errors import UserError
 from grouprl.models.tiny import CHATML, QWEN25_TOOLS, save_tiny_chat_model
 from grouprl.rollout import sample_groups
 from grouprl.rollout.sampling import encode_prompts
-from grouprl.tasks.chat_tools import ChatTools, parse_calls
-from grouprl.tasks.tools import Tool
+from grouprl.tasks.tools.calls import Tool
+from grouprl.tasks.tools.chat import ChatTools, parse_calls
 from scripted import Scripted
 
 

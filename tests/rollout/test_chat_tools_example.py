@@ -21,8 +21,8 @@ import pytest
 from grouprl import cli
 from grouprl.rollout import sample_groups
 from grouprl.rollout.sampling import encode_prompts
-from grouprl.tasks.chat_tools import ChatTools
-from grouprl.tasks.tools import Tool
+from grouprl.tasks.tools.calls import Tool
+from grouprl.tasks.tools.chat import ChatTools
 from scripted import Scripted
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "chat_tools"

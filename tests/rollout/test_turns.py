@@ -19,7 +19,7 @@ import torch
 from grouprl.messages import ToolRequest
 from grouprl.models import load_tokenizer
 from grouprl.rollout import sample_groups
-from grouprl.tasks.tools import TagTools, Tool, load_tool
+from grouprl.tasks.tools.calls import TagTools, Tool, load_tool
 from scripted import Scripted
 
 

@@ -29,7 +29,7 @@ from tests.sandbox.conftest import (
 from grouprl import sandbox
 from grouprl.sandbox import slots
 from grouprl.sandbox.runtime import runtime
-from grouprl.tasks.code_rewards import code_reward
+from grouprl.tasks.rewards.code import code_reward
 
 LIMITS = sandbox.Limits(cpu_seconds=1.0, wall_seconds=4.0, processes=8, memory_mb=256,
                         scratch_mb=4, file_mb=2, output_kb=64)  # fmt: skip

@@ -15,7 +15,7 @@ from tests.sandbox.conftest import fenced, sandbox_processes
 
 from grouprl import sandbox
 from grouprl.errors import UserError
-from grouprl.tasks.code_rewards import code, code_all, code_reward, extract_program
+from grouprl.tasks.rewards.code import code, code_all, code_reward, extract_program
 
 ADD_CASES = {"language": "python", "test_cases": [
     {"input": "1 2\n", "output": "3\n"}, {"input": "10 -4", "output": "6"},

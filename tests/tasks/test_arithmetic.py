@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from grouprl.errors import UserError
 from grouprl.tasks import TASKS, get_task
-from grouprl.tasks.arithmetic import Problem, is_heldout, parse_prompt, solve
-from grouprl.tasks.rewards import correct, format_
+from grouprl.tasks.builtin.arithmetic import Problem, is_heldout, parse_prompt, solve
+from grouprl.tasks.rewards.arithmetic import correct, format_
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ from grouprl import sandbox
 from grouprl.cli import main
 from grouprl.messages import ToolRequest
 from grouprl.tasks import get_task
-from grouprl.tasks.code_task import BUILTIN_TOOLS, Function, noisy_solution, python_tool
-from grouprl.tasks.tools import TagTools, load_tools
+from grouprl.tasks.builtin.code import BUILTIN_TOOLS, Function, noisy_solution, python_tool
+from grouprl.tasks.tools.calls import TagTools, load_tools
 
 pytestmark = pytest.mark.skipif(sandbox.available() is not None,
                                 reason=f"no sandbox here: {sandbox.available()}")  # fmt: skip
@@ -56,7 +56,7 @@ def test_completions_are_judged_by_running_them(task, tmp_path):
 
 
 def _constants(row):
-    from grouprl.tasks.code_task import SHAPES
+    from grouprl.tasks.builtin.code import SHAPES
 
     template = SHAPES[row["shape"]][0]
     for a in SHAPES[row["shape"]][1]:

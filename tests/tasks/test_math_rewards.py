@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grouprl.tasks.base import time_limit
-from grouprl.tasks.math_rewards import (
+from grouprl.tasks.rewards.math import (
     MAX_ANSWER_CHARS,
     MAX_COMPLETION_CHARS,
     accuracy,

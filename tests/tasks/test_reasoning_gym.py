@@ -18,7 +18,7 @@ from grouprl.cli import main
 from grouprl.errors import UserError
 from grouprl.sandbox.run import Limits, Packages, run_each
 from grouprl.tasks import get_task
-from grouprl.tasks.reasoning_gym import HELDOUT_ROWS
+from grouprl.tasks.ecosystems.reasoning_gym import HELDOUT_ROWS
 
 CONFIG = {"min_terms": "2", "max_terms": "2", "min_digits": "1", "max_digits": "2",
           "allow_negation": "false"}  # fmt: skip

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grouprl.errors import UserError
-from grouprl.tasks.rewards import MAX_COMPLETION_CHARS, correct, format_, parse_answer
+from grouprl.tasks.rewards.arithmetic import MAX_COMPLETION_CHARS, correct, format_, parse_answer
 
 TRACE = "7+5=12,3+4+1=8"
 

@@ -14,8 +14,8 @@ import torch
 from grouprl.errors import UserError
 from grouprl.tasks import get_task
 from grouprl.tasks.base import TimeLimitExceeded, TrainerState, call_rewards, time_limit
-from grouprl.tasks.math_rewards import accuracy
-from grouprl.tasks.scoring import (
+from grouprl.tasks.rewards.math import accuracy
+from grouprl.tasks.rewards.scoring import (
     build_reward_set,
     load_reward,
     required_columns,
@@ -64,7 +64,7 @@ def test_names_resolve_to_builtin_file_and_module_functions(reward_file):
     assert load_reward("accuracy", None)[1] is accuracy
     name, fn = load_reward(f"{reward_file}:exact")
     assert name == "exact" and fn(["2"], answer=["2"]) == [1.0]
-    name, fn = load_reward("grouprl.tasks.math_rewards:think_format")
+    name, fn = load_reward("grouprl.tasks.rewards.math:think_format")
     assert name == "think_format"
 
 

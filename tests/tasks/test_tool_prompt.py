@@ -11,8 +11,8 @@ from grouprl.config import TrainConfig
 from grouprl.errors import UserError
 from grouprl.models import load_tokenizer
 from grouprl.tasks import get_task
-from grouprl.tasks.tool_prompt import DEFAULT_TEMPLATE, describe_tools, with_tool_prompt
-from grouprl.tasks.tools import Tool
+from grouprl.tasks.tools.calls import Tool
+from grouprl.tasks.tools.prompt import DEFAULT_TEMPLATE, describe_tools, with_tool_prompt
 from grouprl.train.build import build_tools
 from grouprl.train.prompts import prompt_ids
 

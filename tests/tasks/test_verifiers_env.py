@@ -21,7 +21,7 @@ from grouprl.models.tiny import QWEN25_TOOLS, save_tiny_chat_model
 from grouprl.rollout import sample_groups
 from grouprl.rollout.sampling import encode_prompts
 from grouprl.tasks import get_task
-from grouprl.tasks.verifiers_env import _message_dict, verifiers_use
+from grouprl.tasks.ecosystems.verifiers import _message_dict, verifiers_use
 from scripted import Scripted
 
 ENVS = Path(__file__).with_name("verifiers_envs")

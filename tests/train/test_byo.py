@@ -305,8 +305,10 @@ def test_when_no_prompt_fits_the_line_says_how_long_and_what_to_change(tmp_path,
     assert len(errors) == 1, errors
     assert "fits the prompt budget of 20 tokens (--max-prompt-length 20)" in errors[0]
     # the char tokenizer: "1"·30 + "+i=" is 33 characters for i < 10, and a BOS
-    assert "the shortest is 34 tokens; raise --max-prompt-length, lower --max-new-tokens or " \
-           "shorten the prompts" in errors[0], errors
+    assert (
+        "the shortest is 34 tokens; raise --max-prompt-length, lower --max-new-tokens or "
+        "shorten the prompts" in errors[0]
+    ), errors
 
 
 def test_eval_scores_the_rows_train_holds_out(chat_model_dir, files, capsys):

@@ -15,8 +15,8 @@ from grouprl.rollout import HFRolloutEngine, Rollout, RolloutEngine
 from grouprl.rollout.turns import TurnHandler
 from grouprl.train import loop
 from grouprl.train import run as run_module
-from grouprl.train.generation import load_generator
-from grouprl.train.preflight import CheckOptions, measure
+from grouprl.workflows.check import CheckOptions, measure
+from grouprl.workflows.generate import load_generator
 
 VAULT = f"{Path(__file__).resolve().parents[2] / 'examples' / 'vault' / 'env.py'}:Vault"
 

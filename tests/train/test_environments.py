@@ -20,9 +20,9 @@ from grouprl.errors import UserError
 from grouprl.models import load_tokenizer
 from grouprl.rollout import sample_groups
 from grouprl.tasks import get_task
-from grouprl.tasks.environments import group_seed, load_environment
-from grouprl.tasks.tool_use import ToolUse
-from grouprl.tasks.tools import PlainTurns
+from grouprl.tasks.tools.calls import PlainTurns
+from grouprl.tasks.tools.environments import group_seed, load_environment
+from grouprl.tasks.tools.use import ToolUse
 from grouprl.train.build import build_rewards, build_tools
 from grouprl.train.prompts import prompt_ids
 from scripted import Scripted

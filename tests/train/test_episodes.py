@@ -15,10 +15,10 @@ import pytest
 from safetensors.torch import load_file
 
 from grouprl.cli import main
-from grouprl.tasks.environments import group_seed
 from grouprl.tasks.randomness import RandomStream, seeded
-from grouprl.tasks.tool_use import Episode
-from grouprl.tasks.tools import Call, Tool, run_calls
+from grouprl.tasks.tools.calls import Call, Tool, run_calls
+from grouprl.tasks.tools.environments import group_seed
+from grouprl.tasks.tools.use import Episode
 from grouprl.train import loop
 
 ENV = '''

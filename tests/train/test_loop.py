@@ -585,7 +585,7 @@ def test_dynamic_sampling_filters_on_the_pass_reward_and_logs_everything_sampled
     the shaped total: an all-correct group whose lengths differ only in the overlong penalty
     is dropped. The step's metrics describe everything sampled; `*_kept` what was trained."""
     from grouprl.tasks.data import PromptStream
-    from grouprl.tasks.scoring import build_reward_set
+    from grouprl.tasks.rewards.scoring import build_reward_set
 
     G, T = 4, 8
 

@@ -108,7 +108,7 @@ def test_the_overlong_penalty_counts_sampled_tokens(monkeypatch):
     """DAPO's soft penalty judges a completion by the tokens the policy wrote: 8 attended tokens
     of which 4 were sampled sit outside the penalty zone of max 8, cache 4."""
     from grouprl.tasks.data import PromptStream
-    from grouprl.tasks.scoring import build_reward_set
+    from grouprl.tasks.rewards.scoring import build_reward_set
 
     G, T = 2, 8
 

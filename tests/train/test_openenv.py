@@ -166,7 +166,7 @@ def test_an_openenv_server_trains_through_the_command_line(game, tmp_path):
 
 
 def test_an_openenv_server_trains_through_the_python_api(game, tmp_path):
-    from grouprl.tasks.scoring import import_file
+    from grouprl.tasks.loading import import_file
 
     cls = import_file(game, "environment").Guess
     result = grouprl.Trainer(environment=cls, steps=2, prompts_per_step=PROMPTS, group_size=G,

@@ -13,10 +13,10 @@ from grouprl.config import TrainConfig
 from grouprl.core import policy_loss
 from grouprl.models import load_model, load_tokenizer
 from grouprl.rollout import completion_logprobs, sample_groups
-from grouprl.sft import encode_batch
 from grouprl.tasks import get_task
-from grouprl.tasks.tools import TagTools, Tool
+from grouprl.tasks.tools.calls import TagTools, Tool
 from grouprl.train.build import build_tools
+from grouprl.workflows.sft import encode_batch
 from numerics import assert_same_f64, to_float64
 
 
@@ -70,7 +70,7 @@ def test_observation_tokens_get_no_gradient(lookup):
 
 def test_rewards_see_the_models_turns_as_assistant_text_and_tool_turns_apart(lookup):
     from grouprl.tasks.base import TrainerState
-    from grouprl.tasks.scoring import build_reward_set
+    from grouprl.tasks.rewards.scoring import build_reward_set
 
     _, tokenizer, task, rows, rollout = lookup
     seen = []

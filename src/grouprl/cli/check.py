@@ -1,5 +1,5 @@
 """`grouprl check`: train's flags and check's own; the report as tables or JSON; exit 1 when the
-run would not learn (`grouprl.train.preflight` measures)."""
+run would not learn (`grouprl.workflows.check` measures)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def run(argv: list[str]) -> int:
 
 def split_args(argv: list[str]) -> tuple[Any, list[str]]:
     """check's own flags out of argv (`CheckOptions`); the rest are train's."""
-    from grouprl.train.preflight import CheckOptions
+    from grouprl.workflows.check import CheckOptions
 
     own = {"--check-steps": "steps", "--output": "output", "--memory-limit": "memory_limit_gb",
            "--second-temperature": "second_temperature"}  # fmt: skip
@@ -172,7 +172,7 @@ def _duration(seconds: float) -> str:
 
 def main(argv: list[str]) -> int:
     from grouprl.config.parsing import parse_train_args
-    from grouprl.train.preflight import check
+    from grouprl.workflows.check import check
 
     console = Console(stderr=True)
     options, train_argv = split_args(argv)

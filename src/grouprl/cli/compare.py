@@ -1,5 +1,5 @@
 """`grouprl compare`: compare's own flags, the rest train's for every run; or `--from` existing
-runs (`grouprl.train.comparison` trains and reports)."""
+runs (`grouprl.workflows.compare` trains and reports)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def run(argv: list[str]) -> int:
             "build the report with `grouprl compare --from D/*`"
         )
     from grouprl.report.runs import load_run
-    from grouprl.train.comparison import report_from, run_comparison
+    from grouprl.workflows.compare import report_from, run_comparison
 
     if args.from_ is not None:
         defaults = CompareArgs()

@@ -1,5 +1,5 @@
 """`grouprl generate`: print a model's completions for a prompt, for rows of a task or dataset,
-or in an interactive loop (`grouprl.train.generation` generates)."""
+or in an interactive loop (`grouprl.workflows.generate` generates)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _show(console: Console, result: dict, as_json: bool) -> None:
 
 def main(cfg: GenerateConfig) -> int:
     """Load, then print the completions of the rows `cfg` names, or of each prompt typed."""
-    from grouprl.train.generation import load_generator
+    from grouprl.workflows.generate import load_generator
 
     generator = load_generator(cfg)
     cfg = generator.cfg

@@ -1,4 +1,4 @@
-"""`grouprl sft`: the supervised warm start's flags, then `grouprl.sft.train_sft`."""
+"""`grouprl sft`: the supervised warm start's flags, then `grouprl.workflows.sft.train_sft`."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import tyro
 from grouprl.cli import quiet_hf
 
 if TYPE_CHECKING:
-    from grouprl.sft import SFTConfig
+    from grouprl.workflows.sft import SFTConfig
 
 
 def run(argv: list[str]) -> int:
-    from grouprl.sft import SFTConfig
+    from grouprl.workflows.sft import SFTConfig
 
     cfg = tyro.cli(SFTConfig, args=argv, prog="grouprl sft")
     quiet_hf()
@@ -21,7 +21,7 @@ def run(argv: list[str]) -> int:
 
 
 def main(cfg: SFTConfig) -> int:
-    from grouprl.sft import train_sft
+    from grouprl.workflows.sft import train_sft
 
     train_sft(cfg)
     return 0

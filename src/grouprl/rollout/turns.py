@@ -40,7 +40,7 @@ from grouprl.rollout.stops import StopStrings
 
 @runtime_checkable
 class TurnHandler(Protocol):
-    """What the sampler asks when rows close a tool call (see `grouprl.tasks.tools`)."""
+    """What the sampler asks when rows close a tool call (see `grouprl.tasks.tools.calls`)."""
 
     closers: list[str]  # strings that end a model turn with a call (not the trajectory)
     ends_turns: bool  # also asked when a turn ends at EOS or a stop string (chat calls, step())

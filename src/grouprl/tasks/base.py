@@ -55,13 +55,13 @@ class Task:
     episodes: bool = False
     """Training draws fresh episodes of an environment, not rows: the environment owns the data
     (its rows have no prompt: `reset` writes it) or every row is one prompt. Each group is
-    then seeded by its position in the run's episodes (`grouprl.tasks.tool_use.Episode`)."""
+    then seeded by its position in the run's episodes (`grouprl.tasks.tools.use.Episode`)."""
     heldout_episodes: bool = False
     """The held-out evaluation runs `eval_size` fresh episodes of `heldout[0]`, seeded apart
     from training's, instead of held-out rows."""
     driver: Any = None
     """An environment of another ecosystem that runs its own rollouts and scores them (a
-    verifiers environment: `grouprl.tasks.verifiers_env`); None: grouprl's own loop."""
+    verifiers environment: `grouprl.tasks.ecosystems.verifiers`); None: grouprl's own loop."""
 
     def split(self, name: str) -> Sequence[dict]:
         """The rows of split `name`: "train", "heldout", or "all" (train, then heldout)."""
@@ -113,7 +113,7 @@ class TrainerState:
 # Time limits that nest
 #
 # One SIGALRM timer serves every limit: the run's per-call reward deadline and, inside it, a
-# reward's own per-completion limit (see `grouprl.tasks.math_rewards`). The limits form a stack
+# reward's own per-completion limit (see `grouprl.tasks.rewards.math`). The limits form a stack
 # (outermost first); the timer is always armed for the earliest end, and after that end it goes
 # on firing every `_REFIRE` seconds until a limit is entered or left. When it fires in a limit's
 # body, the outermost limit that has run out ends, and with it every limit nested inside it: the

@@ -21,18 +21,18 @@ from grouprl.models import load_model, load_tokenizer
 from grouprl.models.loading import DTYPES, context_length, with_pad_token, with_template_variables
 from grouprl.models.lora import apply_lora
 from grouprl.tasks import Task, get_task
-from grouprl.tasks.chat_tools import ChatTools
-from grouprl.tasks.code_task import BUILTIN_TOOLS
+from grouprl.tasks.builtin.code import BUILTIN_TOOLS
 from grouprl.tasks.data import DEFAULT_MAX_NEW_TOKENS, RowFormat, dataset_task, environment_task
-from grouprl.tasks.environments import load_environment
+from grouprl.tasks.ecosystems.reasoning_gym import PREFIX as RG_PREFIX
+from grouprl.tasks.ecosystems.verifiers import PREFIX as VF_PREFIX
+from grouprl.tasks.ecosystems.verifiers import verifiers_use
 from grouprl.tasks.live import is_live, live_object, live_tokenizer
-from grouprl.tasks.reasoning_gym import PREFIX as RG_PREFIX
-from grouprl.tasks.scoring import RewardSet, build_reward_set
-from grouprl.tasks.tool_prompt import describe_tools, load_template
-from grouprl.tasks.tool_use import ToolUse
-from grouprl.tasks.tools import PlainTurns, TagTools, ToolHandler, load_tools
-from grouprl.tasks.verifiers_env import PREFIX as VF_PREFIX
-from grouprl.tasks.verifiers_env import verifiers_use
+from grouprl.tasks.rewards.scoring import RewardSet, build_reward_set
+from grouprl.tasks.tools.calls import PlainTurns, TagTools, ToolHandler, load_tools
+from grouprl.tasks.tools.chat import ChatTools
+from grouprl.tasks.tools.environments import load_environment
+from grouprl.tasks.tools.prompt import describe_tools, load_template
+from grouprl.tasks.tools.use import ToolUse
 
 
 def task_defaults(opts: DataOptions) -> dict[str, Any]:

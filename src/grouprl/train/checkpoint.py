@@ -240,7 +240,7 @@ def _restore_rng(states: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-#: The asynchronous sampler's weight versions a checkpoint keeps (`grouprl.train.ahead`).
+#: The asynchronous sampler's weight versions a checkpoint keeps (`grouprl.train.async_sampler`).
 SAMPLER_VERSIONS = "sampler_versions.safetensors"
 
 
@@ -313,7 +313,7 @@ def save_checkpoint(
     `full_state`: the (weights, optimizer state) of a sharded model, gathered on this rank
     (`fsdp.gather_full_state`); they are written in place of the model's own.
     `sampler_versions`: older versions of the trainable weights an asynchronous sampler still
-    samples with (`grouprl.train.ahead`), by version.
+    samples with (`grouprl.train.async_sampler`), by version.
     """
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)

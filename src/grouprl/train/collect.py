@@ -29,8 +29,8 @@ from grouprl.models.precision import autocast
 from grouprl.rollout import Rollout, RolloutEngine
 from grouprl.tasks.base import TrainerState
 from grouprl.tasks.data import PromptStream
-from grouprl.tasks.scoring import RewardSet
-from grouprl.tasks.tool_use import Episode
+from grouprl.tasks.rewards.scoring import RewardSet
+from grouprl.tasks.tools.use import Episode
 from grouprl.train.batch import Batch
 from grouprl.train.parallel.distributed import SINGLE, Dist
 from grouprl.train.prompts import fits, no_prompt_fits, prompt_ids, reset_prompt_ids
@@ -50,7 +50,7 @@ class Sampler:
     device: torch.device
     dist: Dist = SINGLE  # this rank's place in a torchrun job
     warn: Callable[[str], None] = print
-    tools: Any = None  # the run's ToolUse (`grouprl.tasks.tool_use`): format, tools, environment
+    tools: Any = None  # the run's ToolUse (`grouprl.tasks.tools.use`): format, tools, environment
     episodes: bool = False  # the task draws fresh episodes (`Task.episodes`), keyed by position
     budget_by_flag: bool = False  # the budget is --max-prompt-length (else the context's room)
     warned: set[str] = field(default_factory=set)  # one-time warnings already given

@@ -39,7 +39,7 @@ from grouprl.models.precision import autocast
 from grouprl.rollout import HFRolloutEngine, Rollout, RolloutEngine, stop_token_ids
 from grouprl.tasks import RewardFn
 from grouprl.tasks.base import REWARD_TIMEOUT, TrainerState, call_reward, completion_objects
-from grouprl.tasks.scoring import RewardSet
+from grouprl.tasks.rewards.scoring import RewardSet
 from grouprl.train.build import (
     build_engine,
     build_rewards,

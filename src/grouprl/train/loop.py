@@ -58,7 +58,7 @@ from grouprl.config.options import TrainConfig
 from grouprl.errors import UserError
 from grouprl.faults import fault
 from grouprl.report.doctor import diagnose
-from grouprl.train.ahead import AheadSampler, lag_version, sampler_threads, stamped
+from grouprl.train.async_sampler import AsyncSampler, lag_version, sampler_threads, stamped
 from grouprl.train.checkpoint import load_sampler_versions
 from grouprl.train.collect import Collected, collect_batch
 from grouprl.train.evaluate import run_eval
@@ -173,7 +173,7 @@ def _train(run: Run) -> TrainSummary:
                         policy=run.policy, tokenizer=run.tokenizer)  # fmt: skip
 
 
-def start_ahead(run: Run, state: RunState, *, overlap: bool = True) -> AheadSampler:
+def start_ahead(run: Run, state: RunState, *, overlap: bool = True) -> AsyncSampler:
     """The asynchronous sampler from `state` on: the versions a resumed checkpoint kept for its
     in-flight batches, and the trainer's own weights as version `state.step`. With
     `--sampler-threads 0`, GROUPRL_SEQUENTIAL_AHEAD set or `overlap` False, each batch is sampled in the trainer's thread when it is taken, on the
@@ -190,7 +190,7 @@ def start_ahead(run: Run, state: RunState, *, overlap: bool = True) -> AheadSamp
         )
     threads = sampler_threads(run.cfg)
     overlap = overlap and threads > 0 and not os.environ.get("GROUPRL_SEQUENTIAL_AHEAD")
-    ahead = AheadSampler(run.cfg, run.sampler, run.policy, start_step=state.step,
+    ahead = AsyncSampler(run.cfg, run.sampler, run.policy, start_step=state.step,
                          start_position=state.data_position, saved=saved, threads=threads,
                          overlap=overlap)  # fmt: skip
     ahead.publish(state.step, run.policy)

@@ -11,8 +11,8 @@ from typing import Any
 from grouprl.errors import UserError, option_name, remedy
 from grouprl.rollout import encode_prompts
 from grouprl.tasks.base import Task
-from grouprl.tasks.tool_prompt import with_tool_prompt
-from grouprl.tasks.tool_use import Episode, ToolUse
+from grouprl.tasks.tools.prompt import with_tool_prompt
+from grouprl.tasks.tools.use import Episode, ToolUse
 
 
 def prompt_ids(tokenizer: Any, prompt: Any, tools: ToolUse | None = None) -> list[int]:

@@ -124,7 +124,9 @@ class Run:
     callbacks: tuple[Callable[..., Any], ...] = ()  # told of every step and evaluation
     live: dict[str, str] | None = None  # what identifies each live object (from Python)
     stop_asked: bool = False  # a callback asked the run to end after the current step
-    ahead: Any = None  # the asynchronous sampler (`grouprl.train.ahead`), --max-staleness > 0
+    ahead: Any = (
+        None  # the asynchronous sampler (`grouprl.train.async_sampler`), --max-staleness > 0
+    )
     resumed_from: Path | None = None  # the checkpoint a resume loaded
 
     def warn(self, message: str) -> None:

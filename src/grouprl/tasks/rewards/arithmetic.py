@@ -38,7 +38,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from grouprl.errors import UserError
+from grouprl.tasks.rewards.common import completion_text, reward_column
 
 #: Completions longer than this score 0 unparsed (bounds the cost of any completion).
 MAX_COMPLETION_CHARS = 4096
@@ -49,20 +49,6 @@ _WHITESPACE = " \t\r\n"
 _INTEGER = re.compile(r"-?[0-9]{1,32}")
 _STEP = r"[0-9]{1,3}(?:[+-][0-9]{1,3})+=[0-9]{1,3}"
 _TRACE = re.compile(rf"{_STEP}(?:,{_STEP})*\|[ \t\r\n]*-?[0-9]{{1,32}}")
-
-
-def completion_text(completion: Any) -> str | None:
-    """The scored text of a completion: a string, or the content of a message list's last
-    assistant message (TRL conversational format; with tools, a transcript whose tool turns
-    are never scored); None for anything else."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, list):
-        for message in reversed(completion):
-            if isinstance(message, dict) and message.get("role", "assistant") == "assistant":
-                content = message.get("content")
-                return content if isinstance(content, str) else None
-    return None
 
 
 def parse_integer(text: Any) -> int | None:
@@ -81,18 +67,6 @@ def parse_answer(completion: Any) -> int | None:
     if text.count(ANSWER_MARKER) != 1:
         return None
     return parse_integer(text.partition(ANSWER_MARKER)[2])
-
-
-def reward_column(kwargs: dict, name: str, n: int, reward: str) -> Sequence:
-    values = kwargs.get(name)
-    if values is None or len(values) != n:
-        got = "none" if values is None else f"{len(values)} values"
-        raise UserError(
-            f"reward {reward!r} needs a column {name!r} with one value per completion "
-            f"({n}), got {got}; give the dataset an {name!r} column (--answer-column names "
-            "the column that holds the reference answer)"
-        )
-    return values
 
 
 def correct(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from grouprl.errors import UserError
-from grouprl.tasks.tools import TRUNCATED, Call, Tool, ToolHandler
+from grouprl.tasks.tools.calls import TRUNCATED, Call, Tool, ToolHandler
 
 #: Call conventions grouprl reads, and a string each one's templates contain.
 STYLES = {"hermes": "<tool_call>", "llama3": "ipython"}

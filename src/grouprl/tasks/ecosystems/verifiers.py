@@ -45,8 +45,8 @@ from typing import Any, ClassVar
 from grouprl.errors import UserError
 from grouprl.messages import Observation, ToolRequest
 from grouprl.tasks.base import Task
-from grouprl.tasks.chat_tools import _HERMES, _end_texts, call_style, parse_calls
-from grouprl.tasks.tool_use import RolloutStart, ToolUse
+from grouprl.tasks.tools.chat import _HERMES, _end_texts, call_style, parse_calls
+from grouprl.tasks.tools.use import RolloutStart, ToolUse
 
 PREFIX = "verifiers:"
 EXTRA = "pip install 'grouprl[verifiers]'"
@@ -77,7 +77,7 @@ def load_vf_environment(spec: str, args: dict[str, Any]) -> Any:
     level, quiet.level = quiet.level, logging.CRITICAL  # its own error lines: ours says it
     try:
         if spec.endswith(".py"):
-            from grouprl.tasks.scoring import import_file
+            from grouprl.tasks.loading import import_file
 
             path = Path(spec).expanduser()
             if not path.is_file():
@@ -103,7 +103,7 @@ def load_vf_environment(spec: str, args: dict[str, Any]) -> Any:
 
 def verifiers_task(spec: str, config: dict[str, Any] | None = None, seed: int = 0) -> Task:
     """The task `verifiers:SPEC` (see the module docstring)."""
-    from grouprl.tasks.reasoning_gym import config_values
+    from grouprl.tasks.ecosystems.reasoning_gym import config_values
 
     env = load_vf_environment(spec, config_values(config))
     dataset = env.get_dataset()

@@ -83,7 +83,7 @@ class Tool:
 
 def load_tool(spec: str, builtin: dict[str, Callable[..., Any]] | None = None) -> Tool:
     """The tool a spec names: a task's own tool by name, path/to/tools.py:fn, or module:fn."""
-    from grouprl.tasks.scoring import import_file, import_function, load_attribute
+    from grouprl.tasks.loading import import_file, import_function, load_attribute
 
     if is_live(spec):
         return Tool(live_name(spec), live_object(spec, "tool"))
@@ -258,7 +258,7 @@ class ToolHandler:
     turn's calls (`calls`), runs them with the row's tools, and answers with the observation's
     ids (`observation`); the formats differ only in those two and in what ends a turn.
 
-    With an environment (`grouprl.tasks.environments`) each row has its own tools, the bound
+    With an environment (`grouprl.tasks.tools.environments`) each row has its own tools, the bound
     methods of its instance (`row_tools`), and, for games played a whole turn at a time, its
     `step` (`steps`): a turn that ends with no call in it is the action, and what `step`
     returns is the next observation (None: the episode is over). Tool calls and steps both

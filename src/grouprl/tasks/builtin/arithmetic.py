@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from grouprl.errors import UserError
 from grouprl.tasks.base import Task
-from grouprl.tasks.rewards import REWARDS
+from grouprl.tasks.rewards.arithmetic import REWARDS
 
 #: Operator characters the generator knows.
 OPERATORS = "+-"

@@ -1,4 +1,4 @@
-"""Asynchronous rollouts (`--max-staleness K`, `grouprl.train.ahead`): batch k is sampled by
+"""Asynchronous rollouts (`--max-staleness K`, `grouprl.train.async_sampler`): batch k is sampled by
 version max(0, k − K), always; an overlapped run equals its sequential simulation bit for bit,
 resumes to the same end, and stops cleanly on the sampler's errors and on signals."""
 
@@ -15,9 +15,8 @@ from safetensors.torch import load_file
 
 from grouprl.cli import main
 from grouprl.errors import UserError
-from grouprl.train import ahead as ahead_module
+from grouprl.train import async_sampler, loop
 from grouprl.train import checkpoint as ckpt
-from grouprl.train import loop
 
 TINY = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "4", "--eval-samples",
         "1", "--threads", "1", "--sampler-threads", "1", "--no-progress", "--eval-every", "2",
@@ -69,14 +68,14 @@ def test_batch_k_is_sampled_by_a_copy_of_version_k_minus_K(tmp_path, monkeypatch
     """What the sampler's copy holds when it samples batch k is checkpoint max(0, k − 2)'s
     model, to the bit (every step is checkpointed here to have each version on disk)."""
     seen = {}
-    original = ahead_module.collect_batch
+    original = async_sampler.collect_batch
 
     def collect(cfg, sampler, step, position):
         model = sampler.engine.model
         seen[step] = {k: v.clone() for k, v in model.state_dict().items()}
         return original(cfg, sampler, step, position)
 
-    monkeypatch.setattr(ahead_module, "collect_batch", collect)
+    monkeypatch.setattr(async_sampler, "collect_batch", collect)
     run = tmp_path / "run"
     assert train(run, "--steps", "4", "--max-staleness", "2", "--save-every", "1",
                  "--keep-last", "10") == 0  # fmt: skip
@@ -117,14 +116,14 @@ def test_a_resumed_async_run_ends_like_the_uninterrupted_one(tmp_path, monkeypat
 
 
 def test_an_error_in_the_sampler_ends_the_run_in_one_line_and_saves(tmp_path, monkeypatch, capsys):
-    original = ahead_module.collect_batch
+    original = async_sampler.collect_batch
 
     def collect(cfg, sampler, step, position):
         if step == 2:
             raise UserError("reward function 'x' raised ValueError: boom")
         return original(cfg, sampler, step, position)
 
-    monkeypatch.setattr(ahead_module, "collect_batch", collect)
+    monkeypatch.setattr(async_sampler, "collect_batch", collect)
     run = tmp_path / "run"
     assert train(run, "--steps", "4", "--max-staleness", "1") == 2
     assert "reward function 'x' raised ValueError: boom" in capsys.readouterr().err

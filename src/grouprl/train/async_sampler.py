@@ -83,7 +83,7 @@ def stamped(collected: Collected, version: int, step: int) -> Collected:
                                sampled=stamp(collected.sampled))  # fmt: skip
 
 
-class AheadSampler:
+class AsyncSampler:
     """Samples batches `start_step`, `start_step + 1`, ... ahead of the trainer, on the
     schedule of the module docstring. `publish(v, policy)` after each optimizer step that made
     version v; `take(k)` returns batch k's `Collected`; `pending(n)` the versions a checkpoint

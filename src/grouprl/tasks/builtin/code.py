@@ -32,7 +32,7 @@ from typing import Any
 
 from grouprl.errors import UserError
 from grouprl.tasks.base import Task
-from grouprl.tasks.rewards import completion_text
+from grouprl.tasks.rewards.common import completion_text
 
 #: The function shapes: a template over constants a, b, their ranges, and the function.
 SHAPES: dict[str, tuple[str, range, range, Callable[[int, int, int], int]]] = {

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from grouprl.tasks.base import TimeLimitExceeded, time_limit
-from grouprl.tasks.rewards import completion_text, reward_column
+from grouprl.tasks.rewards.common import completion_text, reward_column
 
 #: Completions longer than this score 0 without being parsed.
 MAX_COMPLETION_CHARS = 32_768

@@ -13,8 +13,8 @@ import torch
 
 from grouprl.cli import main
 from grouprl.config import parse_train_args
-from grouprl.train.preflight import CheckOptions, measure, no_gradient_share
 from grouprl.train.run import setup_run
+from grouprl.workflows.check import CheckOptions, measure, no_gradient_share
 
 VAULT = f"{Path(__file__).resolve().parents[2] / 'examples' / 'vault' / 'env.py'}:Vault"
 TINY = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "2", "--threads", "1",
@@ -169,7 +169,7 @@ def test_check_certifies_the_fp32_sampler_is_the_trainer_and_measures_bf16(tmp_p
 
 def test_a_large_mismatch_is_a_finding_that_names_a_correction(tmp_path, monkeypatch, capsys):
     """From a KL of 1e-4 per token check suggests a correction (info), from 1e-2 it warns."""
-    from grouprl.train import preflight
+    from grouprl.workflows import check as preflight
 
     monkeypatch.chdir(tmp_path)
     for kl, severity in ((5e-4, "info"), (2e-2, "warning")):

@@ -65,7 +65,7 @@ from grouprl.tasks.randomness import (
     stream_of,
 )
 from grouprl.tasks.specs import is_file_spec
-from grouprl.tasks.tools import Tool
+from grouprl.tasks.tools.calls import Tool
 
 #: Methods of an environment that are not tools.
 NOT_TOOLS = frozenset({"reset", "get_reward", "step", "close"})
@@ -300,7 +300,7 @@ def load_environment(spec: str) -> Environment:
     """The environment a spec names (path/to/env.py:Class or package.module:Class)."""
     import importlib
 
-    from grouprl.tasks.scoring import import_file
+    from grouprl.tasks.loading import import_file
 
     where, _, attr = spec.rpartition(":")
     if is_live(spec):

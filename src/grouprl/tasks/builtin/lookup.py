@@ -30,9 +30,9 @@ import random
 from collections.abc import Sequence
 
 from grouprl.errors import UserError
-from grouprl.tasks.arithmetic import Problem, solve
 from grouprl.tasks.base import Task
-from grouprl.tasks.rewards import REWARDS
+from grouprl.tasks.builtin.arithmetic import Problem, solve
+from grouprl.tasks.rewards.arithmetic import REWARDS
 
 KEYS = range(100, 1000)
 ADDENDS = range(10, 100)
@@ -76,7 +76,7 @@ def transcript(
     """A worked completion of `row` as (role, text) turns for `grouprl sft`: with probability
     `tool_rate` it calls the tool and adds to the observation, otherwise it guesses a value
     and adds to that; each column's digit is wrong with probability `noise` (see
-    `grouprl.tasks.arithmetic.solve`)."""
+    `grouprl.tasks.builtin.arithmetic.solve`)."""
     addend = int(row["addend"])
     if rng.random() < tool_rate:
         value = lookup(int(row["key"]))

@@ -40,7 +40,7 @@ import yaml
 
 from grouprl.errors import UserError
 from grouprl.tasks.base import Task
-from grouprl.tasks.rewards import completion_text
+from grouprl.tasks.rewards.common import completion_text
 
 PREFIX = "reasoning_gym:"
 #: Training rows (generator indices) a run draws from: far more than a run uses.

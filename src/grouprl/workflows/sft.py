@@ -2,7 +2,7 @@
 
 A plain supervised loop: each step draws `batch_size` training rows in order, writes each one's
 worked solution (with column errors injected at rate `noise`, see
-`grouprl.tasks.arithmetic.noisy_solution`), and minimises the cross-entropy of the completion
+`grouprl.tasks.builtin.arithmetic.noisy_solution`), and minimises the cross-entropy of the completion
 tokens (solution + EOS) given the prompt, with AdamW, linear warm-up and cosine decay. Prompt
 and padding tokens carry no loss. The defaults are the recipe of the bundled model
 `builtin:arith`:
@@ -256,9 +256,9 @@ def task_batches(cfg: SFTConfig, task: Task, tokenizer: Any) -> Callable[[], Bat
 def conversation_data(cfg: SFTConfig) -> tuple[Any, list]:
     """--data's rows and --tools' functions, read before the model loads (a wrong path or tool
     is one line at once)."""
-    from grouprl.tasks.code_task import BUILTIN_TOOLS
+    from grouprl.tasks.builtin.code import BUILTIN_TOOLS
     from grouprl.tasks.data import load_table
-    from grouprl.tasks.tools import load_tools
+    from grouprl.tasks.tools.calls import load_tools
 
     assert cfg.data is not None
     tools = load_tools(cfg.tools or [], BUILTIN_TOOLS)
@@ -273,9 +273,9 @@ def conversation_batches(
 ) -> Callable[[], Batch]:
     """Each call: `batch_size` conversations of --data drawn from the seed's order, encoded
     (once, up front) as `grouprl train` samples them."""
-    from grouprl.tasks.chat_tools import tool_schema
-    from grouprl.tasks.conversations import encode_chat, encode_tags
-    from grouprl.tasks.tool_prompt import describe_schemas, describe_tools, load_template
+    from grouprl.tasks.tools.chat import tool_schema
+    from grouprl.tasks.tools.conversations import encode_chat, encode_tags
+    from grouprl.tasks.tools.prompt import describe_schemas, describe_tools, load_template
 
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"--data {cfg.data} holds conversations, and the model's tokenizer has "

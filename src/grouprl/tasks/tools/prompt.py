@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.errors import UserError
-from grouprl.tasks.tools import Tool
+from grouprl.tasks.tools.calls import Tool
 
 #: The default description of the tags format's tools.
 DEFAULT_TEMPLATE = """\
@@ -75,7 +75,7 @@ def _schema(tool: Tool) -> dict[str, Any]:
     """The chat format's schema of a tool; for one without type hints or a Google-style
     docstring, what its signature and docstring's first line say (the tags format takes any
     function)."""
-    from grouprl.tasks.chat_tools import tool_schema
+    from grouprl.tasks.tools.chat import tool_schema
 
     try:
         return tool_schema(tool)

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import grouprl.sandbox as sandbox
 from grouprl.errors import UserError
-from grouprl.tasks.rewards import completion_text
+from grouprl.tasks.rewards.common import completion_text
 
 #: Completions longer than this score 0 without running (`code_errors/too_long`).
 MAX_COMPLETION_CHARS = 65_536

@@ -13,13 +13,13 @@ from grouprl.config import TrainConfig
 from grouprl.errors import UserError
 from grouprl.models import load_tokenizer
 from grouprl.models.tiny import QWEN25_TOOLS, save_tiny_chat_model
-from grouprl.sft import SFTConfig, padded, train_sft
-from grouprl.tasks.conversations import encode_chat, encode_tags
 from grouprl.tasks.data import RowFormat, dataset_task
-from grouprl.tasks.tool_prompt import DEFAULT_TEMPLATE, describe_tools
-from grouprl.tasks.tools import load_tools
+from grouprl.tasks.tools.calls import load_tools
+from grouprl.tasks.tools.conversations import encode_chat, encode_tags
+from grouprl.tasks.tools.prompt import DEFAULT_TEMPLATE, describe_tools
 from grouprl.train.build import build_tools
 from grouprl.train.prompts import prompt_ids
+from grouprl.workflows.sft import SFTConfig, padded, train_sft
 
 SYSTEM = "Answer with the number."
 TOOL = f"{__file__}:multiply"
@@ -91,7 +91,7 @@ def test_chat_conversations_train_the_assistant_turns_only(tmp_path):
 
 
 def _schema() -> dict:
-    from grouprl.tasks.chat_tools import tool_schema
+    from grouprl.tasks.tools.chat import tool_schema
 
     return tool_schema(load_tools([TOOL])[0])
 

@@ -20,11 +20,8 @@ Loading a file or module runs its code, by design: the user names it.
 from __future__ import annotations
 
 import difflib
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +40,11 @@ from grouprl.tasks.base import (
     completion_objects,
     reward_kwargs,
 )
-from grouprl.tasks.code_rewards import CODE_REWARDS
 from grouprl.tasks.live import is_live, live_name, live_object
-from grouprl.tasks.math_rewards import MATH_REWARDS
-from grouprl.tasks.rewards import REWARDS
+from grouprl.tasks.loading import import_file, import_function, load_attribute
+from grouprl.tasks.rewards.arithmetic import REWARDS
+from grouprl.tasks.rewards.code import CODE_REWARDS
+from grouprl.tasks.rewards.math import MATH_REWARDS
 from grouprl.tasks.specs import is_file_spec
 
 #: Rewards any task can name.
@@ -61,53 +59,6 @@ class Reward:
     spec: str
     fn: RewardFn
     weight: float
-
-
-def load_attribute(module: Any, attr: str, where: str) -> RewardFn:
-    fn = getattr(module, attr, None)
-    if fn is None:
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise UserError(
-            f"{where} has no function {attr!r}; functions found: {', '.join(found) or 'none'}"
-        )
-    if not callable(fn):
-        raise UserError(f"{where}:{attr} is a {type(fn).__name__}, not a function")
-    return fn
-
-
-def import_function(module_name: str, attr: str, spec: str, what: str = "reward") -> RewardFn:
-    """`package.module:function` (the `what` named by `spec`), one UserError line if it is not
-    there."""
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UserError(
-            f"cannot import module {module_name!r} for {what} {spec!r}: {err}"
-        ) from None
-    return load_attribute(module, attr, module_name)
-
-
-def import_file(path: Path, what: str = "reward") -> Any:
-    """Import a Python file as a module (its directory importable while it runs); `what` the
-    file holds (a reward, a tool) names it in errors."""
-    name = f"grouprl_{what}s_{abs(hash(str(path.resolve())))}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise UserError(f"cannot import {path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent.resolve()))
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise UserError(
-            f"importing {what} file {path} raised {type(err).__name__}: {err}; fix the file"
-        ) from None
-    finally:
-        sys.path.pop(0)
-    sys.modules[name] = module
-    return module
 
 
 def load_reward(
@@ -133,7 +84,7 @@ def load_reward(
             raise UserError(
                 f"reward {spec!r} is a directory without config.json, not a reward model"
             )
-        from grouprl.tasks.reward_model import RewardModel
+        from grouprl.tasks.rewards.model import RewardModel
 
         model = RewardModel(path, device=device)
         return model.__name__, model

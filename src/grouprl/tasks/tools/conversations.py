@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grouprl.errors import UserError
-from grouprl.tasks.tool_prompt import with_tool_prompt
+from grouprl.tasks.tools.prompt import with_tool_prompt
 
 ROLES = ("system", "user", "assistant", "tool")
 

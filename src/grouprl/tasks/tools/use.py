@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grouprl.tasks.environments import Environment, group_seed
-from grouprl.tasks.tools import ToolHandler
+from grouprl.tasks.tools.calls import ToolHandler
+from grouprl.tasks.tools.environments import Environment, group_seed
 
 
 @dataclass(frozen=True)

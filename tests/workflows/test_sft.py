@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from grouprl.cli.sft import main
 from grouprl.errors import UserError
 from grouprl.models import load_model, load_tokenizer
-from grouprl.sft import SFTConfig, encode_batch, lr_at, train_sft
+from grouprl.workflows.sft import SFTConfig, encode_batch, lr_at, train_sft
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 
