@@ -329,16 +329,26 @@ def test_choice_names_are_the_core_registries_and_the_presets():
     for choices, registry in (
         (config.RatioLevel, core.RATIO_LEVELS),
         (config.LossAgg, core.AGGREGATIONS),
-        # gdpo: gdpo_advantages; the others: grouprl.core.estimators
-        (config.AdvEstimator, {*core.ADVANTAGE_ESTIMATORS, "gdpo", *core.ESTIMATORS}),
         (config.AdvScale, core.ADVANTAGE_SCALES),
         (config.KLEstimator, core.KL_ESTIMATORS),
-        (config.Algo, PRESETS),
         (config.CorrectionName, core.CORRECTIONS),
         (config.WeightLevel, core.WEIGHT_LEVELS),
         (config.MaskLevel, core.MASK_LEVELS),
     ):
         assert set(get_args(choices)) == set(registry), choices
+    # the registries' own choices are read from them when a parser is built
+    for choices, registry in ((config.Algo, PRESETS), (config.Objective, core.OBJECTIVES),
+                              (config.AdvEstimator, core.ADVANTAGE_ESTIMATORS)):  # fmt: skip
+        (marker,) = [m for m in get_args(choices)[1:] if hasattr(m, "constructor_factory")]
+        listed = [a for a in get_args(marker.constructor_factory()) if a is not None]
+        names = [n for arg in listed for n in (get_args(arg) or (arg,)) if n is not type(None)]
+        assert names == list(registry), choices
+    # every estimator takes only what the trainer gives, and each rule names a real scale
+    for entry in core.ADVANTAGE_ESTIMATORS.values():
+        assert entry.inputs() <= set(core.registry.ESTIMATOR_INPUTS), entry.name
+        assert set(entry.scales) <= set(core.ADVANTAGE_SCALES), entry.name
+    for entry in core.OBJECTIVES.values():
+        assert set(entry.knobs) <= {f.name for f in dataclasses.fields(core.LossOptions)}
 
 
 def test_resolve_returns_a_frozen_run_config_without_placeholders():

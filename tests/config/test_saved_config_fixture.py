@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from grouprl.config.parsing import parse_train_args
-from grouprl.config.presets import resolve
+from grouprl.config.resolution import resolve
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "config_v2" / "config.yaml"
 

@@ -15,7 +15,9 @@ from grouprl.core import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
     AGGREGATIONS,
+    BASELINES,
     KL_ESTIMATORS,
+    OBJECTIVES,
     RATIO_LEVELS,
     LossOptions,
     LossStats,
@@ -48,7 +50,12 @@ def batch(n: int = 4, length: int = 5, seed: int = 0):
 
 
 def test_registries_hold_the_documented_names():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo"}
+    assert set(BASELINES) == {"grpo", "rloo"}
+    assert list(ADVANTAGE_ESTIMATORS) == ["grpo", "rloo", "gdpo", "reinforce_pp",
+                                          "reinforce_pp_baseline", "opo", "gpg", "grpo_passk",
+                                          "remax"]  # fmt: skip
+    assert list(OBJECTIVES) == ["clip", "cispo", "sapo", "gmpo", "vespo", "gpg", "clip_cov",
+                                "kl_cov"]  # fmt: skip
     assert set(ADVANTAGE_SCALES) == {"group", "batch", "none"}
     assert set(RATIO_LEVELS) == {"token", "sequence", "sequence_token"}
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
@@ -111,7 +118,7 @@ def test_bad_arguments_raise_one_clear_value_error(call, message):
 def test_nan_rewards_get_zero_and_are_left_out_of_the_statistics():
     rewards = t([[1.0, NAN, 0.0, 1.0], [NAN, NAN, 2.0, 5.0]])
     for scale in ADVANTAGE_SCALES:
-        for estimator in ADVANTAGE_ESTIMATORS:
+        for estimator in BASELINES:
             adv = group_advantages(rewards, scale=scale, estimator=estimator)
             assert not adv.isnan().any() and adv[rewards.isnan()].eq(0).all()
     # Within a group, the NaN-free rewards give what they give on their own.

@@ -199,7 +199,7 @@ def test_an_uninstalled_or_unknown_tracker_is_one_line(
 def test_every_tracker_the_config_accepts_has_a_backend():
     """The config owns the names `--report-to` takes (it imports no report module); each must
     have a backend here, and each backend a name there."""
-    from grouprl.config.options import TRACKERS
+    from grouprl.config.choices import TRACKERS
     from grouprl.report.trackers import BACKENDS
 
     assert set(BACKENDS) == set(TRACKERS)

@@ -148,9 +148,10 @@ def test_an_update_trains_on_verls_other_estimators(policy_and_batch, algo, seen
 @pytest.mark.parametrize(("options", "message"), [
     ({"algo": "opo", "minibatches": 2}, "opo's baseline is optimal only exactly on-policy"),
     ({"algo": "opo", "beta": 0.04}, "no KL term"),
-    ({"algo": "reinforce_pp", "adv_scale": "group"}, "whitens over the batch's tokens"),
-    ({"algo": "grpo", "adv_estimator": "gpg", "adv_scale": "batch"}, "gpg scales by the share"),
-    ({"algo": "grpo_passk", "adv_scale": "batch"}, "grpo_passk divides"),
+    ({"algo": "reinforce_pp", "adv_scale": "group"}, r"reinforce_pp sets its own scale \(the "
+     r"reward whitened over the batch's tokens\); drop --adv-scale"),
+    ({"algo": "grpo", "adv_estimator": "gpg", "adv_scale": "batch"}, "gpg sets its own scale"),
+    ({"algo": "grpo_passk", "adv_scale": "batch"}, "grpo_passk takes --adv-scale group or none"),
 ])  # fmt: skip
 def test_estimators_refuse_what_they_cannot_do_in_one_line(options, message):
     with pytest.raises(UserError, match=message):

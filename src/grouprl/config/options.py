@@ -1,7 +1,7 @@
 """The options of `grouprl train`, `eval` and `generate`, each a typed, frozen dataclass whose
 fields become flags (`group_size` -> `--group-size`) with the docstring under each as its help;
 and `RunConfig`, a `TrainConfig` with every field the preset or the task fills filled (what
-`grouprl.config.presets.resolve` returns and the only config `grouprl.train` reads).
+`grouprl.config.resolution.resolve` returns and the only config `grouprl.train` reads).
 
 Imports neither torch nor transformers, so `--help` answers at once.
 """
@@ -11,69 +11,30 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
-# ---------------------------------------------------------------------------------------------
-# Choices: every named option's values, once (tests/config/test_config.py checks that the core
-# registries and the presets have exactly these names)
-
-Algo = Literal["grpo", "gspo", "dr_grpo", "dapo", "gdpo", "cispo", "sapo", "gmpo", "luspo", "vespo",
-               "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "clip_cov",
-               "kl_cov", "remax"]  # fmt: skip
-Objective = Literal["clip", "cispo", "sapo", "gmpo", "vespo", "gpg", "clip_cov", "kl_cov"]
-# (grouprl.core.OBJECTIVES)
-#: Each objective's own knobs (grouprl.core.LossOptions fields, with its defaults); a knob of
-#: another objective is refused.
-KNOBS = {
-    "cispo": ("cispo_cap",),
-    "sapo": ("sapo_tau_pos", "sapo_tau_neg"),
-    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
-    "clip_cov": ("clip_cov_ratio", "clip_cov_low", "clip_cov_high"),
-    "kl_cov": ("kl_cov_ratio", "kl_cov_coef"),
-}
-Dtype = Literal["fp32", "bf16", "fp16"]
-Precision = Literal["fp32", "bf16"]
-Strategy = Literal["ddp", "fsdp"]
-LRSchedule = Literal["constant", "linear", "cosine"]
-RatioLevel = Literal["token", "sequence", "sequence_token"]  # grouprl.core.RATIO_LEVELS
-LossAgg = Literal[  # grouprl.core.AGGREGATIONS
-    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
-]
-# grouprl.core.ADVANTAGE_ESTIMATORS, and gdpo (grouprl.core.gdpo_advantages: one per reward)
-# and verl's others (grouprl.core.estimators)
-AdvEstimator = Literal["grpo", "rloo", "gdpo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg",
-                       "grpo_passk", "remax"]  # fmt: skip
-AdvScale = Literal["group", "batch", "none"]  # grouprl.core.ADVANTAGE_SCALES
-KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
-EvalSplit = Literal["heldout", "train", "all"]
-ToolFormat = Literal["tags", "chat"]
-Engine = Literal["hf", "vllm"]  # grouprl.train.build.build_engine
-VllmMode = Literal["colocate", "server"]
-VllmDtype = Literal["auto", "float32", "bfloat16", "float16"]
-CorrectionName = Literal[  # grouprl.core.CORRECTIONS
-    "none",
-    "token_tis",
-    "seq_tis",
-    "token_mis",
-    "seq_mis",
-    "icepop",
-    "token_band",
-    "geo_mask",
-    "geo_mask_token_tis",
-]
-WeightLevel = Literal["token", "sequence"]  # grouprl.core.WEIGHT_LEVELS
-MaskLevel = Literal["token", "sequence", "geometric"]  # grouprl.core.MASK_LEVELS
-Proximal = Literal["recompute", "behaviour"]
-
-
-#: The trackers `--report-to` may name, with the module each needs and what installs it
-#: (`grouprl.report.trackers` has a backend for each; a test checks they agree).
-TRACKERS = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "grouprl[wandb]"),
-    "trackio": ("trackio", "grouprl[trackio]"),
-    "mlflow": ("mlflow", "grouprl[mlflow]"),
-}
+from grouprl.config.choices import (
+    AdvEstimator,
+    AdvScale,
+    Algo,
+    CorrectionName,
+    Dtype,
+    Engine,
+    EvalSplit,
+    KLEstimator,
+    LossAgg,
+    LRSchedule,
+    MaskLevel,
+    Objective,
+    Precision,
+    Proximal,
+    RatioLevel,
+    Strategy,
+    TeacherLoss,
+    ToolFormat,
+    VllmDtype,
+    VllmMode,
+    WeightLevel,
+)
 
 
 @dataclass(frozen=True)
@@ -307,7 +268,7 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     float rounding. Ignored when beta > 0 (the KL term has a gradient): every group is trained."""
 
     # ----- objective -----
-    objective: Objective | None = None
+    objective: Objective = None
     """The per-token term maximised: PPO's clip (GRPO, GSPO, Dr. GRPO, DAPO, LUSPO), CISPO's
     capped-weight REINFORCE, SAPO's soft gate, GMPO's geometric mean, VESPO's gamma weight,
     GPG's plain Â·log π (no ratio, no clip), Clip-Cov's clip with the highest-covariance tokens
@@ -363,7 +324,7 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     teacher_task_weight: float = 1.0
     """On-policy distillation: the task's group advantage's weight beside it (0: distillation
     alone)."""
-    teacher_loss: Literal["advantage", "jsd"] = "advantage"
+    teacher_loss: TeacherLoss = "advantage"
     """On-policy distillation's loss: advantage (the sampled token's reverse-KL reward in the
     objective, above) or jsd (TRL's GKD: --teacher-coef x the generalized Jensen-Shannon
     divergence between the whole next-token distributions at every trained position, a
@@ -398,7 +359,7 @@ class TrainConfig(DataOptions, ModelOptions, RunOptions):
     """How per-token losses are averaged; sets the implicit length weighting. None: preset."""
     norm_len: int | None = None
     """Constant divisor for seq_mean_token_sum_norm. None: max_new_tokens."""
-    adv_estimator: AdvEstimator | None = None
+    adv_estimator: AdvEstimator = None
     """Baseline: the group mean (grpo), the mean of the other G-1 rewards (rloo), or gdpo: each
     reward normalised in its group, their weighted sum then over the batch (arXiv 2601.05242);
     verl's others (grouprl.core.estimators): reinforce_pp (the reward whitened over the batch's
@@ -572,14 +533,14 @@ class RunConfig(TrainConfig):
     """
 
     ratio_level: RatioLevel = field(kw_only=True)
-    objective: Objective = field(kw_only=True)
+    objective: str = field(kw_only=True)
     clip_low: float = field(kw_only=True)
     clip_high: float = field(kw_only=True)
     beta: float = field(kw_only=True)
     loss_agg: LossAgg = field(kw_only=True)
     norm_len: int = field(kw_only=True)
     adv_scale: AdvScale = field(kw_only=True)
-    adv_estimator: AdvEstimator = field(kw_only=True)
+    adv_estimator: str = field(kw_only=True)
     minibatches: int = field(kw_only=True)
     dynamic_sampling: bool = field(kw_only=True)
     mask_truncated: bool = field(kw_only=True)

@@ -24,7 +24,7 @@ import tyro
 import yaml
 
 from grouprl.config.options import TrainConfig, field_names
-from grouprl.config.presets import local_paths_absolute
+from grouprl.config.resolution import local_paths_absolute
 from grouprl.errors import UserError
 
 #: Launch directives: what a command does, not what a run is. Never read from or written to a
@@ -80,7 +80,7 @@ def split_mapping(
     run's saved config can only ever start a new run.
     """
     known = field_names(cls)
-    hints = typing.get_type_hints(cls)
+    hints = _field_types(cls)
     args: list[str] = []
     text: dict[str, Any] = {}
     if LIVE_KEY in values:
@@ -130,9 +130,22 @@ def split_mapping(
     return args, text
 
 
+def _field_types(cls: type) -> dict[str, Any]:
+    """Each field's type as the parser takes it: a registry's choices (`grouprl.config.choices`,
+    read when tyro builds a parser) as the Literal of its names now."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    types_ = {}
+    for name, hint in hints.items():
+        marks = typing.get_args(hint)[1:] if typing.get_origin(hint) is typing.Annotated else ()
+        factory = next((m.constructor_factory for m in marks
+                        if getattr(m, "constructor_factory", None) is not None), None)  # fmt: skip
+        types_[name] = factory() if factory is not None else typing.get_type_hints(cls)[name]
+    return types_
+
+
 def _expected(cls: type, name: str) -> str:
     """What a field takes, in words, for error messages."""
-    annotation = typing.get_type_hints(cls).get(name)
+    annotation = _field_types(cls).get(name)
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     base = args[0] if len(args) == 1 else annotation
     origin = typing.get_origin(base)

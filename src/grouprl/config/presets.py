@@ -1,22 +1,11 @@
-"""The `--algo` presets and resolution: a `TrainConfig` whose preset- and task-filled fields are
-still None becomes a frozen `RunConfig` with every field filled and the whole config validated.
-
-Precedence, lowest first: field defaults < `--config FILE.yaml` (or the saved config of the run
-given to `--resume`) < command-line flags < the `--algo` preset, which fills only the fields
-still left at `None`.
-"""
+"""The `--algo` presets: what each fills of the algorithm-defining fields left at None (see
+`grouprl.config.resolution`). A preset names its advantage estimator and objective, which are
+registered in `grouprl.core.registry`; `algorithm_table` is the docs' table of them, made from
+both, so that a new preset is in the docs once it is here."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
-from grouprl.config.options import KNOBS, RunConfig, TrainConfig
-from grouprl.config.validation import report_targets, validate
-from grouprl.errors import UserError
-from grouprl.tasks.specs import absolute_spec
 
 
 @dataclass(frozen=True)
@@ -141,113 +130,67 @@ PRESETS: dict[str, Preset] = {
         "token", 0.2, 0.2, "token_mean", "group", 0.0, minibatches=4, objective="kl_cov"
     ),
 }
-#: Estimators that set their own scaling (no --adv-scale): gdpo and verl's whitened or unscaled.
-SELF_SCALED = ("gdpo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax")
 
-#: The objectives the clip range does not bound (CISPO's bound is its cap).
-UNCLIPPED = ("cispo", "sapo", "vespo", "gpg", "kl_cov")
-
-
-def _objective_knobs(cfg: TrainConfig, values: dict[str, Any]) -> None:
-    """The objective's own knobs filled with their defaults; a knob of another objective, or a
-    clip range for one the clip does not bound, is one line. (A resumed run's saved config holds
-    the preset's clip range: that one is no choice of the user's.)"""
-    from grouprl.core import LossOptions
-
-    objective, defaults = values["objective"], LossOptions()
-    for owner, knobs in KNOBS.items():
-        for name in knobs:
-            if owner == objective:
-                given = values[name]
-                values[name] = getattr(defaults, name) if given is None else given
-            elif values[name] is not None:
-                raise UserError(
-                    f"invalid config: --{name.replace('_', '-')} is a knob of --objective "
-                    f"{owner}; this run's objective is {objective}"
-                )
-    preset = PRESETS[cfg.algo]
-    for name in ("clip_low", "clip_high", "dual_clip"):
-        given = getattr(cfg, name)
-        if objective in UNCLIPPED and given is not None and given != getattr(preset, name, None):
-            raise UserError(
-                f"invalid config: --{name.replace('_', '-')} does not apply to --objective "
-                f"{objective}, which no clip range bounds"
-                + ("; its bound is --cispo-cap" if objective == "cispo" else "")
-            )
+#: What the docs' table says of a preset beyond its fields (its paper, its caveats).
+NOTES: dict[str, str] = {
+    "grpo": "DeepSeekMath (arXiv 2402.03300)",
+    "gspo": "GSPO (arXiv 2507.18071)",
+    "dr_grpo": "Dr. GRPO (arXiv 2503.20783); loss ÷ max_new_tokens",
+    "dapo": "DAPO (arXiv 2503.14476)",
+    "gdpo": "GDPO (arXiv 2601.05242), for several rewards",
+    "cispo": "CISPO (MiniMax-M1, arXiv 2506.13585)",
+    "sapo": "SAPO (arXiv 2511.20347)",
+    "gmpo": "GMPO (arXiv 2507.20673; verl `geo_mean`)",
+    "luspo": "LUSPO (arXiv 2602.05261)",
+    "vespo": "VESPO (arXiv 2602.10693)",
+    "reinforce_pp": "REINFORCE++ (arXiv 2501.03262; verl `reinforce_plus_plus`)",
+    "reinforce_pp_baseline": "verl `reinforce_plus_plus_baseline`",
+    "opo": "OPO (arXiv 2505.23585)",
+    "gpg": "GPG (arXiv 2504.02546; verl `gpg`)",
+    "grpo_passk": "Pass@k training (arXiv 2503.19595; verl `grpo_passk`)",
+    "remax": "ReMax (arXiv 2310.10505; verl `remax`); one greedy sample a prompt each step",
+    "clip_cov": "Clip-Cov (arXiv 2505.22617; verl `clip_cov`, YAML defaults)",
+    "kl_cov": "KL-Cov (arXiv 2505.22617; verl `kl_cov`, YAML defaults)",
+}
 
 
-def local_paths_absolute(cfg: Any) -> Any:
-    """The config with its local model, dataset and reward-file paths made absolute (hub ids and
-    builtin:NAME unchanged), as a run records them."""
-    local = {
-        name: str(Path(value).expanduser().resolve())
-        for name in ("model", "dataset", "eval_dataset")
-        if (value := getattr(cfg, name, None)) is not None and Path(value).expanduser().exists()
-    }
-    cfg = dataclasses.replace(cfg, **local)
-    if cfg.rewards:
-        cfg = dataclasses.replace(
-            cfg, rewards={absolute_spec(spec): w for spec, w in cfg.rewards.items()}
+def _number(x: float) -> str:
+    """A setting as the table writes it: 0.2, 3e-4."""
+    return f"{x:.0e}".replace("e-0", "e-") if 0 < abs(x) < 1e-2 else f"{x:g}"
+
+
+#: How the table names an --adv-scale.
+_SCALE_WORDS = {"group": "÷ group std", "batch": "÷ batch std", "none": "unscaled"}
+
+
+def algorithm_table(default: str) -> list[str]:
+    """The docs' table of the presets, one Markdown row each, made from `PRESETS`, `NOTES` and
+    the estimators and objectives they name (`grouprl.core.registry`); `default`, the preset
+    `--algo` defaults to. Imports torch (for the objectives' knob defaults)."""
+    from grouprl.core import ADVANTAGE_ESTIMATORS, OBJECTIVES, LossOptions
+
+    knob_defaults = LossOptions()
+    rows = ["| preset | ratio | clip low / high | loss aggregation | advantage | minibatches | β "
+            "| notes |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, p in PRESETS.items():
+        objective, estimator = OBJECTIVES[p.objective], ADVANTAGE_ESTIMATORS[p.adv_estimator]
+        knobs = ", ".join(f"`--{k.replace('_', '-')}` {_number(getattr(knob_defaults, k))}"
+                          for k in objective.knobs)  # fmt: skip
+        clip = f"{_number(p.clip_low)} / {_number(p.clip_high)}" if objective.clipped else "none"
+        if objective.name != "clip":
+            clip += f": {objective.summary}" + (f" ({knobs})" if knobs else "")
+        advantage = estimator.summary
+        if not estimator.self_scaled:
+            advantage += f", {_SCALE_WORDS[p.adv_scale]}"
+        extras = [NOTES.get(name, "")]
+        extras += (
+            ["dynamic sampling"] * p.dynamic_sampling
+            + ["soft overlong penalty"] * (p.overlong_penalty)
+            + ["leaves truncated completions out"] * p.mask_truncated
         )
-    if cfg.pass_reward is not None:
-        cfg = dataclasses.replace(cfg, pass_reward=absolute_spec(cfg.pass_reward))
-    if getattr(cfg, "tools", None):
-        cfg = dataclasses.replace(cfg, tools=[absolute_spec(spec) for spec in cfg.tools])
-    if getattr(cfg, "environment", None):
-        cfg = dataclasses.replace(cfg, environment=absolute_spec(cfg.environment))
-    return cfg
-
-
-def resolve(
-    cfg: TrainConfig,
-    *,
-    task_max_new_tokens: int,
-    world_size: int = 1,
-    task_model: str = "builtin:arith",
-    task_steps: int = 200,
-) -> RunConfig:
-    """Fill every field left at None from the preset and the task (its budget and its model),
-    then `validate` for a job of `world_size` processes.
-
-    Local paths (model, datasets, reward files) are recorded absolute, so a resumed run reads
-    the same files from any working directory; hub ids and builtin:NAME stay as they are.
-    """
-    if cfg.algo not in PRESETS:
-        raise UserError(f"invalid config: algo {cfg.algo!r} is not one of {', '.join(PRESETS)}")
-    if cfg.algo == "gdpo" and cfg.adv_estimator not in (None, "gdpo"):
-        raise UserError(
-            f"--algo gdpo is its own advantage estimator; drop --adv-estimator "
-            f"{cfg.adv_estimator}, or use --algo grpo --adv-estimator {cfg.adv_estimator}"
-        )
-    # (a saved config, resumed, holds the preset's scale: that one is no choice of the user's)
-    estimator = cfg.adv_estimator or PRESETS[cfg.algo].adv_estimator
-    if estimator in SELF_SCALED and cfg.adv_scale not in (None, PRESETS[cfg.algo].adv_scale):
-        how = {"gdpo": "scales each reward by its group's std and the sum by the batch's",
-               "reinforce_pp": "whitens over the batch's tokens",
-               "reinforce_pp_baseline": "whitens over the batch's tokens",
-               "opo": "has no scale", "gpg": "scales by the share of non-zero rewards",
-               "remax": "has no scale"}  # fmt: skip
-        raise UserError(
-            f"{estimator} {how[estimator]}; drop --adv-scale, or use another --adv-estimator"
-        )
-    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
-    for name, value in dataclasses.asdict(PRESETS[cfg.algo]).items():
-        if values[name] is None:
-            values[name] = value
-    _objective_knobs(cfg, values)
-    if values["max_new_tokens"] is None:
-        values["max_new_tokens"] = task_max_new_tokens
-    if values["model"] is None:
-        values["model"] = task_model
-    if values["steps"] is None:
-        values["steps"] = task_steps
-    if values["norm_len"] is None:
-        values["norm_len"] = values["max_new_tokens"]
-    if values["overlong_cache"] is None:
-        values["overlong_cache"] = max(1, values["max_new_tokens"] // 4)
-    if values["lora_r"] is not None and values["lora_alpha"] is None:
-        values["lora_alpha"] = 2.0 * values["lora_r"]
-    values["report_to"] = list(report_targets(values["report_to"], installed=False))
-    resolved = local_paths_absolute(RunConfig(**values))
-    validate(resolved, world_size)
-    return resolved
+        extras += ["exactly on-policy only"] * estimator.exactly_on_policy
+        label = f"`{name}`" + (" (default)" if name == default else "")
+        cells = [label, objective.ratio or p.ratio_level, clip, p.loss_agg, advantage,
+                 str(p.minibatches), _number(p.beta), "; ".join(e for e in extras if e)]  # fmt: skip
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return rows

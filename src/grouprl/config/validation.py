@@ -11,7 +11,9 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from grouprl.config.options import KNOBS, TRACKERS, DataOptions, EvalConfig, RunConfig
+from grouprl.config.choices import TRACKERS
+from grouprl.config.options import DataOptions, EvalConfig, RunConfig
+from grouprl.core.registry import ADVANTAGE_ESTIMATORS, OBJECTIVES
 from grouprl.errors import UserError
 
 if TYPE_CHECKING:  # core imports torch: only when a run is validated
@@ -136,9 +138,10 @@ def _objective_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
         (
             cfg.teacher is None
             or cfg.teacher_loss == "jsd"
-            or cfg.objective not in ("gmpo", "vespo"),
+            or not OBJECTIVES[cfg.objective].sequence_weighted,
             f"--teacher gives each token its own advantage; --objective {cfg.objective} weighs "
-            "whole sequences by one: use clip, cispo, sapo or gpg",
+            "whole sequences by one: use one that weighs tokens, "
+            + ", ".join(n for n, o in OBJECTIVES.items() if not o.sequence_weighted),
         ),
         (
             cfg.teacher is None or (cfg.teacher_coef >= 0 and cfg.teacher_task_weight >= 0),
@@ -161,31 +164,40 @@ def _objective_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
             "entropy_coef_max",
         ),
         (cfg.entropy_coef_delta >= 0, "entropy_coef_delta must be >= 0"),
+        *_estimator_checks(cfg),
+    ]
+
+
+def _estimator_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    """What the run's advantage estimator (`grouprl.core.registry`) takes and refuses."""
+    estimator = ADVANTAGE_ESTIMATORS[cfg.adv_estimator]
+    greedy = "baselines" in estimator.inputs()  # it compares with a greedy completion
+    name = f"--adv-estimator {cfg.adv_estimator}"
+    return [
         (
-            cfg.adv_estimator != "remax" or cfg.max_staleness == 0,
-            "--adv-estimator remax's baseline is the current policy's greedy completion, which "
-            "an older policy's samples (--max-staleness > 0) are not measured against; use 0",
+            not greedy or cfg.max_staleness == 0,
+            f"{name}'s baseline is the current policy's greedy completion, which an older "
+            "policy's samples (--max-staleness > 0) are not measured against; use 0",
         ),
         (
-            cfg.adv_estimator != "remax" or (cfg.tools is None and cfg.environment is None),
-            "--adv-estimator remax samples its greedy baselines without tools; use another "
-            "estimator with --tools or --environment",
+            not greedy or (cfg.tools is None and cfg.environment is None),
+            f"{name} samples its greedy baselines without tools; use another estimator with "
+            "--tools or --environment",
         ),
         (
-            cfg.adv_estimator != "grpo_passk" or cfg.adv_scale in ("group", "none"),
-            "--adv-estimator grpo_passk divides the best completion's margin by its group's std "
-            "or by nothing: --adv-scale group or none",
+            estimator.self_scaled or cfg.adv_scale in estimator.scales,
+            f"{name} takes --adv-scale {' or '.join(estimator.scales)}",
         ),
         (
-            cfg.adv_estimator != "opo"
+            not estimator.exactly_on_policy
             or (
                 cfg.minibatches == 1
                 and cfg.epochs == 1
                 and cfg.beta == 0
                 and cfg.max_staleness == 0
             ),
-            "--adv-estimator opo's baseline is optimal only exactly on-policy: one update per "
-            "batch (--minibatches 1 --epochs 1), no KL term (--beta 0) and --max-staleness 0",
+            f"{name}'s baseline is optimal only exactly on-policy: one update per batch "
+            "(--minibatches 1 --epochs 1), no KL term (--beta 0) and --max-staleness 0",
         ),
     ]
 
@@ -285,8 +297,8 @@ def loss_options(cfg: RunConfig) -> LossOptions:
         objective=cfg.objective,
         **{
             name: value
-            for names in KNOBS.values()
-            for name in names
+            for entry in OBJECTIVES.values()
+            for name in entry.knobs
             if (value := getattr(cfg, name)) is not None
         },
         agg=cfg.loss_agg,
@@ -332,9 +344,7 @@ def dense_gradients(cfg: RunConfig) -> bool:
     """Whether a completion whose group advantage is 0 still has a gradient: an entropy term,
     a teacher's per-token advantage, or the covariance objectives' statistics over every token
     (so no group may be skipped)."""
-    from grouprl.core.objectives import COVARIANCE_OBJECTIVES
-
-    return entropy_bonus(cfg) or cfg.teacher is not None or cfg.objective in COVARIANCE_OBJECTIVES
+    return entropy_bonus(cfg) or cfg.teacher is not None or OBJECTIVES[cfg.objective].by_covariance
 
 
 def entropy_bonus(cfg: RunConfig) -> bool:

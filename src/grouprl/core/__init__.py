@@ -4,108 +4,80 @@ Imports torch and the standard library only: no models, configs, I/O or torch.di
 the trainer, the distributed code and the tests all call the same few functions. See
 advantages.py (group-relative advantages), estimators.py (REINFORCE++, OPO, GPG, Pass@k), entropy.py (entropy control), distill.py (on-policy distillation), loss.py (ratios, KL, aggregation, the clipped loss),
 objectives.py (CISPO, SAPO, GMPO, VESPO), shaping.py (DAPO's overlong penalty) and offpolicy.py
-(how far a sampler's log-probs are from the trainer's, and the corrections for it) for the formulas and their papers.
+(how far a sampler's log-probs are from the trainer's, and the corrections for it) for the formulas and their papers;
+registry.py names the estimators and objectives (torch-free: the command line reads it).
+
+The names below load on first use, so `grouprl.core.registry` stays importable without torch.
 """
 
-from .advantages import (
-    ADVANTAGE_ESTIMATORS,
-    ADVANTAGE_SCALES,
-    gdpo_advantages,
-    group_advantages,
-    mixed_groups,
-    zero_variance_groups,
-)
-from .distill import distillation_advantages, generalized_jsd, reverse_kl
-from .estimators import (
-    ESTIMATORS,
-    gpg_advantages,
-    opo_advantages,
-    passk_advantages,
-    reinforce_pp_advantages,
-    remax_advantages,
-)
-from .loss import (
-    AGGREGATIONS,
-    KL_ESTIMATORS,
-    MAX_LOG_RATIO,
-    OBJECTIVES,
-    RATIO_LEVELS,
-    LossOptions,
-    LossStats,
-    PolicyLoss,
-    aggregate,
-    bounded_tokens,
-    cispo_objective,
-    clipped_objective,
-    gmpo_objective,
-    gpg_objective,
-    importance_ratio,
-    kl_penalty,
-    log_ratio,
-    mean_over,
-    policy_loss,
-    sapo_objective,
-    vespo_objective,
-)
-from .objectives import COVARIANCE_OBJECTIVES, kl_cov_objective
-from .offpolicy import (
-    CORRECTIONS,
-    MASK_LEVELS,
-    WEIGHT_LEVELS,
-    Correction,
-    CorrectionSums,
-    MismatchSums,
-    correction_weights,
-    logp_mismatch,
-)
-from .shaping import overlong_penalty
+from __future__ import annotations
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "ADVANTAGE_SCALES",
-    "AGGREGATIONS",
-    "CORRECTIONS",
-    "COVARIANCE_OBJECTIVES",
-    "ESTIMATORS",
-    "KL_ESTIMATORS",
-    "MASK_LEVELS",
-    "MAX_LOG_RATIO",
-    "OBJECTIVES",
-    "RATIO_LEVELS",
-    "WEIGHT_LEVELS",
-    "Correction",
-    "CorrectionSums",
-    "LossOptions",
-    "LossStats",
-    "MismatchSums",
-    "PolicyLoss",
-    "aggregate",
-    "bounded_tokens",
-    "cispo_objective",
-    "clipped_objective",
-    "correction_weights",
-    "distillation_advantages",
-    "gdpo_advantages",
-    "generalized_jsd",
-    "gmpo_objective",
-    "gpg_advantages",
-    "gpg_objective",
-    "group_advantages",
-    "importance_ratio",
-    "kl_cov_objective",
-    "kl_penalty",
-    "log_ratio",
-    "logp_mismatch",
-    "mean_over",
-    "mixed_groups",
-    "opo_advantages",
-    "overlong_penalty",
-    "passk_advantages",
-    "policy_loss",
-    "reinforce_pp_advantages",
-    "remax_advantages",
-    "reverse_kl",
-    "sapo_objective",
-    "vespo_objective",
-    "zero_variance_groups",
-]
+import importlib
+from typing import Any
+
+#: Each public name and the module of grouprl.core that defines it.
+_HOMES = {
+    "ADVANTAGE_SCALES": "advantages",
+    "BASELINES": "advantages",
+    "gdpo_advantages": "advantages",
+    "group_advantages": "advantages",
+    "mixed_groups": "advantages",
+    "zero_variance_groups": "advantages",
+    "distillation_advantages": "distill",
+    "generalized_jsd": "distill",
+    "reverse_kl": "distill",
+    "gpg_advantages": "estimators",
+    "opo_advantages": "estimators",
+    "passk_advantages": "estimators",
+    "reinforce_pp_advantages": "estimators",
+    "remax_advantages": "estimators",
+    "AGGREGATIONS": "loss",
+    "KL_ESTIMATORS": "loss",
+    "MAX_LOG_RATIO": "loss",
+    "RATIO_LEVELS": "loss",
+    "LossOptions": "loss",
+    "LossStats": "loss",
+    "PolicyLoss": "loss",
+    "aggregate": "loss",
+    "bounded_tokens": "loss",
+    "cispo_objective": "objectives",
+    "clipped_objective": "loss",
+    "gmpo_objective": "objectives",
+    "gpg_objective": "objectives",
+    "importance_ratio": "loss",
+    "kl_penalty": "loss",
+    "log_ratio": "loss",
+    "mean_over": "loss",
+    "policy_loss": "loss",
+    "sapo_objective": "objectives",
+    "vespo_objective": "objectives",
+    "kl_cov_objective": "objectives",
+    "CORRECTIONS": "offpolicy",
+    "MASK_LEVELS": "offpolicy",
+    "WEIGHT_LEVELS": "offpolicy",
+    "Correction": "offpolicy",
+    "CorrectionSums": "offpolicy",
+    "MismatchSums": "offpolicy",
+    "correction_weights": "offpolicy",
+    "logp_mismatch": "offpolicy",
+    "ADVANTAGE_ESTIMATORS": "registry",
+    "OBJECTIVES": "registry",
+    "Estimator": "registry",
+    "Objective": "registry",
+    "register_estimator": "registry",
+    "register_objective": "registry",
+    "overlong_penalty": "shaping",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'grouprl.core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

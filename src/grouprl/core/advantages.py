@@ -60,7 +60,8 @@ def _no_scale(centred: Tensor, valid: Tensor, eps: float, unbiased: bool) -> Ten
     return torch.ones((), dtype=centred.dtype, device=centred.device)
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+#: group_advantages' baselines (the estimators by name, with every other: `grouprl.core.registry`).
+BASELINES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "grpo": _grpo,
     "rloo": _rloo,
 }
@@ -122,11 +123,11 @@ def group_advantages(
         rloo: Â_i = (R_i − 1/(G−1) Σ_{j≠i} R_j) / (std(R) + eps)  (arXiv 2402.14740)
 
     ``scale`` picks the divisor (ADVANTAGE_SCALES: "group", "batch", "none"), ``estimator`` the
-    baseline (ADVANTAGE_ESTIMATORS: "grpo", "rloo"). The std is the population std, or the sample
+    baseline (BASELINES: "grpo", "rloo"). The std is the population std, or the sample
     std with ``unbiased_std=True``. NaN rewards get 0 and are excluded from the group's statistics;
     zero-variance groups get exact zeros. No gradient flows to ``rewards``. G = 1 is a ValueError.
     """
-    estimate = choose(ADVANTAGE_ESTIMATORS, estimator, "advantage estimator")
+    estimate = choose(BASELINES, estimator, "advantage estimator")
     divisor = choose(ADVANTAGE_SCALES, scale, "advantage scale")
     rewards = _checked(rewards, "(B, G)", eps)
     valid = ~rewards.isnan()  # (B, G)
@@ -142,7 +143,7 @@ def group_advantages(
 
 
 def gdpo_advantages(
-    rewards: Tensor,  # (B, G, K): K rewards' raw scores, NaN = not scored
+    components: Tensor,  # (B, G, K): K rewards' raw scores, NaN = not scored
     weights: Tensor | list[float],  # (K,)
     *,
     eps: float = 1e-4,
@@ -164,7 +165,7 @@ def gdpo_advantages(
     skipped). Pass the whole job's batch: the batch statistics are global. With K = 1 this is
     GRPO's advantage of w·r with the sample std (`group_advantages`).
     """
-    rewards = _checked(rewards, "(B, G, K)", eps)
+    rewards = _checked(components, "(B, G, K)", eps)
     K = rewards.shape[-1]
     w = torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
     if w.shape != (K,):

@@ -21,8 +21,6 @@ import torch
 
 Tensor = torch.Tensor
 
-#: The estimators here, by their `--adv-estimator` names.
-ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "remax")
 #: verl's `masked_whiten` adds this to the variance (and `masked_mean` to the count).
 WHITEN_EPS = 1e-8
 

@@ -29,20 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from ._registry import choose
-from .objectives import (
-    MAX_LOG_RATIO,
-    OBJECTIVES,
-    cispo_objective,
-    gmpo_objective,
-    gpg_objective,
-    kl_cov_objective,
-    sapo_objective,
-    vespo_objective,
-)
+from .objectives import MAX_LOG_RATIO
+from .registry import OBJECTIVES
 
 Tensor = torch.Tensor
-#: Objectives whose weight is the sequence's, from its token ratios and one advantage per row.
-SEQUENCE_WEIGHTED = ("gmpo", "vespo")
 
 
 # --- importance-ratio levels: (token log-ratio, logp, mask), each (N, T) -> (N, T) log-ratio ---
@@ -217,34 +207,6 @@ def clipped_objective(
     return torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
 
 
-def _objective(
-    opts: "LossOptions", ratio: Tensor, logp: Tensor, old_logp: Tensor, adv: Tensor,
-    mask: Tensor,
-) -> Tensor:  # fmt: skip
-    """The term maximised per token; `old_logp` and `adv` are 0 at padding already, and what an
-    objective needs beyond the ratio (masked log π, token log-ratios) is made for it alone."""
-    if opts.objective == "kl_cov":
-        return kl_cov_objective(ratio, adv)
-    if opts.objective in ("clip", "clip_cov"):
-        return clipped_objective(
-            ratio, adv, clip_low=opts.clip_low, clip_high=opts.clip_high, dual_clip=opts.dual_clip
-        )
-    if opts.objective == "sapo":
-        return sapo_objective(ratio, adv, tau_pos=opts.sapo_tau_pos, tau_neg=opts.sapo_tau_neg)
-    valid = torch.where(mask, logp, 0.0)  # (N, T)
-    if opts.objective == "cispo":
-        return cispo_objective(ratio, valid, adv, cap=opts.cispo_cap)
-    if opts.objective == "gpg":
-        return gpg_objective(valid, adv)
-    token_log_ratio = valid - old_logp  # (N, T), 0 at padding
-    if opts.objective == "gmpo":
-        return gmpo_objective(token_log_ratio, adv, mask, clip_low=opts.clip_low,
-                              clip_high=opts.clip_high)  # fmt: skip
-    return vespo_objective(token_log_ratio, valid, adv, mask, k_pos=opts.vespo_k_pos,
-                           lambda_pos=opts.vespo_lambda_pos, k_neg=opts.vespo_k_neg,
-                           lambda_neg=opts.vespo_lambda_neg)  # fmt: skip
-
-
 def importance_ratio(
     logp: Tensor, old_logp: Tensor, mask: Tensor, *, level: str = "token"
 ) -> Tensor:
@@ -257,17 +219,14 @@ def bounded_tokens(opts: "LossOptions", ratio: Tensor, adv: Tensor) -> tuple[Ten
     """The tokens (N, T) bool the objective's bound acted on, (below, above), from the ratio
     (`importance_ratio`) and the advantages (N, T), 0 at padding: the clip's (Â < 0 and
     r < 1 − clip_low; Â > 0 and r > 1 + clip_high), CISPO's cap (above, whatever Â's sign),
-    GMPO's log-space clip (on token ratios), none for SAPO's, VESPO's, GPG's or KL-Cov's. The
-    clip fractions `policy_loss` reports count these."""
-    if opts.objective == "cispo":
-        return torch.zeros_like(ratio, dtype=torch.bool), ratio > opts.cispo_cap
-    if opts.objective in ("sapo", "vespo", "gpg", "kl_cov"):
+    GMPO's log-space clip (on token ratios), none for SAPO's, VESPO's, GPG's or KL-Cov's (an
+    objective without a `bound` in `grouprl.core.registry`). The clip fractions `policy_loss`
+    reports count these."""
+    bound = OBJECTIVES[opts.objective].load_bound()
+    if bound is None:
         none = torch.zeros_like(ratio, dtype=torch.bool)
         return none, none
-    if opts.objective == "gmpo":  # the token log-ratios the log-space clip cut
-        log_ratio = ratio.log()
-        return (adv < 0) & (log_ratio < -opts.clip_low), (adv > 0) & (log_ratio > opts.clip_high)
-    return (adv < 0) & (ratio < 1 - opts.clip_low), (adv > 0) & (ratio > 1 + opts.clip_high)
+    return bound(opts, ratio, adv)
 
 
 def mean_over(total: Tensor | float, count: Tensor | float) -> Tensor | float:
@@ -315,7 +274,7 @@ class LossOptions:
         choose(RATIO_LEVELS, self.level, "ratio level")
         choose(KL_ESTIMATORS, self.kl_estimator, "KL estimator")
         choose(AGGREGATIONS, self.agg, "loss aggregation")
-        choose(dict.fromkeys(OBJECTIVES), self.objective, "objective")
+        choose(OBJECTIVES, self.objective, "objective")
         rules = (
             (0 <= self.clip_low < 1, f"clip_low must lie in [0, 1): the ratio's lower bound is "
              f"1 - clip_low; got {self.clip_low}"),
@@ -496,7 +455,7 @@ def policy_loss(
             f"advantages must have shape (N,) = {tuple(logp.shape[:1])} or (N, T) (per token), "
             f"got {tuple(advantages.shape)}"
         )
-    if advantages.dim() == 2 and opts.objective in SEQUENCE_WEIGHTED:
+    if advantages.dim() == 2 and OBJECTIVES[opts.objective].sequence_weighted:
         raise ValueError(f"{opts.objective} weighs whole sequences: it takes advantages (N,)")
     if opts.beta > 0 and ref_logp is None:
         raise ValueError(f"beta > 0 needs ref_logp; got beta={opts.beta}")
@@ -505,7 +464,8 @@ def policy_loss(
     per_row = advantages.detach()[:, None] if advantages.dim() == 1 else advantages.detach()
     adv = torch.where(mask, per_row, 0.0)  # (N, T)
     ratio = importance_ratio(logp, old_logp, mask, level=opts.level)  # (N, T)
-    per_token = -_objective(opts, ratio, logp, old_logp, adv, mask)  # (N, T)
+    term = OBJECTIVES[opts.objective].load_term()
+    per_token = -term(opts, ratio, logp, old_logp, adv, mask)  # (N, T)
     if penalty_mask is not None:
         drift = (torch.where(mask, logp, 0.0) - old_logp).abs()
         per_token = per_token + opts.kl_cov_coef * torch.where(penalty_mask & mask, drift, 0.0)

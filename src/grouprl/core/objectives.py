@@ -112,9 +112,3 @@ def kl_cov_objective(ratio: Tensor, advantages: Tensor) -> Tensor:
     """KL-Cov's surrogate (arXiv 2505.22617; verl 0.9's ``kl_cov``): r·Â with no clip; the
     selected tokens' penalty coef·|log r| is `policy_loss`'s (`penalty_mask`)."""
     return ratio * advantages
-
-
-#: Clip-Cov is the clip with some tokens' weight 0 (the trainer picks them), KL-Cov
-#: `kl_cov_objective` with a penalty on some tokens: grouprl.core.entropy.
-OBJECTIVES = ("clip", "cispo", "sapo", "gmpo", "vespo", "gpg", "clip_cov", "kl_cov")
-COVARIANCE_OBJECTIVES = ("clip_cov", "kl_cov")

@@ -15,6 +15,7 @@ from torch import nn
 
 from grouprl.config.options import DataOptions, ModelOptions, RunConfig
 from grouprl.config.validation import TASK_CONFIG_ALONE
+from grouprl.core.registry import ADVANTAGE_ESTIMATORS
 from grouprl.errors import UserError, remedy
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models import load_model, load_tokenizer
@@ -48,11 +49,12 @@ def task_defaults(opts: DataOptions) -> dict[str, Any]:
 
 
 def estimator_tools(cfg: RunConfig, tools: ToolUse | None) -> ToolUse | None:
-    """`tools`, once the advantage estimator is known to take them: ReMax samples its greedy
-    baselines without tools, and a task's own (lookup's) are known only here."""
-    if tools is not None and cfg.adv_estimator == "remax":
-        raise UserError("--adv-estimator remax samples its greedy baselines without tools; use "
-                        "another estimator with tools or environments")  # fmt: skip
+    """`tools`, once the advantage estimator is known to take them: one that compares with a
+    greedy completion (ReMax) samples it without tools, and a task's own tools (lookup's) are
+    known only here."""
+    if tools is not None and "baselines" in ADVANTAGE_ESTIMATORS[cfg.adv_estimator].inputs():
+        raise UserError(f"--adv-estimator {cfg.adv_estimator} samples its greedy baselines "
+                        "without tools; use another estimator with tools or environments")  # fmt: skip
     return tools
 
 

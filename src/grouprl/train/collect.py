@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from grouprl.config.options import RunConfig
-from grouprl.core import mixed_groups, overlong_penalty, zero_variance_groups
+from grouprl.core import ADVANTAGE_ESTIMATORS, mixed_groups, overlong_penalty, zero_variance_groups
 from grouprl.faults import fault
 from grouprl.models.precision import autocast
 from grouprl.rollout import Rollout, RolloutEngine
@@ -194,9 +194,8 @@ def sample_round(
             rollout.sampled_lengths, max_len=cfg.max_new_tokens, cache_len=cfg.overlong_cache
         )
         rewards = rewards + penalty.to(device="cpu", dtype=rewards.dtype)
-    baselines = (
-        greedy_baselines(cfg, sampler, step, rows, ids) if cfg.adv_estimator == "remax" else None
-    )
+    greedy = "baselines" in ADVANTAGE_ESTIMATORS[cfg.adv_estimator].inputs()
+    baselines = greedy_baselines(cfg, sampler, step, rows, ids) if greedy else None
     batch = Batch(rollout, rows, rewards, scores.by_function, scores.passed, scores.extra,
                   baselines)  # fmt: skip
     passed = scores.passed.view(-1, G)  # (b, G)

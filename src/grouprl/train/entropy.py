@@ -22,7 +22,7 @@ import torch
 
 from grouprl.config.options import RunConfig
 from grouprl.config.validation import entropy_bonus
-from grouprl.core import COVARIANCE_OBJECTIVES, mean_over
+from grouprl.core import OBJECTIVES, mean_over
 from grouprl.core.entropy import (
     adapted_coefficient,
     applied_coefficient,
@@ -193,7 +193,7 @@ class EntropyTerms:
     def before(self, plan: Minibatch, epoch: int, index: int) -> dict[str, Any]:
         """`_backward`'s keywords for the minibatch `index` of epoch `epoch`."""
         selections = None
-        if self.cfg.objective in COVARIANCE_OBJECTIVES:
+        if OBJECTIVES[self.cfg.objective].by_covariance:
             seed = ((self.cfg.seed * 1_000_003 + self.step) * 1009 + epoch) * 31 + index
             selections, count = covariance_selection(self.cfg, plan, self.advantages, self.mask,
                                                      self.dist, seed)  # fmt: skip
@@ -212,6 +212,6 @@ class EntropyTerms:
         out = {} if self.bonus is None else self.bonus.metrics()
         if threshold is not None:
             out["entropy_threshold"] = threshold
-        if self.cfg.objective in COVARIANCE_OBJECTIVES:
+        if OBJECTIVES[self.cfg.objective].by_covariance:
             out["cov_selected_frac"] = mean_over(self.selected, self.considered)
         return out

@@ -35,7 +35,7 @@ from torch import nn
 
 from grouprl.config.options import RunConfig, TrainConfig
 from grouprl.config.parsing import config_record, to_yaml
-from grouprl.config.presets import resolve
+from grouprl.config.resolution import resolve
 from grouprl.config.validation import report_targets
 from grouprl.errors import UserError
 from grouprl.models.loading import resolve_device

@@ -14,16 +14,7 @@ import torch
 
 from grouprl.config.options import RunConfig
 from grouprl.config.validation import loss_options
-from grouprl.core import (
-    gdpo_advantages,
-    gpg_advantages,
-    group_advantages,
-    opo_advantages,
-    overlong_penalty,
-    passk_advantages,
-    reinforce_pp_advantages,
-    remax_advantages,
-)
+from grouprl.core import ADVANTAGE_ESTIMATORS, overlong_penalty
 from grouprl.models.lora import base_model_context
 from grouprl.rollout import Rollout
 from grouprl.train.batch import Batch
@@ -120,50 +111,32 @@ def train_on(
 def batch_advantages(
     cfg: RunConfig, batch: Batch, dist: Dist, weights: dict[str, float] | None = None
 ) -> torch.Tensor:
-    """This rank's advantages (N,), computed over the whole job's batch (so a batch-level
-    scale uses the global batch's statistics). `weights`: the reward functions' (for gdpo)."""
+    """This rank's advantages (N,) from the run's estimator (`grouprl.core.registry`),
+    computed over the whole job's batch (so a batch-level statistic is the global batch's):
+    the rewards and whatever else the estimator takes (trained-token counts, greedy baselines,
+    each reward's own scores with `weights`, the reward functions'), gathered from every rank."""
     G, per = cfg.group_size, len(batch.rows)
-    if cfg.adv_estimator == "gdpo":
-        components, w = gdpo_components(cfg, batch, weights or {})
-        gathered = torch.cat(dist.gather(components)) if dist.enabled else components
-        advantages = gdpo_advantages(gathered.view(-1, G, len(w)), w, eps=cfg.adv_eps)
-        advantages = advantages.to(batch.rewards.dtype)
-    elif cfg.adv_estimator in ("grpo", "rloo"):
-        rewards = torch.cat(dist.gather(batch.rewards)) if dist.enabled else batch.rewards
-        advantages = group_advantages(
-            rewards.view(-1, G),
-            scale=cfg.adv_scale,
-            estimator=cfg.adv_estimator,
-            eps=cfg.adv_eps,
-            unbiased_std=cfg.unbiased_std,
-        )
-    elif cfg.adv_estimator == "remax":  # each group against its prompt's greedy completion
-        advantages = remax_advantages(batch.rewards.view(-1, G), batch.baselines)
-        return advantages.to(batch.rewards.dtype).reshape(-1)  # this rank's own groups
-    else:  # verl's other estimators, over the whole job's batch
-        lengths = batch.rollout.sampled_lengths.to(batch.rewards.device)  # (n,)
-        rewards, lengths = (
-            (torch.cat(dist.gather(batch.rewards)), torch.cat(dist.gather(lengths)))
-            if dist.enabled else (batch.rewards, lengths)
-        )  # fmt: skip
-        advantages = other_advantages(cfg, rewards.view(-1, G), lengths.view(-1, G))
-        advantages = advantages.to(batch.rewards.dtype)
-    advantages = advantages.reshape(-1)  # (N_global,)
+    estimator = ADVANTAGE_ESTIMATORS[cfg.adv_estimator]
+    needs = estimator.inputs()
+    local = {"rewards": batch.rewards}  # (n,) each, or (n, K) for the components
+    if "lengths" in needs:
+        local["lengths"] = batch.rollout.sampled_lengths.to(batch.rewards.device)
+    if "baselines" in needs:
+        local["baselines"] = batch.baselines  # (B,)
+    w: list[float] = []
+    if "components" in needs:
+        local["components"], w = gdpo_components(cfg, batch, weights or {})
+    whole = {k: torch.cat(dist.gather(v)) if dist.enabled else v for k, v in local.items()}
+    given = {
+        "rewards": whole["rewards"].view(-1, G),  # (B, G)
+        "lengths": whole["lengths"].view(-1, G) if "lengths" in whole else None,  # (B, G)
+        "baselines": whole.get("baselines"),  # (B,)
+        "components": whole["components"].view(-1, G, len(w)) if w else None,  # (B, G, K)
+        "weights": w, "scale": cfg.adv_scale, "eps": cfg.adv_eps,
+        "unbiased_std": cfg.unbiased_std,
+    }  # fmt: skip
+    advantages = estimator.call(given).to(batch.rewards.dtype).reshape(-1)  # (N_global,)
     return advantages[dist.rank * per * G : (dist.rank + 1) * per * G]
-
-
-def other_advantages(cfg: RunConfig, rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """(B, G) advantages of verl's other estimators (`grouprl.core.estimators`) from the
-    rewards and trained-token counts (B, G) of the whole job's batch."""
-    name = cfg.adv_estimator
-    if name in ("reinforce_pp", "reinforce_pp_baseline"):
-        return reinforce_pp_advantages(rewards, lengths, baseline=name == "reinforce_pp_baseline")
-    if name == "opo":
-        return opo_advantages(rewards, lengths)
-    if name == "gpg":
-        return gpg_advantages(rewards)
-    return passk_advantages(rewards, scale=cfg.adv_scale, eps=cfg.adv_eps,
-                            unbiased_std=cfg.unbiased_std)  # fmt: skip
 
 
 def gdpo_components(

@@ -21,7 +21,8 @@ from pathlib import Path
 import yaml
 
 from grouprl.config.parsing import parse_train_args
-from grouprl.config.presets import PRESETS, Preset, resolve
+from grouprl.config.presets import PRESETS, Preset
+from grouprl.config.resolution import resolve
 from grouprl.errors import UserError
 from grouprl.report.runs import finished_at, load_run
 
