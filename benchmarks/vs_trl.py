@@ -337,7 +337,7 @@ def trl_child(spec_path: str) -> int:
                 control.should_training_stop = True
 
         def evaluate(self, model, rollout: int) -> dict:
-            from grouprl.train.evaluate import evaluate
+            from grouprl.train.evaluate import EvalSettings, evaluate
 
             was_training = model.training
             model.eval()
@@ -346,13 +346,15 @@ def trl_child(spec_path: str) -> int:
                 model,
                 tokenizer,
                 list(task.heldout[: tta["eval_size"]]),
+                EvalSettings(
+                    spec["max_new_tokens"],
+                    samples=tta["eval_samples"],
+                    temperature=spec["trl"]["temperature"],
+                    stop=task.stop,
+                    seed=spec["seed"],
+                    greedy=True,
+                ),
                 reward_fn=task.reward_funcs["correct"],
-                samples=tta["eval_samples"],
-                temperature=spec["trl"]["temperature"],
-                max_new_tokens=spec["max_new_tokens"],
-                stop=task.stop,
-                seed=spec["seed"],
-                greedy=True,
                 progress=False,
             )
             model.train(was_training)

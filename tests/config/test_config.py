@@ -324,7 +324,7 @@ def test_choice_names_are_the_core_registries_and_the_presets():
     from typing import get_args
 
     from grouprl import core
-    from grouprl.config import options as config
+    from grouprl.config import choices as config
 
     for choices, registry in (
         (config.RatioLevel, core.RATIO_LEVELS),

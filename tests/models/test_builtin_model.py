@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from grouprl.models import load_model, load_tokenizer, resolve_model_path
 from grouprl.tasks import get_task
-from grouprl.train.evaluate import evaluate
+from grouprl.train.evaluate import EvalSettings, evaluate
 
 PATH = resolve_model_path("builtin:arith")
 # The measured figures the README quotes and the evaluation setting that produced them.
@@ -55,11 +55,13 @@ def test_documented_figures_hold() -> None:
         load_model("builtin:arith"),
         load_tokenizer("builtin:arith"),
         list(task.heldout[: setting["limit"]]),
+        EvalSettings(
+            task.max_new_tokens,
+            samples=setting["samples"],
+            temperature=setting["temperature"],
+            seed=setting["seed"],
+        ),
         reward_fn=task.reward_funcs["correct"],
-        samples=setting["samples"],
-        temperature=setting["temperature"],
-        max_new_tokens=task.max_new_tokens,
-        seed=setting["seed"],
         progress=False,
     )
     documented = METRICS["heldout"]

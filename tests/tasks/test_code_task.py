@@ -100,17 +100,14 @@ def test_the_bundled_policy_is_small_and_its_figures_hold():
     figure within 4 standard deviations of a fresh measurement, √(p(1 − p)/n) at the
     documented p (n = 1600 completions for pass@1, 200 problems for pass@8 and greedy)."""
     from grouprl.models import load_model, load_tokenizer, resolve_model_path
-    from grouprl.train.evaluate import evaluate
+    from grouprl.train.evaluate import EvalSettings, evaluate
 
     path = resolve_model_path("builtin:code")
     assert sum(p.stat().st_size for p in path.iterdir()) <= 5 * 2**20
     metrics = json.loads((path / "metrics.json").read_text())
     setting, documented = metrics["eval"], metrics["heldout"]
     task = get_task("code")
-    result = evaluate(load_model("builtin:code"), load_tokenizer("builtin:code"),
-                      list(task.heldout[: setting["limit"]]), reward_fn=task.reward_funcs["correct"],
-                      samples=setting["samples"], temperature=setting["temperature"],
-                      max_new_tokens=task.max_new_tokens, seed=setting["seed"], progress=False)  # fmt: skip
+    result = evaluate(load_model("builtin:code"), load_tokenizer("builtin:code"), list(task.heldout[: setting["limit"]]), EvalSettings(task.max_new_tokens, samples=setting["samples"], temperature=setting["temperature"], seed=setting["seed"]), reward_fn=task.reward_funcs["correct"], progress=False)  # fmt: skip
     n = setting["limit"]
     for got, key, count in ((result.pass_at_1, "pass_at_1", n * setting["samples"]),
                             (result.pass_at_k, "pass_at_8", n),

@@ -18,7 +18,7 @@ from grouprl.errors import UserError
 from grouprl.models import build_char_tokenizer
 from grouprl.models.tiny import TinySize, build_tiny_llama
 from grouprl.tasks import get_task
-from grouprl.train.evaluate import evaluate, pass_at_k
+from grouprl.train.evaluate import EvalSettings, evaluate, pass_at_k
 
 
 @pytest.mark.numerics
@@ -74,10 +74,8 @@ def test_bookkeeping_with_a_scripted_reward(tiny) -> None:
         model,
         tokenizer,
         rows,
+        EvalSettings(5, samples=4, batch_prompts=4),
         reward_fn=every_other,
-        samples=4,
-        max_new_tokens=5,
-        batch_prompts=4,
         progress=False,
     )
     assert model.training  # mode restored
@@ -98,10 +96,8 @@ def test_none_and_partial_rewards_count_as_unsolved(tiny) -> None:
         model,
         tokenizer,
         _rows(3),
+        EvalSettings(3, samples=4, greedy=False),
         reward_fn=lambda completions, **_: [None, 0.99, 1.0, 2.0] * (len(completions) // 4),
-        samples=4,
-        max_new_tokens=3,
-        greedy=False,
         progress=False,
     )
     assert result.pass_at_1 == 0.5 and result.pass_at_k == 1.0
@@ -117,10 +113,8 @@ def test_same_seed_same_numbers(tiny) -> None:
             model,
             tokenizer,
             _rows(8),
-            reward_fn=task.reward_funcs["format"],  # a random model rarely scores on correct
-            samples=3,
-            max_new_tokens=8,
-            seed=seed,
+            EvalSettings(8, samples=3, seed=seed),
+            reward_fn=task.reward_funcs["format"],
             progress=False,
         )
 
@@ -163,4 +157,4 @@ def test_a_broken_reward_function_is_a_user_error(tiny) -> None:
         raise ZeroDivisionError("oops")
 
     with pytest.raises(UserError, match="'broken' raised ZeroDivisionError: oops"):
-        evaluate(model, tokenizer, _rows(2), reward_fn=broken, samples=2, max_new_tokens=3)
+        evaluate(model, tokenizer, _rows(2), EvalSettings(3, samples=2), reward_fn=broken)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from grouprl.config.choices import TRACKERS
 from grouprl.config.options import DataOptions, EvalConfig, RunConfig
+from grouprl.config.training import EntropyOptions, OffPolicyOptions, UpdateOptions
 from grouprl.core.registry import ADVANTAGE_ESTIMATORS, OBJECTIVES
 from grouprl.errors import UserError
 
@@ -306,7 +307,7 @@ def loss_options(cfg: RunConfig) -> LossOptions:
     )
 
 
-def correction(cfg: RunConfig) -> Correction:
+def correction(cfg: OffPolicyOptions) -> Correction:
     """The run's off-policy correction (`grouprl.core.Correction`): the --correction preset with
     any --correction-* field that is set put in its place (raises ValueError, as `Correction`
     does, for bounds it cannot take)."""
@@ -347,13 +348,13 @@ def dense_gradients(cfg: RunConfig) -> bool:
     return entropy_bonus(cfg) or cfg.teacher is not None or OBJECTIVES[cfg.objective].by_covariance
 
 
-def entropy_bonus(cfg: RunConfig) -> bool:
+def entropy_bonus(cfg: EntropyOptions) -> bool:
     """Whether the loss has an entropy term (a fixed coefficient, or the adaptive one, which can
     rise from 0): every completion then has a gradient, advantage or not."""
     return cfg.entropy_coef != 0 or cfg.entropy_target is not None
 
 
-def reuses_batches(cfg: RunConfig) -> bool:
+def reuses_batches(cfg: UpdateOptions) -> bool:
     """Whether a batch trains more than one update (minibatches or epochs), so that the policy
     of a later update is not the one that sampled: the off-policy sequence mask's drift."""
     return cfg.minibatches > 1 or cfg.epochs > 1

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from grouprl.config.options import RunConfig
+from grouprl.config.training import AsyncOptions
 from grouprl.errors import UserError
 from grouprl.rollout import HFRolloutEngine
 from grouprl.train.batch import Batch
@@ -54,7 +55,7 @@ def cores() -> int:
     return os.cpu_count() or 1
 
 
-def sampler_threads(cfg: RunConfig) -> int:
+def sampler_threads(cfg: AsyncOptions) -> int:
     """The sampler's torch threads, 0 for "in the trainer's thread, between updates":
     `--sampler-threads`, or by default half the cores, at least 2 where there are 2. Measured on
     2 cores (BENCHMARKS.md): a sampler of 2 threads beside a trainer of 2 beat 1 + 1, 2 + 1 and

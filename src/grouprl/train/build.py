@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from grouprl.config.options import DataOptions, ModelOptions, RunConfig
+from grouprl.config.training import AdvantageOptions
 from grouprl.config.validation import TASK_CONFIG_ALONE
 from grouprl.core.registry import ADVANTAGE_ESTIMATORS
 from grouprl.errors import UserError, remedy
@@ -48,7 +49,7 @@ def task_defaults(opts: DataOptions) -> dict[str, Any]:
             "task_steps": task.default_steps}  # fmt: skip
 
 
-def estimator_tools(cfg: RunConfig, tools: ToolUse | None) -> ToolUse | None:
+def estimator_tools(cfg: AdvantageOptions, tools: ToolUse | None) -> ToolUse | None:
     """`tools`, once the advantage estimator is known to take them: one that compares with a
     greedy completion (ReMax) samples it without tools, and a task's own tools (lookup's) are
     known only here."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from grouprl.config.options import RunConfig
+from grouprl.config.training import EntropyOptions, ObjectiveOptions
 from grouprl.config.validation import entropy_bonus
 from grouprl.core import OBJECTIVES, mean_over
 from grouprl.core.entropy import (
@@ -39,7 +40,7 @@ from grouprl.train.plan import Minibatch
 
 
 def covariance_selection(
-    cfg: RunConfig,
+    cfg: ObjectiveOptions,
     plan: Minibatch,
     advantages: torch.Tensor,  # (N,) the step's, on this rank
     mask: torch.Tensor,  # (N, T) the loss mask
@@ -111,7 +112,7 @@ def _marked(size: int, positions: torch.Tensor, chosen: torch.Tensor, offset: in
 
 
 def high_entropy_tokens(
-    cfg: RunConfig, rollout: Rollout, mask: torch.Tensor, dist: Dist
+    cfg: EntropyOptions, rollout: Rollout, mask: torch.Tensor, dist: Dist
 ) -> tuple[torch.Tensor | None, float | None]:
     """The tokens whose sampling entropy is in the top `top_entropy_quantile` of the whole
     job's trained tokens, and the threshold (None, None: every token)."""

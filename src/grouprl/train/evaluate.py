@@ -147,85 +147,109 @@ def _environments(rollout: Rollout) -> dict[str, Any]:
 EVAL_BATCH_PROMPTS = 64
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """How an evaluation samples, alike for every batch: `samples` completions per problem at
+    `temperature` (batch i of `batch_prompts` problems with seed `seed + i`), each at most
+    `max_new_tokens` and ended by `stop`; with `greedy`, one more at temperature 0."""
+
+    max_new_tokens: int
+    samples: int = 8
+    temperature: float = 1.0
+    stop: list[str] | None = None
+    batch_prompts: int = EVAL_BATCH_PROMPTS
+    seed: int = 0
+    greedy: bool = True
+
+
+@dataclass(frozen=True)
+class EvalPrompts:
+    """The problems' prompts as sampling feeds them (`grouprl.train.prompts.held_out` gives
+    both): their `ids` (None: encoded here, `tools` included), the `keys` that seed their
+    environments (None: the rows; episodes: `Episode`s), the run's `tools` and the `budget` an
+    environment's reset must fit."""
+
+    ids: Sequence[list[int]] | None = None
+    keys: Sequence[Any] | None = None
+    tools: Any = None
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
+class EvalShard:
+    """Data-parallel evaluation (the trainer's): the rows are this rank's share, of which the
+    first `real_rows` count (under FSDP the rest pad every rank to as many batches, each
+    decoded in `lockstep`); `gather` collects every rank's per-problem counts; with `agree`
+    (`Dist.check`) a judge's user error is raised on every rank together at the end (a rank in
+    lockstep keeps sampling, without judging, so that the others' forwards are matched)."""
+
+    real_rows: int | None = None
+    gather: Callable[[Any], list[Any]] | None = None
+    agree: Callable[[UserError | None], None] | None = None
+    lockstep: Callable[[bool], bool] | None = None
+
+
 def evaluate(
     model: Any,
     tokenizer: Any,
     rows: Sequence[dict],
+    settings: EvalSettings,
     *,
     reward_fn: RewardFn | None = None,
     judge: Judge | None = None,
-    samples: int = 8,
-    temperature: float = 1.0,
-    max_new_tokens: int,
-    stop: list[str] | None = None,
-    batch_prompts: int = EVAL_BATCH_PROMPTS,
-    seed: int = 0,
-    greedy: bool = True,
+    prompts: EvalPrompts = EvalPrompts(),
+    engine: RolloutEngine | None = None,
+    shard: EvalShard = EvalShard(),
     progress: bool = True,
     console: Console | None = None,
-    real_rows: int | None = None,
-    gather: Callable[[Any], list[Any]] | None = None,
-    agree: Callable[[UserError | None], None] | None = None,
-    lockstep: Callable[[bool], bool] | None = None,
-    tools: Any = None,
-    engine: RolloutEngine | None = None,
-    ids: Sequence[list[int]] | None = None,
-    keys: Sequence[Any] | None = None,
-    budget: int | None = None,
 ) -> EvalResult:
-    """pass@1, pass@k (k = samples) and greedy pass@1 of `model` on `rows`.
-
-    Completions are sampled by `engine` (default: the Hugging Face engine over `model`) from
-    the rows' prompt `ids` (default: encoded here as sampling feeds them, `tools` included;
-    `grouprl.train.prompts.held_out` gives both), with environments seeded by the rows' `keys`
-    (default: the rows; episodes: `Episode`s) and their prompts after reset held to `budget`,
-    and judged by `judge(rows, rollout) -> solved flags`, or by `reward_fn`'s score reaching 1. The model is put in eval mode for the
-    measurement and returned to its previous mode.
-
-    Sharded across data-parallel ranks (the trainer): `rows` is this rank's share, of which the
-    first `real_rows` count (under FSDP the rest pad every rank to as many batches, each decoded
-    in `lockstep`); `gather` collects every rank's per-problem counts, and the result is that of
-    all ranks' rows. A judge's user error (a reward that raises) ends the evaluation: at once in
-    one process; with `agree` (`Dist.check`), every rank raises it together at the end (a rank
-    in lockstep keeps sampling, without judging, so that the others' forwards are matched).
-    """
+    """pass@1, pass@k (k = samples) and greedy pass@1 of `model` on `rows`, sampled as
+    `settings` says by `engine` (default: the Hugging Face engine over `model`) from `prompts`,
+    and judged by `judge(rows, rollout) -> solved flags`, or by `reward_fn`'s score reaching 1.
+    The model is put in eval mode for the measurement and returned to its previous mode. Over
+    several ranks (`shard`), the result is that of all ranks' rows; in one process a judge's
+    user error ends the evaluation at once."""
     if (reward_fn is None) == (judge is None):
         raise ValueError("give exactly one of reward_fn and judge")
     judge = judge or reward_judge(reward_fn)
     if not rows:
         raise UserError("nothing to evaluate: the split is empty (check --limit and the task)")
-    engine = engine or HFRolloutEngine(model, tokenizer, lockstep=lockstep)
+    engine = engine or HFRolloutEngine(model, tokenizer, lockstep=shard.lockstep)
+    tools = prompts.tools
     ids = (
-        list(ids) if ids is not None else [prompt_ids(tokenizer, r["prompt"], tools) for r in rows]
+        list(prompts.ids)
+        if prompts.ids is not None
+        else [prompt_ids(tokenizer, r["prompt"], tools) for r in rows]
     )
-    keys = list(keys) if keys is not None else list(rows)
-    sampling = _Sampling(engine, tokenizer, tools, seed, samples, temperature, max_new_tokens,
-                         stop, greedy, budget)  # fmt: skip
-    counts = _Counts(samples, greedy)
+    keys = list(prompts.keys) if prompts.keys is not None else list(rows)
+    sampling = _Sampling(engine, tokenizer, tools, settings, prompts.budget)
+    counts = _Counts(settings.samples, settings.greedy)
     was_training = model.training
     model.eval()
     try:
         with _progress(console, progress) as bar:
-            error = _batches(sampling, counts, rows, ids, keys, batch_prompts, judge, bar,
-                             stop_at_error=lockstep is None, raise_at_once=agree is None)  # fmt: skip
+            error = _batches(sampling, counts, rows, ids, keys, judge, bar,
+                             stop_at_error=shard.lockstep is None,
+                             raise_at_once=shard.agree is None)  # fmt: skip
     finally:
         model.train(was_training)
-    if agree is not None:
-        agree(error)
-    mine = counts.first(len(rows) if real_rows is None else real_rows)
-    return _result(gather(mine) if gather is not None else [mine], samples, greedy, tools)
+    if shard.agree is not None:
+        shard.agree(error)
+    mine = counts.first(len(rows) if shard.real_rows is None else shard.real_rows)
+    shares = shard.gather(mine) if shard.gather is not None else [mine]
+    return _result(shares, settings.samples, settings.greedy, tools)
 
 
-def _batches(sampling: _Sampling, counts: _Counts, rows, ids, keys, batch_prompts: int,
-             judge: Judge, bar: Any, *, stop_at_error: bool,
-             raise_at_once: bool) -> UserError | None:  # fmt: skip
+def _batches(sampling: _Sampling, counts: _Counts, rows, ids, keys, judge: Judge, bar: Any, *,
+             stop_at_error: bool, raise_at_once: bool) -> UserError | None:  # fmt: skip
     """Sample and judge `rows` batch by batch into `counts`; a judge's user error is raised at
     once (`raise_at_once`) or returned, the remaining batches still sampled unless
     `stop_at_error` (a rank in lockstep keeps the others' forwards matched). Each batch's
     environments go back once it is judged."""
     task_id, error = bar.add_task("eval", total=len(rows)), None
-    for i, first in enumerate(range(0, len(rows), batch_prompts)):
-        span = slice(first, first + batch_prompts)
+    size = sampling.settings.batch_prompts
+    for i, first in enumerate(range(0, len(rows), size)):
+        span = slice(first, first + size)
         batch, rollouts = sampling.rollouts(rows[span], ids[span], keys[span], i)
         if error is None:
             try:
@@ -249,12 +273,7 @@ class _Sampling:
     engine: RolloutEngine
     tokenizer: Any
     tools: Any  # the run's ToolUse, or None
-    run_seed: int
-    samples: int
-    temperature: float
-    max_new_tokens: int
-    stop: list[str] | None
-    greedy: bool
+    settings: EvalSettings
     budget: int | None
 
     def rollouts(
@@ -262,10 +281,11 @@ class _Sampling:
     ) -> tuple[list[dict], list[Rollout]]:
         """Batch i's `samples` completions per prompt at the temperature (seed `seed + i`), and
         with `greedy` one more at temperature 0; and the rows as rewards see them."""
-        scored, sampled = self._sample(rows, ids, keys, group_size=self.samples,
-                                       temperature=self.temperature, seed=self.run_seed + i)  # fmt: skip
+        s = self.settings
+        scored, sampled = self._sample(rows, ids, keys, group_size=s.samples,
+                                       temperature=s.temperature, seed=s.seed + i)  # fmt: skip
         out = [sampled]
-        if self.greedy:
+        if s.greedy:
             out.append(self._sample(rows, ids, keys, group_size=1, temperature=0.0, seed=None)[1])
         return scored, out
 
@@ -276,13 +296,13 @@ class _Sampling:
         seed and its key (the same in every evaluation, on every rank)."""
         handler, rows = None, list(rows)
         if self.tools is not None:
-            start = self.tools.rollout(rows, settings["group_size"], self.run_seed, "eval",
+            start = self.tools.rollout(rows, settings["group_size"], self.settings.seed, "eval",
                                        keys=keys)  # fmt: skip
             handler, rows = start.handler, start.rows
             if start.environments is not None:  # the prompts now hold reset's text
                 ids = reset_prompt_ids(self.tokenizer, start.prompts, self.tools, self.budget)
-        rollout = self.engine.sample(ids, max_new_tokens=self.max_new_tokens, stop=self.stop,
-                                     tools=handler, **settings)  # fmt: skip
+        rollout = self.engine.sample(ids, max_new_tokens=self.settings.max_new_tokens,
+                                     stop=self.settings.stop, tools=handler, **settings)  # fmt: skip
         if self.tools is not None:
             self.tools.sampled(rollout, handler)
         return rows, rollout
@@ -363,28 +383,15 @@ def run_eval(
     padded = {name: lockstep.pad_rows(part, getattr(heldout, name)) for name, part in share.items()}
     state = TrainerState(global_step=step, max_steps=cfg.steps)
     with autocast(sampler.device, sampler.dtype):
-        result = evaluate(
-            policy,
-            sampler.tokenizer,
-            padded["rows"],
-            ids=padded["ids"],
-            keys=padded["keys"],
-            budget=sampler.budget,
-            judge=pass_judge(sampler.rewards, state=state, timeout=cfg.reward_timeout),
-            samples=cfg.eval_samples,
-            temperature=cfg.temperature,
-            max_new_tokens=cfg.max_new_tokens,
-            stop=sampler.stop,
-            seed=cfg.seed,
-            greedy=True,
-            progress=False,
-            real_rows=len(share["rows"]),
-            gather=dist.gather if dist.enabled else None,
-            agree=dist.check if dist.enabled else None,
-            lockstep=lockstep.all_done,
-            tools=sampler.tools,
-            engine=sampler.engine,
-        )
+        settings = EvalSettings(cfg.max_new_tokens, samples=cfg.eval_samples,
+                                temperature=cfg.temperature, stop=sampler.stop, seed=cfg.seed)  # fmt: skip
+        prompts = EvalPrompts(padded["ids"], padded["keys"], sampler.tools, sampler.budget)
+        shard = EvalShard(real_rows=len(share["rows"]),
+                          gather=dist.gather if dist.enabled else None,
+                          agree=dist.check if dist.enabled else None, lockstep=lockstep.all_done)  # fmt: skip
+        judge = pass_judge(sampler.rewards, state=state, timeout=cfg.reward_timeout)
+        result = evaluate(policy, sampler.tokenizer, padded["rows"], settings, judge=judge,
+                          prompts=prompts, engine=sampler.engine, shard=shard, progress=False)  # fmt: skip
     out = {"pass_at_1": result.pass_at_1, f"pass_at_{result.samples}": result.pass_at_k}
     if result.greedy_pass_at_1 is not None:
         out["greedy_pass_at_1"] = result.greedy_pass_at_1
@@ -436,8 +443,14 @@ def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
     start = time.perf_counter()
     with contextlib.closing(engine):
         try:
-            result = _evaluate_with(engine, model, tokenizer, heldout, rewards, cfg,
-                                    max_new_tokens, task, budget, tools, progress)  # fmt: skip
+            settings = EvalSettings(max_new_tokens, samples=cfg.samples,
+                                    temperature=cfg.temperature, stop=stop_strings(cfg, task),
+                                    batch_prompts=cfg.batch_prompts, seed=cfg.seed,
+                                    greedy=cfg.greedy)  # fmt: skip
+            prompts = EvalPrompts(heldout.ids, heldout.keys, tools, budget)
+            judge = pass_judge(rewards, state=TrainerState(), timeout=cfg.reward_timeout)
+            result = evaluate(model, tokenizer, heldout.rows, settings, judge=judge,
+                              prompts=prompts, engine=engine, progress=progress)  # fmt: skip
         finally:
             if tools is not None and tools.environment is not None:
                 tools.environment.close_all()
@@ -452,27 +465,3 @@ def _load_and_evaluate(cfg: EvalConfig, *, progress: bool) -> dict[str, Any]:
         **asdict(result),
         "seconds": round(time.perf_counter() - start, 2),
     }
-
-
-def _evaluate_with(engine: RolloutEngine, model: Any, tokenizer: Any, heldout: Any,
-                   rewards: RewardSet, cfg: EvalConfig, max_new_tokens: int, task: Any,
-                   budget: int | None, tools: Any, progress: bool) -> EvalResult:  # fmt: skip
-    return evaluate(
-        model,
-        tokenizer,
-        heldout.rows,
-        judge=pass_judge(rewards, state=TrainerState(), timeout=cfg.reward_timeout),
-        samples=cfg.samples,
-        temperature=cfg.temperature,
-        max_new_tokens=max_new_tokens,
-        stop=stop_strings(cfg, task),
-        batch_prompts=cfg.batch_prompts,
-        seed=cfg.seed,
-        greedy=cfg.greedy,
-        progress=progress,
-        tools=tools,
-        ids=heldout.ids,
-        keys=heldout.keys,
-        budget=budget,
-        engine=engine,
-    )

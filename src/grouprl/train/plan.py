@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from grouprl.config.options import RunConfig
+from grouprl.config.training import ComputeOptions
 from grouprl.config.validation import dense_gradients
 from grouprl.rollout import Rollout
 from grouprl.train.parallel.distributed import Dist
@@ -114,7 +115,7 @@ def _cheapest_runs(widths: list[int], weight: int, overhead: int) -> list[tuple[
 
 
 def plan_rows(
-    cfg: RunConfig, rollout: Rollout, rows: torch.Tensor, overhead: int | None = None
+    cfg: ComputeOptions, rollout: Rollout, rows: torch.Tensor, overhead: int | None = None
 ) -> list[Chunk]:
     """`rollout` (whose completions are `rows` of the step's rollout) in micro-batch chunks;
     without a micro-batch size, in `width_chunks` when `overhead` is given."""

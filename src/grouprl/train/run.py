@@ -33,7 +33,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from grouprl.config.options import RunConfig, TrainConfig
+from grouprl.config.options import RunConfig, RunOptions, TrainConfig
 from grouprl.config.parsing import config_record, to_yaml
 from grouprl.config.resolution import resolve
 from grouprl.config.validation import report_targets
@@ -476,7 +476,7 @@ def apply_hyperparameters(cfg: RunConfig, optimizer: torch.optim.Optimizer, sche
         )  # (the scheduler's record of its last rate follows at its next step; nothing reads it)
 
 
-def prepare_run_dir(cfg: RunConfig) -> Path:
+def prepare_run_dir(cfg: RunOptions) -> Path:
     """The run directory, checked before anything is written: an earlier run is never touched,
     and a directory that cannot be written is found before the model loads."""
     if cfg.resume is not None:

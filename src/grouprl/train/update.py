@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from grouprl.config.options import RunConfig
+from grouprl.config.training import ComputeOptions, ObjectiveOptions, UpdateOptions
 from grouprl.config.validation import correction, loss_options, reuses_batches
 from grouprl.core import (
     Correction,
@@ -443,7 +444,10 @@ def _entropy_term(
 
 
 def _selection_weight(
-    cfg: RunConfig, keep: torch.Tensor | None, chosen: torch.Tensor | None, dtype: torch.dtype
+    cfg: ObjectiveOptions,
+    keep: torch.Tensor | None,
+    chosen: torch.Tensor | None,
+    dtype: torch.dtype,
 ) -> torch.Tensor | None:
     """A pass's token weight from its selections (None: all 1): the high-entropy tokens keep
     theirs, the tokens Clip-Cov holds back get 0."""
@@ -537,7 +541,7 @@ def no_grad_logprobs(
     return out
 
 
-def _recomputing(cfg: RunConfig, policy: nn.Module) -> contextlib.AbstractContextManager:
+def _recomputing(cfg: ComputeOptions, policy: nn.Module) -> contextlib.AbstractContextManager:
     return (
         checkpointing.recomputing(policy)
         if cfg.gradient_checkpointing
@@ -558,7 +562,7 @@ def grad_scaler(dtype: torch.dtype | None, device: torch.device) -> torch.amp.Gr
     return torch.amp.GradScaler(device.type)
 
 
-def make_optimizer(cfg: RunConfig, policy: nn.Module) -> torch.optim.AdamW:
+def make_optimizer(cfg: UpdateOptions, policy: nn.Module) -> torch.optim.AdamW:
     """AdamW over the trainable parameters, with the fused kernel where the device has one.
 
     On this project's 2-core CPU one fused step of a 20M-parameter model took 18 ms against
