@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test browser test-vllm test-load test-faults test-numerics test-compat lint format bench clean
+.PHONY: demo test docs docs-serve browser test-vllm test-load test-faults test-numerics test-compat lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev,trackers,gguf,trl,envs]"
+	$(BIN)/pip install --quiet -e ".[dev,trackers,gguf,trl,envs,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -29,8 +29,18 @@ demo: $(STAMP)
 test: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(MAKE) docs
 	$(BIN)/python -m pytest -n 2 --dist loadfile --max-worker-restart 0 --durations=10
 	$(MAKE) test-vllm
+
+# The documentation site (docs/, mkdocs.yml) built into site/, strict: a broken link or anchor,
+# or a page that names a flag no command takes, fails the build. docs-serve serves it on
+# localhost:8000 and rebuilds on every change.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 # `grouprl view`'s browser tests drive headless Chromium (Debian's chromium and chromium-driver,
 # whose versions always match, and a font for stable rendering): installed here when run as root
@@ -63,7 +73,7 @@ test-vllm: $(VLLM_STAMP)
 
 # Tests run COUNT times each, by two workers, beside two busy processes: a loaded 2-core machine,
 # as CI's can be. How a test that waits on anything is shown not to fail at random
-# (docs/testing.md): make test-load TESTS=tests/sandbox/test_cleanup.py COUNT=50
+# (docs/design/testing.md): make test-load TESTS=tests/sandbox/test_cleanup.py COUNT=50
 TESTS ?= tests/sandbox/test_formats.py::test_a_stopped_reward_call_leaves_nothing_running
 COUNT ?= 50
 test-load: $(STAMP)
@@ -110,4 +120,4 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/tools_vs_trl.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT) $(VLLM_VENV) site build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -5,11 +5,11 @@ Every arm is the default run (`grouprl train`: GSPO, 200 steps, evaluations ever
 its options added, over several seeds, each run a child process with one torch thread (an
 asynchronous run sampling in that thread between updates: the same schedule, and so the same
 run, as an overlapped one), `--jobs` at a time. Reported: mean (min-max over seeds) held-out pass@1 at
-the chosen steps, and a figure of the mean curves (docs/async_learning.png with --figure).
+the chosen steps, and a figure of the mean curves (docs/images/async_learning.png with --figure).
 
 Usage (from the repository root; ~40 minutes on 2 cores with the defaults):
 
-    .venv/bin/python benchmarks/async_learning.py --figure docs/async_learning.png
+    .venv/bin/python benchmarks/async_learning.py --figure docs/images/async_learning.png
     .venv/bin/python benchmarks/async_learning.py --seeds 0 --arms k0 k1 --steps 50
 """
 

@@ -5,7 +5,7 @@ program run in the sandbox; held-out pass@1 by step and by second, the figure th
 Usage (from the repository root; about 15 minutes on 2 cores, one run at a time so that each
 run's wall time is what one run takes on 2 cores):
 
-    .venv/bin/python benchmarks/code_task.py --figure docs/code_task.png
+    .venv/bin/python benchmarks/code_task.py --figure docs/images/code_task.png
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ Arms, each `grouprl train` with GSPO's defaults and evaluations every `--eval-ev
 "rl" (the task's reward alone), "distill" (the teacher's per-token reverse KL alone,
 `--teacher-task-weight 0`), "distill + rl" (both). Reported: mean (min-max over seeds) held-out
 pass@1 at the chosen steps and the training seconds to get there (step_seconds summed, the
-evaluations left out), and a figure by step and by second (docs/distillation.png with --figure).
+evaluations left out), and a figure by step and by second (docs/images/distillation.png with --figure).
 
 Usage (from the repository root; the teacher first, ~3 minutes, then ~10 minutes on 2 cores):
 
     .venv/bin/grouprl train --output-dir runs/bench/opd/teacher
-    .venv/bin/python benchmarks/distillation.py --figure docs/distillation.png
+    .venv/bin/python benchmarks/distillation.py --figure docs/images/distillation.png
 """
 
 from __future__ import annotations

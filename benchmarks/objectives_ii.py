@@ -13,7 +13,7 @@ pass@1 and the policy's entropy by step, the estimators apart from the entropy c
 
 Usage (from the repository root; about 70 minutes on 2 cores):
 
-    .venv/bin/python benchmarks/objectives_ii.py --figure docs/objectives_ii.png
+    .venv/bin/python benchmarks/objectives_ii.py --figure docs/images/objectives_ii.png
 """
 
 from __future__ import annotations

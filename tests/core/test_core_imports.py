@@ -1,4 +1,4 @@
-"""grouprl.core imports torch and the standard library only: the math has no plumbing (the README's Layout)."""
+"""grouprl.core imports torch and the standard library only: the math has no plumbing (the docs' Architecture page)."""
 
 import ast
 import subprocess

@@ -13,7 +13,7 @@ from grouprl.tasks import get_task
 from grouprl.train.evaluate import EvalSettings, evaluate
 
 PATH = resolve_model_path("builtin:arith")
-# The measured figures the README quotes and the evaluation setting that produced them.
+# The measured figures the docs quote (The built-in task and model) and the evaluation setting that produced them.
 METRICS = json.loads((PATH / "metrics.json").read_text())
 
 
@@ -48,7 +48,7 @@ def test_greedy_completion_is_a_worked_trace() -> None:
 
 @pytest.mark.numerics
 def test_documented_figures_hold() -> None:
-    """Re-measure the README's evaluation (a fixed seed: 200 held-out problems x 8 samples)."""
+    """Re-measure the docs' evaluation (a fixed seed: 200 held-out problems x 8 samples)."""
     setting = METRICS["eval"]
     task = get_task(setting["task"])
     result = evaluate(

@@ -1,4 +1,4 @@
-"""examples/smollm2_tools as the README runs it (warm start from its conversations, then RL with
+"""examples/smollm2_tools as its README runs it (warm start from its conversations, then RL with
 its config), on a tiny local chat model with SmolLM2's ChatML template instead of the 98 MB
 GGUF file: its data, tool, description, reward and warm start fit together."""
 

@@ -13,6 +13,9 @@ from rich.table import Table
 from grouprl.cli import quiet_hf
 from grouprl.errors import UserError
 
+#: check's own flags and the CheckOptions field each sets (every other flag is train's).
+OWN_FLAGS = {"--check-steps": "steps", "--json": "json", "--output": "output",
+             "--memory-limit": "memory_limit_gb", "--second-temperature": "second_temperature"}  # fmt: skip
 USAGE = (
     "usage: grouprl check [any grouprl train flag] [--check-steps N] [--json] "
     "[--output FILE] [--memory-limit GB] [--second-temperature T]\n\n"
@@ -23,9 +26,22 @@ USAGE = (
 )
 
 
+def usage() -> str:
+    """The usage line, then check's own flags with their help (the fields' docstrings, as
+    the reference prints them); every other flag is `grouprl train --help`'s."""
+    from grouprl.cli.reference import flag_rows
+    from grouprl.workflows.check import CheckOptions
+
+    lines = [USAGE, "", "check's own flags (every other flag is grouprl train's):"]
+    for row in flag_rows(CheckOptions, renamed={v: k for k, v in OWN_FLAGS.items()}):
+        lines.append(f"  {row.flag} {row.takes}".rstrip())
+        lines.append(f"      {row.help} (default: {row.default})")
+    return "\n".join(lines)
+
+
 def run(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
+        print(usage())
         return 0
     quiet_hf()
     return main(argv)
@@ -35,8 +51,7 @@ def split_args(argv: list[str]) -> tuple[Any, list[str]]:
     """check's own flags out of argv (`CheckOptions`); the rest are train's."""
     from grouprl.workflows.check import CheckOptions
 
-    own = {"--check-steps": "steps", "--output": "output", "--memory-limit": "memory_limit_gb",
-           "--second-temperature": "second_temperature"}  # fmt: skip
+    own = {k: v for k, v in OWN_FLAGS.items() if k != "--json"}
     values: dict[str, Any] = {}
     rest: list[str] = []
     i = 0

@@ -50,7 +50,8 @@ class RunOptions:
     config: Path | None = None
     """YAML file holding any of these fields; flags given on the command line override it."""
     algo: Algo = "gspo"
-    """Algorithm preset. It fills every field below that is left at None (see the README)."""
+    """Algorithm preset. It fills every field below that is left at None (the docs' Algorithms
+    page lists what each fills)."""
     output_dir: Path | None = None
     """Run directory. None: runs/<algo>-<date>-<time>. It must not already hold a run."""
     resume: Path | None = None

@@ -9,7 +9,7 @@
 `GRPOConfig` has every field of TRL 1.16's, with TRL's types and defaults (a test holds it to the
 installed TRL's), so TRL's `TrlParser` parses it from flags and YAML as TRL's; `trl` need not be
 installed. Each field is mapped onto grouprl's options (`FIELDS` says
-which; the README's table says how), refused in one line when set to what grouprl does not
+which; the docs' reference of grouprl trl says how), refused in one line when set to what grouprl does not
 implement, or, when it concerns only TRL's plumbing (hub pushing, dataloader workers, ...),
 listed in one warning; none is ignored silently. The run is `grouprl.Trainer`'s with the mapped
 options (the same to the bit), so it has grouprl's run directory, exact resume, evaluations and

@@ -63,7 +63,7 @@ def _check_fields(args: Any) -> None:
         if FIELDS[name].kind == REFUSED:
             raise UserError(
                 f"GRPOConfig({name}={value!r}): grouprl does not implement it; leave it at "
-                f"{FIELDS[name].default!r} (the README's TRL table lists what grouprl maps)"
+                f"{FIELDS[name].default!r} (the docs' command reference, grouprl trl, lists what grouprl maps)"
             )
     warned = [f"{n}={v!r}" for n, v in changed.items() if FIELDS[n].kind == WARNED]
     if warned:

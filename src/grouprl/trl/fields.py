@@ -235,7 +235,7 @@ FIELDS: dict[str, Field] = {name: Field(*spec) for name, spec in {
 }.items()}  # fmt: skip
 
 
-#: What grouprl does with each mapped field, as the parser's --help says it (the README's TRL
+#: What grouprl does with each mapped field, as the parser's --help says it (the docs' TRL
 #: table has the detail).
 HELP: dict[str, str] = {
     "output_dir": "The run directory (default trainer_output): config, checkpoints, metrics, final/.",
@@ -404,5 +404,5 @@ GRPOConfig = config_class(
     "GRPOConfig",
     FIELDS,
     "TRL 1.16's GRPOConfig: its fields, types and defaults, mapped onto grouprl's options when "
-    "a GRPOTrainer starts (grouprl.trl.FIELDS; the README's table).",
+    "a GRPOTrainer starts (grouprl.trl.FIELDS; the docs' reference of grouprl trl).",
 )

@@ -57,11 +57,17 @@ MISMATCH_WARN = 1e-2  # and from here the run is warned: the gap is the size of 
 class CheckOptions:
     """`grouprl check`'s own flags (every other flag is `grouprl train`'s)."""
 
-    steps: int = 2  # --check-steps: steps' worth of groups to sample
-    output: Path | None = None  # --output FILE: the report as JSON
-    json: bool = False  # --json: print the report as JSON instead of tables
-    memory_limit_gb: float | None = None  # --memory-limit GB: predict what fits
-    second_temperature: float | None = None  # --second-temperature T: sample step 0 at T too
+    steps: int = 2
+    """Steps' worth of groups to sample."""
+    output: Path | None = None
+    """Also write the report to this file as JSON (nothing is written without it)."""
+    json: bool = False
+    """Print the report as JSON instead of tables."""
+    memory_limit_gb: float | None = None
+    """Say what fits in this many GB: the largest micro-batch, or what to change."""
+    second_temperature: float | None = None
+    """Sample the first step's prompts again at this temperature too, and compare the reward
+    spread."""
 
 
 def no_gradient_share(k: int, n: int, group_size: int) -> float:

@@ -1,11 +1,11 @@
-"""The README's picture of `grouprl view` (docs/viewer.png): GRPO and GSPO side by side.
+"""The docs' picture of `grouprl view` (docs/images/viewer.png): GRPO and GSPO side by side.
 
 Trains both for 60 steps (`grouprl compare`, one seed, about 3 minutes on 2 cores) unless the
 runs are there, serves them with `grouprl view`'s server and has headless Chromium (Debian's
 chromium and chromium-driver, as the tests use) take the page at a logged step with a group
 whose GSPO completions the clip acted on and whose GRPO tokens the step moved most.
 
-    .venv/bin/python docs/viewer_screenshot.py [--out docs/viewer.png]
+    .venv/bin/python docs/scripts/viewer_screenshot.py [--out docs/images/viewer.png]
 """
 
 from __future__ import annotations
@@ -13,18 +13,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from grouprl.report.sinks import group_file, group_steps
 from grouprl.report.viewer import ViewerServer, run_dirs
-
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--window-size=1500,1400", "--hide-scrollbars"]  # fmt: skip
 
 
 def _record(run: Path, step: int) -> dict:
@@ -54,7 +48,7 @@ def pick(grpo: Path, gspo: Path) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=Path, default=Path("runs/viewer-shot"))
-    parser.add_argument("--out", type=Path, default=Path("docs/viewer.png"))
+    parser.add_argument("--out", type=Path, default=Path("docs/images/viewer.png"))
     args = parser.parse_args()
     if not (args.runs / "gspo-s0" / "final").exists():
         subprocess.run([sys.executable, "-m", "grouprl", "compare", "--algos", "grpo,gspo",
@@ -65,16 +59,10 @@ def main() -> None:
     grpo, gspo = (next(r for r in runs if r.name.startswith(a)) for a in ("grpo", "gspo"))
     step, group = pick(grpo, gspo)
 
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
+    from browser import chromium  # docs/scripts/browser.py, beside this file
     from selenium.webdriver.support.ui import WebDriverWait
 
-    os.environ["SE_OFFLINE"] = "true"
-    options = webdriver.ChromeOptions()
-    options.binary_location = "/usr/bin/chromium"
-    for flag in [*FLAGS, f"--user-data-dir={tempfile.mkdtemp()}"]:
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    driver = chromium(1500, 1400)
     server = ViewerServer(runs).start()
     try:
         driver.get(f"{server.url}#step={step}&group={group}&channel=change&runs=0,1")
