@@ -13,9 +13,6 @@ from rich.table import Table
 from grouprl.cli import quiet_hf
 from grouprl.errors import UserError
 
-#: check's own flags and the CheckOptions field each sets (every other flag is train's).
-OWN_FLAGS = {"--check-steps": "steps", "--json": "json", "--output": "output",
-             "--memory-limit": "memory_limit_gb", "--second-temperature": "second_temperature"}  # fmt: skip
 USAGE = (
     "usage: grouprl check [any grouprl train flag] [--check-steps N] [--json] "
     "[--output FILE] [--memory-limit GB] [--second-temperature T]\n\n"
@@ -30,7 +27,7 @@ def usage() -> str:
     """The usage line, then check's own flags with their help (the fields' docstrings, as
     the reference prints them); every other flag is `grouprl train --help`'s."""
     from grouprl.cli.reference import flag_rows
-    from grouprl.workflows.check import CheckOptions
+    from grouprl.workflows.check import OWN_FLAGS, CheckOptions
 
     lines = [USAGE, "", "check's own flags (every other flag is grouprl train's):"]
     for row in flag_rows(CheckOptions, renamed={v: k for k, v in OWN_FLAGS.items()}):
@@ -49,7 +46,7 @@ def run(argv: list[str]) -> int:
 
 def split_args(argv: list[str]) -> tuple[Any, list[str]]:
     """check's own flags out of argv (`CheckOptions`); the rest are train's."""
-    from grouprl.workflows.check import CheckOptions
+    from grouprl.workflows.check import OWN_FLAGS, CheckOptions
 
     own = {k: v for k, v in OWN_FLAGS.items() if k != "--json"}
     values: dict[str, Any] = {}

@@ -87,7 +87,7 @@ def command_rows(command: str) -> list[FlagRow]:
     module, name = _OPTIONS[command]
     cls = getattr(importlib.import_module(module), name)
     if command == "check":
-        from grouprl.cli.check import OWN_FLAGS
+        from grouprl.workflows.check import OWN_FLAGS
 
         return flag_rows(cls, renamed={v: k for k, v in OWN_FLAGS.items()})
     return flag_rows(cls)

@@ -53,6 +53,11 @@ MISMATCH_INFO = 1e-4  # from here a correction is suggested
 MISMATCH_WARN = 1e-2  # and from here the run is warned: the gap is the size of a policy update
 
 
+#: check's own flags and the CheckOptions field each sets (every other flag is train's).
+OWN_FLAGS = {"--check-steps": "steps", "--json": "json", "--output": "output",
+             "--memory-limit": "memory_limit_gb", "--second-temperature": "second_temperature"}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class CheckOptions:
     """`grouprl check`'s own flags (every other flag is `grouprl train`'s)."""
