@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import functools
 import io
 import types
 import typing
@@ -130,17 +131,26 @@ def split_mapping(
     return args, text
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    """Each field's type as the parser takes it: a registry's choices (`grouprl.config.choices`,
-    read when tyro builds a parser) as the Literal of its names now."""
-    hints = typing.get_type_hints(cls, include_extras=True)
-    types_ = {}
-    for name, hint in hints.items():
+@functools.cache
+def _hints(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`cls`'s type hints (read once: each read evaluates every annotation) and, for each
+    field whose choices are a registry's, the function that lists them now."""
+    hints = typing.get_type_hints(cls)
+    factories = {}
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
         marks = typing.get_args(hint)[1:] if typing.get_origin(hint) is typing.Annotated else ()
         factory = next((m.constructor_factory for m in marks
                         if getattr(m, "constructor_factory", None) is not None), None)  # fmt: skip
-        types_[name] = factory() if factory is not None else typing.get_type_hints(cls)[name]
-    return types_
+        if factory is not None:
+            factories[name] = factory
+    return hints, factories
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """Each field's type as the parser takes it: a registry's choices (`grouprl.config.choices`,
+    read when tyro builds a parser) as the Literal of its names now."""
+    hints, factories = _hints(cls)
+    return {**hints, **{name: factory() for name, factory in factories.items()}}
 
 
 def _expected(cls: type, name: str) -> str:
