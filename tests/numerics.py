@@ -123,3 +123,29 @@ def logit_magnitude(model) -> float:
     gamma = model.model.norm.weight.detach().double()  # (d,)
     head = model.lm_head.weight.detach().double()  # (V, d)
     return float((head * gamma).norm(dim=-1).max()) * gamma.numel() ** 0.5
+
+
+def assert_greedy_agrees(model, ids, hf, ours) -> list[int]:
+    """Greedy rollouts `ours` (another engine's) pick the HF model's argmax, as `hf` (grouprl's
+    engine) does, wherever its top-2 gap exceeds twice the float32 rounding a logit can take
+    between two forwards of the same function (`forward_bound`: n·u times the largest logit, per
+    side); each row is checked up to its first position below. Returns the rows' split points."""
+    bound = forward_bound(model.config, logit_magnitude(model))  # 2·n·u·M
+    splits, compared = [], 0
+    for row in range(len(ids)):
+        full = torch.tensor([ids[row] + hf.completion_id_lists()[row]])
+        with torch.no_grad():
+            logits = model(full).logits[0, len(ids[row]) - 1 : -1]  # (T, V) predicting each
+        top2 = logits.topk(2, dim=-1).values
+        gaps = (top2[:, 0] - top2[:, 1]).tolist()
+        split = next((t for t, gap in enumerate(gaps) if gap <= bound), len(gaps))
+        splits.append(split)
+        want = hf.completion_id_lists()[row][:split]
+        got = ours.completion_id_lists()[row][: len(want)]
+        assert got == want, (row, split)
+        compared += len(want)
+        if split == len(gaps):  # no near tie: the rows end alike too
+            assert ours.completion_id_lists()[row] == hf.completion_id_lists()[row]
+            assert bool(ours.truncated[row]) == bool(hf.truncated[row])
+    assert compared >= len(ids) * 8, splits  # the check compared real positions
+    return splits

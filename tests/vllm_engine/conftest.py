@@ -34,3 +34,28 @@ def files(tmp_path_factory):
     (root / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "rewards.py").write_text(REWARDS)
     return root
+
+
+@pytest.fixture(scope="session")
+def servers(vllm_model_dir):
+    """Two vLLM servers on 127.0.0.1, started together from the model's directory by the
+    command the docs give (`grouprl.rollout.vllm_server.server_command`, as `--vllm-server local`
+    starts one), shared by every server test; both are stopped at the end."""
+    import time
+
+    from grouprl.rollout.vllm_server import LocalServer
+
+    start = time.monotonic()
+    options = dict(dtype="float32", max_model_len=512, kv_cache_bytes=64 << 20)
+    # one thread each: two servers and the trainer share this machine's 2 cores, and vLLM's
+    # CPU threads spin while they wait (with 2 threads each, a step took 10 times as long)
+    started = [LocalServer(vllm_model_dir, wait=False, env={"OMP_NUM_THREADS": "1"}, **options)
+               for _ in range(2)]  # fmt: skip
+    try:
+        for server in started:
+            server.wait()
+        print(f"\ntwo vLLM servers answered after {time.monotonic() - start:.1f} s")
+        yield [server.url for server in started]
+    finally:
+        for server in started:
+            server.stop()

@@ -19,7 +19,7 @@ from grouprl.models.lora import apply_lora, checkpoint_weights
 from grouprl.rollout import completion_logprobs, sample_groups
 from grouprl.rollout.stops import StopStrings
 from grouprl.rollout.vllm_engine import VLLMEngine, VLLMOptions
-from numerics import U32, forward_bound, logit_magnitude
+from numerics import U32, assert_greedy_agrees, forward_bound, logit_magnitude
 
 pytestmark = pytest.mark.numerics
 
@@ -69,25 +69,8 @@ def test_greedy_ids_equal_the_hf_engines_up_to_the_first_near_tie(model, tokeniz
     hf = sample_groups(model, tokenizer, ids, group_size=1, max_new_tokens=24, temperature=0.0)
     ours = engine.sample(ids, group_size=1, max_new_tokens=24, temperature=0.0)
     assert ours.behaviour_logp is not None and ours.entropy is None
-    bound = forward_bound(model.config, logit_magnitude(model))  # 2·n·u·M
-    splits, compared = [], 0
-    for row in range(len(ids)):
-        full = torch.tensor([ids[row] + hf.completion_id_lists()[row]])
-        with torch.no_grad():
-            logits = model(full).logits[0, len(ids[row]) - 1 : -1]  # (T, V) predicting each
-        top2 = logits.topk(2, dim=-1).values
-        gaps = (top2[:, 0] - top2[:, 1]).tolist()
-        split = next((t for t, gap in enumerate(gaps) if gap <= bound), len(gaps))
-        splits.append(split)
-        want = hf.completion_id_lists()[row][:split]
-        got = ours.completion_id_lists()[row][: len(want)]
-        assert got == want, (row, split)
-        compared += len(want)
-        if split == len(gaps):  # no near tie: the rows end alike too
-            assert ours.completion_id_lists()[row] == hf.completion_id_lists()[row]
-            assert bool(ours.truncated[row]) == bool(hf.truncated[row])
-    print(f"greedy rows split from the HF engine at {splits} (bound {bound:.2e})")
-    assert compared >= len(ids) * 8, splits  # the check compared real positions
+    splits = assert_greedy_agrees(model, ids, hf, ours)
+    print(f"greedy rows split from the HF engine at {splits}")
 
 
 def test_log_probs_are_the_trainers_within_float32_rounding(model, tokenizer, engine):
@@ -108,8 +91,14 @@ def vllm_scores(engine, ids: list[int]) -> torch.Tensor:
     """vLLM's log-probs of fixed tokens (ids[1:] given the ones before), by a prompt-logprobs
     request on its current weights."""
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
-    (out,) = engine.generate([(ids, SamplingParams(max_tokens=1, prompt_logprobs=0))])
+    from grouprl.rollout.vllm_engine import contained
+
+    with contained():
+        (out,) = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                                     SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                     use_tqdm=False)  # fmt: skip
     return torch.tensor([out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))])
 
 

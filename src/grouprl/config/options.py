@@ -121,6 +121,16 @@ class EngineOptions:
     vllm_enforce_eager: bool | None = None
     """Run vLLM's model eagerly. None: eager on a CPU (compiling takes minutes on a few cores
     and LoRA needs eager there), CUDA graphs on a GPU."""
+    vllm_server: str | None = None
+    """Sample on vLLM servers: URL[,URL...] of running vLLM servers (started as the docs' vLLM
+    servers guide shows, on any machine this one reaches), or local: one grouprl starts on this
+    machine. Implies --engine vllm; each prompt's group goes to one server, groups are spread
+    over them, and every server reloads each new weight version (--vllm-weights-dir) before it
+    samples again. Works under torchrun."""
+    vllm_weights_dir: str | None = None
+    """Where the trainer writes each weight version for --vllm-server to reload: a directory
+    the servers read (on other machines: a shared filesystem). None: a temporary directory,
+    which only servers on this machine can read."""
 
 
 @dataclass(frozen=True)

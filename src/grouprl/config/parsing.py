@@ -40,7 +40,7 @@ RESUMABLE_FIELDS = (
     "log_samples", "log_ratios", "log_ratios_every", "log_groups", "log_groups_every", "doctor", "threads", "progress",
     "reward_timeout", "tool_timeout", "device", "strategy", "report_to", "run_name", "trl_metrics",
     "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_sleep", "vllm_enforce_eager",
-    "vllm_mode", "sampler_threads",
+    "vllm_mode", "sampler_threads", "vllm_server", "vllm_weights_dir",
 )  # fmt: skip
 
 Config = TypeVar("Config")

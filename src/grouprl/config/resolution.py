@@ -109,6 +109,8 @@ def resolve(
         if values[name] is None:
             values[name] = value
     _objective_knobs(cfg, values)
+    if values["vllm_server"] is not None:
+        values["engine"] = "vllm"  # the servers are vLLM's
     if values["max_new_tokens"] is None:
         values["max_new_tokens"] = task_max_new_tokens
     if values["model"] is None:

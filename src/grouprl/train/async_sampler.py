@@ -221,10 +221,18 @@ class AsyncSampler:
 
 
 def _engine(cfg: RunConfig, model: nn.Module, sampler: Sampler) -> Any:
-    """The sampler's engine over its copy: grouprl's own, or vLLM in a process of its own (the
-    trainer's process keeps the one that evaluates the current policy), sized for a step."""
+    """The sampler's engine over its copy: grouprl's own, vLLM servers, or vLLM in a process of
+    its own (the trainer's process keeps the one that evaluates the current policy), sized for
+    a step."""
     if cfg.engine == "hf":
         return HFRolloutEngine(model, sampler.tokenizer, tools=sampler.engine.tools)
+    budget = None if sampler.budget is None else sampler.budget + cfg.max_new_tokens
+    if cfg.vllm_server is not None:  # the servers sample; they follow the copy's versions
+        from grouprl.train.build import server_engine
+
+        return server_engine(cfg, model, sampler.tokenizer, dtype=sampler.dtype,
+                             rows=cfg.prompts_per_step * cfg.group_size, max_len=budget,
+                             seed=cfg.seed, tools=sampler.engine.tools, dist=sampler.dist)  # fmt: skip
     if sampler.tools is not None:
         raise UserError(
             "--max-staleness with --engine vllm samples in vLLM's own process, which answers no "
@@ -234,7 +242,6 @@ def _engine(cfg: RunConfig, model: nn.Module, sampler: Sampler) -> Any:
     from grouprl.rollout.vllm_process import VLLMProcessEngine
     from grouprl.train.build import vllm_options
 
-    budget = None if sampler.budget is None else sampler.budget + cfg.max_new_tokens
     options = vllm_options(cfg, model, sampler.dtype, cfg.prompts_per_step * cfg.group_size,
                            budget, cfg.seed)  # fmt: skip
     return VLLMProcessEngine(model, sampler.tokenizer, options,

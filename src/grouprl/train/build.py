@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -352,10 +354,14 @@ def build_engine(
 
         all_done = None if lockstep is None else lockstep.all_done
         return HFRolloutEngine(policy, tokenizer, lockstep=all_done, tools=tools)
+    if opts.vllm_server is not None:
+        dist = None if lockstep is None else lockstep.dist
+        return server_engine(opts, policy, tokenizer, dtype=dtype, rows=rows, max_len=max_len,
+                             seed=seed, tools=tools, dist=dist)  # fmt: skip
     if processes > 1:
         raise UserError(
             "--engine vllm runs in one process (TRL's colocate mode on one device); under "
-            "torchrun use --engine hf"
+            "torchrun use --vllm-server (vLLM servers) or --engine hf"
         )
     from grouprl.models.lora import checkpoint_weights
 
@@ -374,6 +380,63 @@ def build_engine(
 
     return VLLMEngine(policy, tokenizer, options, tools=tools,
                       weights=lambda: checkpoint_weights(policy))  # fmt: skip
+
+
+def server_engine(
+    opts: ModelOptions,
+    policy: nn.Module,
+    tokenizer: Any,
+    *,
+    dtype: torch.dtype | None,
+    rows: int,
+    max_len: int | None,
+    seed: int,
+    tools: Any = None,
+    dist: Any = None,
+) -> Any:
+    """`--vllm-server`: the engine over the servers it names, or over one started here
+    (`local`: by rank 0, from the policy's weights, sized as `--engine vllm` would be). Rank 0
+    syncs the weights; under FSDP every rank gathers them."""
+    from grouprl.models.lora import checkpoint_weights, is_lora
+    from grouprl.rollout.vllm_server import LocalServer, VLLMServerEngine, save_model_directory
+
+    lead = dist is None or dist.is_main
+    fsdp = dist is not None and dist.fsdp
+    if fsdp and is_lora(policy):
+        raise UserError("--vllm-server with FSDP and LoRA is not supported yet; use --strategy "
+                        "ddp with LoRA (its weights are small), or full fine-tuning")  # fmt: skip
+    if fsdp:
+        from grouprl.train.parallel.fsdp import gather_full_state
+
+        def weights() -> dict[str, torch.Tensor]:
+            return gather_full_state(policy, None)[0]
+    else:
+
+        def weights() -> dict[str, torch.Tensor]:
+            return checkpoint_weights(policy)
+
+    local, urls = None, [u for u in opts.vllm_server.split(",") if u.strip()]
+    if urls == ["local"]:
+        url = None
+        if lead:
+            options = vllm_options(opts, policy, dtype, rows, max_len, seed)
+            directory = Path(tempfile.mkdtemp(prefix="grouprl-vllm-model-"))
+            save_model_directory(policy, tokenizer, weights(), directory)
+            cuda = next(policy.parameters()).device.type == "cuda"
+            local = LocalServer(directory, log=directory / "server.log", own_model=True,
+                                announce=lambda line: print(line, file=sys.stderr),
+                                dtype=options.dtype, max_model_len=options.max_model_len,
+                                cpu=not cuda, kv_cache_bytes=options.kv_cache_bytes,
+                                gpu_memory_utilization=None if options.kv_cache_bytes
+                                else options.gpu_memory_utilization)  # fmt: skip
+            url = local.url
+        elif fsdp:
+            weights()  # rank 0's save gathers: every rank takes part
+        urls = [url if dist is None else dist.broadcast(url)]
+    elif "local" in urls:
+        raise UserError("--vllm-server local starts one server here; give it alone, or URLs")
+    return VLLMServerEngine(policy, tokenizer, urls, weights=weights, lead=lead, tools=tools,
+                            weights_dir=opts.vllm_weights_dir, local=local)  # fmt: skip
 
 
 def vllm_options(

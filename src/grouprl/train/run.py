@@ -245,6 +245,10 @@ def run_engine(
     step's groups, or an evaluation's batch), answering tool calls as it goes."""
     rows = max(cfg.prompts_per_step * cfg.group_size,
                min(cfg.eval_size, EVAL_BATCH_PROMPTS) * cfg.eval_samples)  # fmt: skip
+    if cfg.vllm_server is not None and cfg.max_staleness > 0:
+        # the servers follow the asynchronous sampler's versions; evaluation samples the
+        # trainer's current policy here
+        cfg = dataclasses.replace(cfg, engine="hf", vllm_server=None)
     return build_engine(
         cfg,
         policy,

@@ -41,7 +41,7 @@ _CHANGED = {
     "remove_unused_columns": Field(bool, True, WARNED),
     "num_generations": Field(int, 8, MAPPED),
     "max_completion_length": Field(int, 2048, MAPPED),
-    "vllm_server_base_url": Field(str, "http://localhost:8000", WARNED),
+    "vllm_server_base_url": Field(str, "http://localhost:8000", MAPPED),
 }
 #: AsyncGRPOConfig's own fields (after model_init_kwargs, max_tool_calling_iterations,
 #: vllm_server_timeout and epsilon_high in TRL's order).
@@ -129,6 +129,9 @@ def async_options_from(
     options = options_from(grpo, world=world, rows=rows, lora=lora)
     options.update(max_staleness=int(args.max_staleness), proximal="behaviour",
                    unbiased_std=False, adv_eps=1e-8)  # fmt: skip
+    if args.vllm_server_base_url != _CHANGED["vllm_server_base_url"].default:
+        # a server the script names samples (TRL's default, unnamed: grouprl's own sampler)
+        options.update(engine="vllm", vllm_server=str(args.vllm_server_base_url))
     return options
 
 

@@ -244,8 +244,9 @@ def _schedules(args: Any, steps: int, per_step: int, rows: int | None, prompts: 
 
 def _engine(args: Any) -> dict[str, Any]:
     """TRL's vLLM fields: use_vllm with vllm_mode colocate is grouprl's vLLM engine in the
-    training process, server its vLLM in a process of its own; the memory, length and sleep
-    fields are their options."""
+    training process; server is the vLLM server vllm_server_base_url (or vllm_server_host and
+    vllm_server_port) names (`--vllm-server`), or, with none named, grouprl's vLLM in a process
+    of its own; the memory, length and sleep fields are their options."""
     if not args.use_vllm:
         return {}
     if args.vllm_mode not in ("colocate", "server"):
@@ -253,13 +254,27 @@ def _engine(args: Any) -> dict[str, Any]:
     if args.vllm_tensor_parallel_size != 1:
         raise refusal("vllm_tensor_parallel_size", args.vllm_tensor_parallel_size,
                       "grouprl's vLLM engine runs on one device")  # fmt: skip
+    server = _server_url(args) if args.vllm_mode == "server" else None
     return {
         "engine": "vllm",
+        **({"vllm_server": server} if server else {}),
         "vllm_mode": args.vllm_mode,
         "vllm_gpu_memory_utilization": float(args.vllm_gpu_memory_utilization),
         "vllm_max_model_length": args.vllm_max_model_length,
         "vllm_sleep": bool(args.vllm_enable_sleep_mode),
     }
+
+
+def _server_url(args: Any) -> str | None:
+    """The server TRL's server mode connects to, when the script names one: its base URL, or
+    its host and port when either is not TRL's default (0.0.0.0:8000, which a script that
+    names no server leaves; grouprl then runs vLLM in a process of its own)."""
+    if args.vllm_server_base_url:
+        return str(args.vllm_server_base_url)
+    host, port = str(args.vllm_server_host), int(args.vllm_server_port)
+    if (host, port) == ("0.0.0.0", 8000):
+        return None
+    return f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
 
 
 #: TRL's vllm_importance_sampling_mode: grouprl's correction part and level.
@@ -406,6 +421,7 @@ def _precision(args: Any) -> str:
 OPTION_NAMES = {
     "max_new_tokens": "max_completion_length",
     "vllm_max_model_length": "vllm_max_model_length",
+    "vllm_server": "vllm_server_base_url",
     "group_size": "num_generations",
     "lr": "learning_rate",
     "beta": "beta",

@@ -181,9 +181,9 @@ FIELDS: dict[str, Field] = {name: Field(*spec) for name, spec in {
     "vllm_model_impl": (str, "vllm", WARNED),
     "vllm_enable_sleep_mode": (bool, False, MAPPED),
     "vllm_structured_outputs_regex": (str | None, None, REFUSED),
-    "vllm_server_base_url": (str | None, None, WARNED),
-    "vllm_server_host": (str, "0.0.0.0", WARNED),
-    "vllm_server_port": (int, 8000, WARNED),
+    "vllm_server_base_url": (str | None, None, MAPPED),
+    "vllm_server_host": (str, "0.0.0.0", MAPPED),
+    "vllm_server_port": (int, 8000, MAPPED),
     "vllm_server_timeout": (float, 240.0, WARNED),
     "vllm_group_port": (int, 51216, WARNED),
     "vllm_gpu_memory_utilization": (float, 0.3, MAPPED),
@@ -286,8 +286,12 @@ HELP: dict[str, str] = {
     "top_k": "Sample from the k most likely tokens (0: off).",
     "chat_template_kwargs": "Variables for the chat template; a dict or JSON.",
     "use_vllm": "Sample with vLLM (pip install 'grouprl[vllm]').",
-    "vllm_mode": "colocate: vLLM in the training process; server: vLLM in a process of its own "
-        "(no trl vllm-serve needed).",
+    "vllm_mode": "colocate: vLLM in the training process; server: the vLLM server "
+        "vllm_server_base_url (or vllm_server_host/port) names, or with none named vLLM in a "
+        "process of grouprl's own.",
+    "vllm_server_base_url": "The vLLM server of server mode (grouprl's --vllm-server).",
+    "vllm_server_host": "The vLLM server's host, when no base URL is given.",
+    "vllm_server_port": "The vLLM server's port, when no base URL is given.",
     "vllm_enable_sleep_mode": "Put vLLM to sleep during the update (CUDA).",
     "vllm_gpu_memory_utilization": "The share of the GPU vLLM may hold.",
     "vllm_max_model_length": "Longest prompt + completion vLLM holds.",

@@ -1,0 +1,227 @@
+"""Rollouts on vLLM servers (`--vllm-server`), against two real servers of vLLM's CPU build
+started once for the session (`servers` in conftest): greedy ids equal the HF engine's up to the
+first near tie; a weight sync moves a server to the updated policy and its version; a run trains
+and resumes through a server; an asynchronous run samples the versions of its schedule; two
+servers each keep a group and both hold version k before any sample of step k + 1; TRL's script
+in server mode trains against a running server."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grouprl.config import TrainConfig
+from grouprl.rollout import sample_groups
+from grouprl.rollout.vllm_server import Server, VLLMServerEngine
+from grouprl.train import loop
+from numerics import assert_greedy_agrees
+
+TEXTS = ["12+30=", "What is 7 plus 5?", "answer", "<think>add</think>", "1,200 dollars", "x"]
+TIMES = {"step_seconds", "rollout_seconds", "tokens_per_s", "sampler_seconds", "update_seconds"}
+
+
+@pytest.fixture(scope="module")
+def model(vllm_model_dir):
+    return AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vllm_model_dir):
+    return AutoTokenizer.from_pretrained(vllm_model_dir)
+
+
+def prompts(tokenizer):
+    return [tokenizer(t)["input_ids"] for t in TEXTS]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def options(vllm_model_dir, files, servers, **extra):
+    return dict(
+        model=str(vllm_model_dir), vllm_server=servers, dataset=str(files / "sums.jsonl"),
+        rewards={f"{files / 'rewards.py'}:length": 1.0}, max_new_tokens=16, steps=3,
+        prompts_per_step=4, group_size=4, eval_size=4, eval_samples=2, eval_every=0,
+        save_every=1, progress=False, threads=1, warmup_steps=0, lr=1e-3, seed=1, **extra,
+    )  # fmt: skip
+
+
+def test_greedy_ids_through_a_server_equal_the_hf_engines(servers, model, tokenizer):
+    engine = VLLMServerEngine(model, tokenizer, servers[:1], weights=lambda: model.state_dict())
+    try:
+        ids = prompts(tokenizer)
+        hf = sample_groups(model, tokenizer, ids, group_size=1, max_new_tokens=24,
+                           temperature=0.0)  # fmt: skip
+        ours = engine.sample(ids, group_size=1, max_new_tokens=24, temperature=0.0)
+        assert ours.behaviour_logp is not None and ours.entropy is None
+        splits = assert_greedy_agrees(model, ids, hf, ours)
+        print(f"greedy rows split from the HF engine at {splits}")
+        assert Server(servers[0]).get("/weight_info")["weight_version"] == "0"
+    finally:
+        engine.close()
+
+
+def test_a_weight_sync_moves_the_server_to_the_updated_policy(servers, model, tokenizer):
+    """After an update and `policy_updated(1)`, the server's greedy ids are the updated
+    policy's (and not the old one's), and it reports version 1; version 0's directory is gone."""
+    policy = copy.deepcopy(model)
+    engine = VLLMServerEngine(policy, tokenizer, servers[:1], weights=lambda: policy.state_dict())
+    try:
+        ids = prompts(tokenizer)
+        old = engine.sample(ids, group_size=1, max_new_tokens=12, temperature=0.0)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        engine.policy_updated(1)
+        new = engine.sample(ids, group_size=1, max_new_tokens=12, temperature=0.0)
+        hf = sample_groups(policy, tokenizer, ids, group_size=1, max_new_tokens=12,
+                           temperature=0.0)  # fmt: skip
+        assert_greedy_agrees(policy, ids, hf, new)
+        assert new.completion_id_lists() != old.completion_id_lists()
+        assert Server(servers[0]).get("/weight_info")["weight_version"] == "1"
+        assert [p.name for p in engine.weights_dir.iterdir()] == ["version-1"]
+        assert (engine.synced, engine.syncs) == (1, 2)
+    finally:
+        engine.close()
+    assert not engine.weights_dir.exists()  # a temporary directory goes with the engine
+
+
+@pytest.fixture(scope="module")
+def runs(servers, vllm_model_dir, files, tmp_path_factory):
+    """A straight 3-step run through one server, and one stopped by SIGINT during step 2 (it
+    finishes the step, saves and stops), then resumed for step 3."""
+    root = tmp_path_factory.mktemp("server_runs")
+    settings = options(vllm_model_dir, files, servers[0], log_ratios=4, log_ratios_every=1)
+    straight = loop.train(TrainConfig(**settings, output_dir=root / "straight"))
+    original = loop.collect_batch
+
+    def interrupt(cfg, sampler, step, position):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(cfg, sampler, step, position)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(loop, "collect_batch", interrupt)
+    try:
+        broken = loop.train(TrainConfig(**settings, output_dir=root / "broken"))
+    finally:
+        patch.undo()
+    resumed = loop.train(dataclasses.replace(TrainConfig(**settings), resume=broken.run_dir))
+    return straight, broken, resumed
+
+
+def test_a_run_through_a_server_trains_and_resumes_as_the_straight_one(runs):
+    """The resumed run re-syncs the server to the checkpoint's version before it samples, and
+    equals the straight run: the same completions, metrics, samples and final weights."""
+    straight, broken, resumed = runs
+    assert straight.steps_done == 3 and broken.interrupted and resumed.steps_done == 3
+    records = metrics(straight.run_dir)
+    assert records[-1]["grad_norm"] > 0 and all("logp_mismatch_max" in r for r in records)
+    assert all(r["logp_mismatch_max"] < 1e-4 for r in records)  # fp32 server: rounding only
+
+    def comparable(run_dir):
+        return [{k: v for k, v in r.items() if k not in TIMES} for r in metrics(run_dir)]
+
+    assert comparable(resumed.run_dir) == comparable(straight.run_dir)
+    last = [(r.run_dir / "samples.jsonl").read_text().splitlines()[-1] for r in (straight, resumed)]
+    assert last[0] == last[1]
+    a = load_file(str(straight.run_dir / "final" / "model.safetensors"))
+    b = load_file(str(resumed.run_dir / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_async_run_samples_the_versions_of_its_schedule(
+    servers, vllm_model_dir, files, tmp_path
+):
+    """--max-staleness 1 with a server: batch k is sampled by version max(0, k − 1), which the
+    server holds when it samples it (any other version's answer would stop the run)."""
+    settings = options(vllm_model_dir, files, servers[0], max_staleness=1)
+    result = loop.train(TrainConfig(**settings, output_dir=tmp_path / "async"))
+    assert result.steps_done == 3
+    records = metrics(result.run_dir)
+    assert [r["staleness"] for r in records] == [0.0, 1.0, 1.0]
+    # batch 0 is sampled by the trainer's own weights: rounding only; later ones by the version
+    # before, a lag the mismatch then measures too
+    assert records[0]["logp_mismatch_max"] < 1e-4 < records[2]["logp_mismatch_max"]
+    assert Server(servers[0]).get("/weight_info")["weight_version"] == "1"  # batch 2's
+
+
+def test_two_servers_each_keep_a_group_and_hold_version_k_before_step_k_plus_1(
+    servers, vllm_model_dir, files, tmp_path, monkeypatch
+):
+    """Every call to either server is recorded in order: each prompt's requests go to one
+    server, both servers sample, and each reports version k (its sync done) before any
+    completion of step k + 1 is sampled on either."""
+    events = []
+    call = Server.call
+
+    def recorded(self, method, path, body=None, **kwargs):
+        answer = call(self, method, path, body, **kwargs)
+        events.append((self.url, path, body, answer))
+        return answer
+
+    monkeypatch.setattr(Server, "call", recorded)
+    settings = options(vllm_model_dir, files, ",".join(servers))
+    result = loop.train(TrainConfig(**settings, output_dir=tmp_path / "two"))
+    assert result.steps_done == 3
+    held = {url: None for url in servers}  # each server's version, as it reported it
+    owner, versions_sampled = {}, set()
+    for url, path, body, answer in events:
+        if path == "/weight_info":
+            held[url] = answer["weight_version"]
+        elif path == "/inference/v1/generate" and body["sampling_params"]["max_tokens"] > 1:
+            (version,) = {s["version"] for c in answer["choices"] for s in c["weight_versions"]}
+            assert all(held[u] == version for u in servers), (held, version)  # both synced
+            prompt = tuple(body["token_ids"])[:4], version
+            assert owner.setdefault(prompt, url) == url  # a prompt's requests: one server
+            versions_sampled.add(version)
+    assert set(owner.values()) == set(servers)  # both servers sampled
+    assert versions_sampled == {"0", "1", "2", "3"}  # 3 steps, then the final evaluation
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "trl_shim"
+
+
+def test_trls_grpo_script_in_server_mode_trains_against_a_running_server(
+    servers, vllm_model_dir, tmp_path, monkeypatch
+):
+    """TRL's own trl/scripts/grpo.py (import changed) with --use_vllm --vllm_mode server
+    --vllm_server_base_url URL: the server the script names samples every step."""
+    pytest.importorskip("trl")
+    import yaml
+    from tests.trl_shim.trl_scripts import dataset_dir, trl_grpo_script
+
+    dataset_dir(tmp_path / "sums", {"train": 64, "test": 8})
+    script = trl_grpo_script(tmp_path)
+    (tmp_path / "spread.py").write_text(
+        "def length(completions, **kwargs):\n"
+        "    return [len(c[0]['content']) / 40 for c in completions]\n"
+    )
+    argv = ["--model_name_or_path", str(vllm_model_dir), "--dataset_name", "sums",
+            "--reward_funcs", "accuracy_reward", "spread.length", "--max_steps", "2",
+            "--max_completion_length", "12", "--per_device_train_batch_size", "4",
+            "--num_generations", "4", "--use_vllm", "--vllm_mode", "server",
+            "--vllm_server_base_url", servers[1], "--bf16", "false"]  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
+    runpy.run_path(str(script), run_name="__main__")
+    run = tmp_path / "trainer_output"
+    record = yaml.safe_load((run / "config.yaml").read_text())
+    assert (record["engine"], record["vllm_server"]) == ("vllm", servers[1])
+    steps = metrics(run)
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["logp_mismatch_max"] < 1e-3 for m in steps)
+    assert Server(servers[1]).get("/weight_info")["weight_version"] in ("1", "2")
