@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test docs docs-serve browser test-vllm test-load test-faults test-numerics test-compat lint format bench clean
+.PHONY: demo test docs docs-serve browser gpu-check gpu-check-wheels test-vllm test-load test-faults test-numerics test-compat lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,17 @@ test-compat:
 	$(COMPAT)/bin/pip install --quiet --upgrade pip
 	$(COMPAT)/bin/pip install --quiet -c compat/lowest.txt -e ".[dev,trackers,gguf]"
 	$(COMPAT)/bin/python -m pytest -p no:cacheprovider
+
+# The GPU check (benchmarks/gpu_check.py): on a CUDA machine, a table of the training paths
+# (bf16, LoRA, torchrun with NCCL, FSDP2) in about 5 minutes; `make test` runs its CPU dry run
+# (tests/test_gpu_check.py). A machine without grouprl's dependencies runs it from source with
+# the pure-Python wheels gpu-check-wheels puts in .whl/ (the script's docstring says how).
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py --out build/gpu-check
+
+gpu-check-wheels: $(STAMP)
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp -d .whl $$($(BIN)/python -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_check; print(' '.join(gpu_check.wheels()))")
 
 lint: $(STAMP)
 	$(BIN)/ruff check --fix .

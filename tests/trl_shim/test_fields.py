@@ -209,6 +209,16 @@ def test_trls_vllm_fields_with_trls_defaults_and_refusals():
     assert capped["correction_mask_high"] == 5.0  # TRL's deprecated name for clip_max
     server = options_from(GRPOConfig(use_vllm=True, vllm_mode="server"), rows=8)
     assert (server["engine"], server["vllm_mode"]) == ("vllm", "server")
+    assert "vllm_server" not in server  # no server named: grouprl's own process
+    for kwargs, url in [
+        ({"vllm_server_base_url": "http://rollout:8000"}, "http://rollout:8000"),
+        ({"vllm_server_host": "rollout"}, "http://rollout:8000"),
+        ({"vllm_server_port": 8011}, "http://127.0.0.1:8011"),  # TRL's 0.0.0.0: this machine
+    ]:
+        named = options_from(GRPOConfig(use_vllm=True, vllm_mode="server", **kwargs), rows=8)
+        assert (named["engine"], named["vllm_server"]) == ("vllm", url)
+    colocated = options_from(GRPOConfig(use_vllm=True, vllm_server_base_url="http://x:1"), rows=8)
+    assert "vllm_server" not in colocated  # TRL reads the URL in server mode only
     for kwargs, message in [
         ({"vllm_importance_sampling_mode": "token_truncate",
           "vllm_importance_sampling_clip_max": None}, "with no bound"),
@@ -270,6 +280,13 @@ def test_trls_async_config_is_grouprls_fixed_lag():
     lora = async_options_from(AsyncGRPOConfig(dtype="bfloat16", max_staleness=0), rows=8,
                               lora=True)  # fmt: skip
     assert (lora["base_dtype"], lora["max_staleness"]) == ("bf16", 0)
+    named = async_options_from(AsyncGRPOConfig(bf16=False, vllm_server_base_url="http://r:9"),
+                               rows=8)  # fmt: skip
+    assert (named["engine"], named["vllm_server"], named["max_staleness"]) == (
+        "vllm",
+        "http://r:9",
+        4,
+    )
     with pytest.raises(UserError, match="weight_sync_steps=2"):
         async_options_from(AsyncGRPOConfig(weight_sync_steps=2), rows=8)
     with pytest.warns(UserWarning, match="queue_maxsize=5"):

@@ -25,7 +25,7 @@ from grouprl.config import TrainConfig
 from grouprl.rollout import sample_groups
 from grouprl.rollout.vllm_server import Server, VLLMServerEngine
 from grouprl.train import loop
-from numerics import assert_greedy_agrees
+from numerics import F64_SAME, assert_greedy_agrees
 
 TEXTS = ["12+30=", "What is 7 plus 5?", "answer", "<think>add</think>", "1,200 dollars", "x"]
 TIMES = {"step_seconds", "rollout_seconds", "tokens_per_s", "sampler_seconds", "update_seconds"}
@@ -143,12 +143,14 @@ def test_a_run_through_a_server_trains_and_resumes_as_the_straight_one(runs):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_an_async_run_samples_the_versions_of_its_schedule(
+def test_an_async_lora_run_samples_the_versions_of_its_schedule(
     servers, vllm_model_dir, files, tmp_path
 ):
-    """--max-staleness 1 with a server: batch k is sampled by version max(0, k − 1), which the
-    server holds when it samples it (any other version's answer would stop the run)."""
-    settings = options(vllm_model_dir, files, servers[0], max_staleness=1)
+    """--max-staleness 1 with a server, LoRA: batch k is sampled by version max(0, k − 1) (the
+    adapters merged), which the server holds when it samples it (any other version's answer
+    would stop the run)."""
+    settings = {**options(vllm_model_dir, files, servers[0], max_staleness=1), "lora_r": 4,
+                "lr": 1e-2}  # fmt: skip
     result = loop.train(TrainConfig(**settings, output_dir=tmp_path / "async"))
     assert result.steps_done == 3
     records = metrics(result.run_dir)
@@ -225,3 +227,49 @@ def test_trls_grpo_script_in_server_mode_trains_against_a_running_server(
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["logp_mismatch_max"] < 1e-3 for m in steps)
     assert Server(servers[1]).get("/weight_info")["weight_version"] in ("1", "2")
+
+
+WORKER = Path(__file__).with_name("scripts") / "server_worker.py"
+
+
+def torchrun(*args, cwd):
+    """A 2-process launch (gloo); the timeout is a backstop for a hang."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", *map(str, args)]  # fmt: skip
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_two_ranks_sample_through_the_servers_and_update_like_one(
+    servers, vllm_model_dir, tmp_path
+):
+    """torchrun, 2 gloo ranks: each samples its share through both servers (rank 0 syncs, rank
+    1 waits for the version), and 3 updates on the gathered batch equal one process's; then
+    version 3 reaches both servers and both ranks sample it."""
+    out = tmp_path / "out.json"
+    done = torchrun(WORKER, vllm_model_dir, ",".join(servers), out, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rows"] == 16 and result["tokens"] > 16
+    assert result["moved"] > 1e-4  # the updates did something
+    assert result["grad_diff"] / result["grad_scale"] < F64_SAME
+    assert result["weight_diff"] / result["weight_scale"] < F64_SAME
+    assert (result["synced"], result["servers"], result["syncs"]) == (3, ["3", "3"], 2)
+    assert result["again_rows"] == 4
+
+
+def test_torchrun_cli_trains_three_steps_through_the_servers(servers, vllm_model_dir, files,
+                                                             tmp_path):  # fmt: skip
+    done = torchrun("-m", "grouprl", "train", "--model", vllm_model_dir, "--vllm-server",
+                    ",".join(servers), "--dataset", files / "sums.jsonl", "--rewards",
+                    f"{files / 'rewards.py'}:length", "1", "--max-new-tokens", "12", "--steps",
+                    "3", "--prompts-per-step", "4", "--minibatches", "1", "--group-size", "4",
+                    "--eval-every", "0",
+                    "--eval-size", "4", "--threads", "1", "--output-dir", "run", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["groups"] == 4 and r["logp_mismatch_max"] < 1e-4 for r in records)
+    assert [Server(u).get("/weight_info")["weight_version"] for u in servers] == ["3", "3"]

@@ -181,3 +181,14 @@ def test_a_large_mismatch_is_a_finding_that_names_a_correction(tmp_path, monkeyp
         (finding,) = [f for f in report["findings"] if f["code"] == "logp_mismatch"]
         assert finding["severity"] == severity and "--correction token_tis" in finding["suggestion"]
         assert f"{kl:.2e}" in finding["evidence"]
+
+
+def test_async_on_a_shared_device_is_an_info_finding_with_its_measure(tmp_path, monkeypatch,
+                                                                       capsys):  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    _, report = _check(capsys)
+    assert not any(f["code"] == "async_shared_device" for f in report["findings"])
+    code, report = _check(capsys, "--max-staleness", "1")
+    (finding,) = [f for f in report["findings"] if f["code"] == "async_shared_device"]
+    assert code == 0 and finding["severity"] == "info"
+    assert "0.85-0.99x" in finding["evidence"] and "--vllm-server" in finding["suggestion"]

@@ -237,7 +237,7 @@ class VLLMServerEngine:
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.version: int | None = None  # the version last announced
         self.synced: int | None = None  # the version every server holds
-        self.syncs, self.sync_seconds = 0, 0.0
+        self.syncs, self.sync_seconds, self.write_seconds = 0, 0.0, 0.0  # totals
         self.temporary = weights_dir is None
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="grouprl-vllm-weights-"))
         self._finalizer = weakref.finalize(self, _remove, self.weights_dir if self.temporary else None,
@@ -313,7 +313,9 @@ class VLLMServerEngine:
         start = time.perf_counter()
         tensors = self.weights()
         if self.lead:
+            written = time.perf_counter()
             directory = self._write(version, tensors)
+            self.write_seconds += time.perf_counter() - written
             for server in self.servers:
                 _load(server, directory, version)
             self._clean(keep=directory)
@@ -447,8 +449,10 @@ class LocalServer:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                             env={**os.environ, **SERVER_ENV, **(env or {})},
                                             start_new_session=True)  # fmt: skip
-        self._finalizer = weakref.finalize(self, _stop_process, self.process,
-                                           Path(model) if own_model else None)  # fmt: skip
+        removed = [Path(model)] if own_model else []
+        if log is None:
+            removed.append(self.log)  # a log of grouprl's choosing goes with the server
+        self._finalizer = weakref.finalize(self, _stop_process, self.process, removed)
         if announce is not None:
             announce(f"starting a vLLM server at {self.url} (its log: {self.log})")
         if wait:
@@ -473,14 +477,15 @@ class LocalServer:
                 server.get("/health", timeout=5)
                 return
             time.sleep(0.25)
+        tail = self.log.read_text(errors="replace").strip().splitlines()[-2:]
         raise UserError(f"the vLLM server grouprl started did not answer within "
-                        f"{START_TIMEOUT:g} s; see {self.log}")  # fmt: skip
+                        f"{START_TIMEOUT:g} s: {' | '.join(tail)}")  # fmt: skip
 
     def stop(self) -> None:
         self._finalizer()
 
 
-def _stop_process(process: subprocess.Popen, directory: Path | None) -> None:
+def _stop_process(process: subprocess.Popen, remove: list[Path]) -> None:
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
@@ -490,8 +495,11 @@ def _stop_process(process: subprocess.Popen, directory: Path | None) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    if directory is not None:
-        shutil.rmtree(directory, ignore_errors=True)
+    for path in remove:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def save_model_directory(policy: nn.Module, tokenizer: Any, weights: dict[str, torch.Tensor],
