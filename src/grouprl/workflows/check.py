@@ -482,16 +482,7 @@ def findings(report: Report, sampled: list[Any], pass_reward: str) -> list[Findi
             "correct for it: --correction token_tis (truncated importance weights), or "
             "--correction geo_mask_token_tis for long completions",
         ))  # fmt: skip
-    if report.config.get("max_staleness", 0) > 0 and not report.config.get("sampler_apart"):
-        out.append(Finding(
-            "async_shared_device", "info",
-            "asynchronous sampling here shares the trainer's machine",
-            f"--max-staleness {report.config['max_staleness']} overlaps sampling with the update, "
-            "which only hides time one side leaves idle: measured on 2 CPU cores, 0.85-0.99x the "
-            "steps/s of --max-staleness 0 (1.06x with --proximal behaviour)",
-            "keep --max-staleness 0 where sampler and trainer share a device; sample on another "
-            "machine's devices (--vllm-server URL) for the overlap to pay",
-        ))  # fmt: skip
+    out += _async_findings(report)
     memory = report.memory
     if "limit_gb" in memory and memory["predicted_gb"] > memory["limit_gb"]:
         fits = memory["micro_batch_size_that_fits"]
@@ -502,6 +493,22 @@ def findings(report: Report, sampled: list[Any], pass_reward: str) -> list[Findi
             else "--gradient-checkpointing, a smaller --max-new-tokens, or LoRA (--lora-r)",
         ))  # fmt: skip
     return sorted(out, key=lambda f: f.severity != "warning")
+
+
+def _async_findings(report: Report) -> list[Finding]:
+    """Asynchronous sampling where sampler and trainer share a machine: measured, it does not
+    pay there."""
+    if report.config.get("max_staleness", 0) > 0 and not report.config.get("sampler_apart"):
+        return [Finding(
+            "async_shared_device", "info",
+            "asynchronous sampling here shares the trainer's machine",
+            f"--max-staleness {report.config['max_staleness']} overlaps sampling with the update, "
+            "which only hides time one side leaves idle: measured on 2 CPU cores, 0.85-0.99x the "
+            "steps/s of --max-staleness 0 (1.06x with --proximal behaviour)",
+            "keep --max-staleness 0 where sampler and trainer share a device; sample on another "
+            "machine's devices (--vllm-server URL) for the overlap to pay",
+        )]  # fmt: skip
+    return []
 
 
 def _sampler_apart(servers: str | None) -> bool:
