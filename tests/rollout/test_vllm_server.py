@@ -50,6 +50,9 @@ class Stub:
 
             def _answer(self, body):
                 stub.calls.append((self.path, body))
+                if stub.broken == "dies at version 2" and stub.version == "2":
+                    self.close_connection = True  # no answer: as a server that died
+                    return
                 status, answer = stub.route(self.path, body)
                 data = json.dumps(answer).encode()
                 self.send_response(status)
@@ -244,3 +247,32 @@ def test_a_server_implies_the_vllm_engine_and_refuses_what_it_cannot_honour():
         world_size=2,
         task_max_new_tokens=8,
     )
+
+
+def test_a_server_that_dies_mid_run_ends_it_in_one_line_with_the_checkpoints_intact(
+    tmp_path, capsys
+):
+    """The server stops answering once it holds version 2: step 3 cannot sample; the run ends
+    with one line saying what to do, and step 2's checkpoint resumes (on a server that answers)."""
+    flags = ["train", "--steps", "3", "--save-every", "1", "--prompts-per-step", "4",
+             "--minibatches", "1", "--group-size", "2", "--max-new-tokens", "4", "--eval-size",
+             "2", "--eval-every", "0", "--no-progress", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    stub = Stub("dies at version 2")
+    try:
+        code = main([*flags, "--vllm-server", stub.url])
+    finally:
+        stub.close()
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert code == 2 and "no answer from the vLLM server" in err[-1] and "--resume" in err[-1]
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert checkpoints[-1] == "step_000002"
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    healthy = Stub()
+    try:
+        assert main(["train", "--resume", str(tmp_path / "run"), "--vllm-server", healthy.url]) == 0
+    finally:
+        healthy.close()
+    assert healthy.version == "3"  # re-synced to the checkpoint's version, then trained on
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]

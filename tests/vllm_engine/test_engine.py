@@ -1,6 +1,7 @@
 """The vLLM engine against grouprl's own: greedy ids up to the first near tie, log-probs within
 float32 rounding, weights that follow the policy, the HF engine's ends and tool turns, seeds,
-and nothing vLLM changes in the process left changed."""
+and nothing vLLM changes in the process left changed. The sampling tests run twice: vLLM in this
+process, and a vLLM server (`--vllm-server`)."""
 
 from __future__ import annotations
 
@@ -43,11 +44,19 @@ def tokenizer(vllm_model_dir):
     return AutoTokenizer.from_pretrained(vllm_model_dir)
 
 
-@pytest.fixture
-def engine(model, tokenizer):
-    """A fresh engine per test (a process runs one vLLM engine at a time: a test that starts
-    its own closes this one; after the first start, one takes about 0.3 s)."""
-    engine = VLLMEngine(model, tokenizer, OPTIONS)
+@pytest.fixture(params=["in-process", "server"])
+def engine(request, model, tokenizer):
+    """A fresh engine per test: vLLM in this process (a process runs one vLLM engine at a
+    time: a test that starts its own closes this one; after the first start, one takes about
+    0.3 s), or one of the session's vLLM servers (`--vllm-server`: the same requests, over
+    HTTP, its weights synced from the model's)."""
+    if request.param == "server":
+        from grouprl.rollout.vllm_server import VLLMServerEngine
+
+        servers = request.getfixturevalue("servers")
+        engine = VLLMServerEngine(model, tokenizer, servers[:1], weights=model.state_dict)
+    else:
+        engine = VLLMEngine(model, tokenizer, OPTIONS)
     yield engine
     engine.close()
 
@@ -256,6 +265,8 @@ def test_vllm_leaves_the_process_as_it_found_it(model, tokenizer):
 
 
 def test_starting_an_engine_closes_the_one_before(model, tokenizer, engine):
+    if not isinstance(engine, VLLMEngine):
+        pytest.skip("a server is another process: starting an engine here leaves it alone")
     engine.sample([[1, 2, 3]], group_size=2, max_new_tokens=2, seed=0)
     second = VLLMEngine(model, tokenizer, OPTIONS)
     try:

@@ -1,6 +1,6 @@
 """Rollouts on vLLM servers (`--vllm-server`), against two real servers of vLLM's CPU build
-started once for the session (`servers` in conftest): greedy ids equal the HF engine's up to the
-first near tie; a weight sync moves a server to the updated policy and its version; a run trains
+started once for the session (`servers` in conftest; test_engine.py runs its sampling tests on
+one too: greedy ids up to the first near tie, log-probs, seeds, ends, tool turns): a weight sync moves a server to the updated policy and its version; a run trains
 and resumes through a server; an asynchronous run samples the versions of its schedule; two
 servers each keep a group and both hold version k before any sample of step k + 1; TRL's script
 in server mode trains against a running server."""
@@ -56,21 +56,6 @@ def options(vllm_model_dir, files, servers, **extra):
         prompts_per_step=4, group_size=4, eval_size=4, eval_samples=2, eval_every=0,
         save_every=1, progress=False, threads=1, warmup_steps=0, lr=1e-3, seed=1, **extra,
     )  # fmt: skip
-
-
-def test_greedy_ids_through_a_server_equal_the_hf_engines(servers, model, tokenizer):
-    engine = VLLMServerEngine(model, tokenizer, servers[:1], weights=lambda: model.state_dict())
-    try:
-        ids = prompts(tokenizer)
-        hf = sample_groups(model, tokenizer, ids, group_size=1, max_new_tokens=24,
-                           temperature=0.0)  # fmt: skip
-        ours = engine.sample(ids, group_size=1, max_new_tokens=24, temperature=0.0)
-        assert ours.behaviour_logp is not None and ours.entropy is None
-        splits = assert_greedy_agrees(model, ids, hf, ours)
-        print(f"greedy rows split from the HF engine at {splits}")
-        assert Server(servers[0]).get("/weight_info")["weight_version"] == "0"
-    finally:
-        engine.close()
 
 
 def test_a_weight_sync_moves_the_server_to_the_updated_policy(servers, model, tokenizer):

@@ -62,6 +62,8 @@ SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"
 START_TIMEOUT = 600.0
 #: Seconds one request may take: a control call, or a whole group's completions.
 REQUEST_TIMEOUT = 900.0
+#: What a run that lost a server mid-way can do.
+RESUME = "the last checkpoint is intact: restart the server and resume the run (--resume)"
 #: Text whose ids the server's tokenizer must give as the policy's does.
 PROBE = "Hello, world! 12+30=42. <think>ok</think> Ünïcödé — tabs\tand\nnewlines  "
 
@@ -298,8 +300,7 @@ class VLLMServerEngine:
                 answer = self.servers[k].post("/inference/v1/generate", body,
                                               timeout=REQUEST_TIMEOUT)  # fmt: skip
             except ServerError as err:
-                raise ServerError(f"{err} while sampling; the last checkpoint is intact: restart "
-                                  "the server and resume the run (--resume)") from None  # fmt: skip
+                raise ServerError(f"{err} while sampling; {RESUME}") from None
             return _completions(answer, self.servers[k], expected)
 
         with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:
@@ -312,16 +313,21 @@ class VLLMServerEngine:
         elsewhere; `weights()` is called on every process (a collective under FSDP)."""
         start = time.perf_counter()
         tensors = self.weights()
-        if self.lead:
-            written = time.perf_counter()
-            directory = self._write(version, tensors)
-            self.write_seconds += time.perf_counter() - written
-            for server in self.servers:
-                _load(server, directory, version)
-            self._clean(keep=directory)
-        else:
-            for server in self.servers:
-                _await_version(server, version)
+        try:
+            if self.lead:
+                written = time.perf_counter()
+                directory = self._write(version, tensors)
+                self.write_seconds += time.perf_counter() - written
+                for server in self.servers:
+                    _load(server, directory, version)
+                self._clean(keep=directory)
+            else:
+                for server in self.servers:
+                    _await_version(server, version)
+        except ServerError as err:
+            if self.synced is None:  # the first sync: nothing trained yet
+                raise
+            raise ServerError(f"{err} while syncing version {version}; {RESUME}") from None
         self.synced, self.syncs = version, self.syncs + 1
         self.sync_seconds += time.perf_counter() - start
 
