@@ -56,8 +56,8 @@ def test_registries_hold_the_documented_names():
                                           "remax"]  # fmt: skip
     assert list(OBJECTIVES) == ["clip", "cispo", "sapo", "gmpo", "vespo", "gpg", "clip_cov",
                                 "kl_cov"]  # fmt: skip
-    assert set(ADVANTAGE_SCALES) == {"group", "batch", "none"}
-    assert set(RATIO_LEVELS) == {"token", "sequence", "sequence_token"}
+    assert set(ADVANTAGE_SCALES) == {"group", "batch", "none", "whiten"}
+    assert set(RATIO_LEVELS) == {"token", "sequence", "sequence_token", "sequence_sum"}
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
     assert set(AGGREGATIONS) == {
         "token_mean",

@@ -95,13 +95,16 @@ def same_metrics(a: dict[str, float], b: dict[str, float]) -> bool:
 @SETTINGS
 @given(cases())
 def test_on_policy_gradient_is_the_reinforce_gradient(case):
-    """logp == old_logp: every ratio is 1 and ∇loss = ∇ aggregate(−Â·logp), at every level."""
+    """logp == old_logp: every ratio is 1 and ∇loss = ∇ aggregate(−Â·logp), at every level
+    whose sequence ratio is length-normalised; the unnormalised sequence_sum (TRL's RLOO) is
+    the REINFORCE gradient of the whole sequence's log-prob, |y_i| times each token's."""
     out, grad = loss_and_grad(case, old_logp=case.logp.detach())
     logp = case.leaf()
     counts = {k: case.kwargs.get(k) for k in ("norm_len", "num_tokens", "num_seqs")}
-    reinforce = aggregate(
-        -case.advantages[:, None] * logp, case.mask, mode=case.kwargs["agg"], **counts
-    )
+    weight = case.advantages[:, None]
+    if case.kwargs.get("level") == "sequence_sum":
+        weight = weight * case.mask.sum(-1, keepdim=True).to(weight.dtype)
+    reinforce = aggregate(-weight * logp, case.mask, mode=case.kwargs["agg"], **counts)
     (expected,) = torch.autograd.grad(reinforce, logp)
     torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
     if case.mask.any():

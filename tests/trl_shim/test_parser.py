@@ -14,10 +14,18 @@ import yaml
 trl = pytest.importorskip("trl")
 from trl.experimental.async_grpo import AsyncGRPOConfig as TheirAsync  # noqa: E402
 
-from grouprl.trl import ASYNC_FIELDS, FIELDS, AsyncGRPOConfig, GRPOConfig  # noqa: E402
+from grouprl.trl import (  # noqa: E402
+    ASYNC_FIELDS,
+    FIELDS,
+    RLOO_FIELDS,
+    AsyncGRPOConfig,
+    GRPOConfig,
+    RLOOConfig,
+)
 from grouprl.trl.config import HELP  # noqa: E402
 
-PAIRS = [(GRPOConfig, trl.GRPOConfig, FIELDS), (AsyncGRPOConfig, TheirAsync, ASYNC_FIELDS)]
+PAIRS = [(GRPOConfig, trl.GRPOConfig, FIELDS), (AsyncGRPOConfig, TheirAsync, ASYNC_FIELDS),
+         (RLOOConfig, trl.RLOOConfig, RLOO_FIELDS)]  # fmt: skip
 
 
 def default(f: dataclasses.Field):
@@ -28,7 +36,8 @@ def argparse_options(f: dataclasses.Field) -> dict:
     return {k: list(v) if k == "choices" else v for k, v in f.metadata.items() if k != "help"}
 
 
-@pytest.mark.parametrize(("ours", "theirs", "table"), PAIRS, ids=["GRPOConfig", "AsyncGRPOConfig"])
+@pytest.mark.parametrize(("ours", "theirs", "table"), PAIRS,
+                         ids=["GRPOConfig", "AsyncGRPOConfig", "RLOOConfig"])  # fmt: skip
 def test_every_field_has_trls_type_default_and_argparse_options(ours, theirs, table):
     assert trl.__version__.startswith("1.16")
     our_types, their_types = typing.get_type_hints(ours), typing.get_type_hints(theirs)
@@ -133,3 +142,25 @@ def test_the_help_says_what_grouprl_does_with_a_field(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert " ".join(HELP["learning_rate"].split()) in text
     assert "Not implemented by grouprl" in text and "TRL's plumbing" in text
+
+
+#: TRL's documented `trl rloo` command lines (docs/source/rloo_trainer.md and the script's).
+RLOO_FLAGS = [
+    ["--model_name_or_path", "Qwen/Qwen2-0.5B-Instruct", "--dataset_name", "trl-lib/DeepMath-103K",
+     "--reward_funcs", "accuracy_reward", "--output_dir", "Qwen2-0.5B-RLOO"],
+    ["--model_name_or_path", "m", "--dataset_name", "trl-lib/tldr", "--learning_rate", "3e-6",
+     "--num_generations", "4", "--beta", "0.03", "--normalize_advantages", "--epsilon", "0.2",
+     "--steps_per_generation", "4", "--use_vllm", "--vllm_mode", "colocate", "--log_completions",
+     "--use_peft", "--lora_r", "16", "--max_completion_length", "512", "--bf16", "false"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags", RLOO_FLAGS, ids=["quickstart", "tldr"])
+def test_trl_rloo_flags_parse_to_trls_values(flags):
+    from trl.scripts.rloo import RLOOScriptArguments
+
+    ours = trl.TrlParser((RLOOScriptArguments, RLOOConfig, trl.ModelConfig))
+    theirs = trl.TrlParser((RLOOScriptArguments, trl.RLOOConfig, trl.ModelConfig))
+    assert vars(ours.parse_args(flags)) == vars(theirs.parse_args(flags))
+    _, config, model = ours.parse_args_into_dataclasses(flags)
+    assert isinstance(config, RLOOConfig) and model.model_name_or_path == flags[1]

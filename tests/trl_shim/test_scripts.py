@@ -222,3 +222,35 @@ def test_grouprl_trl_grpo_says_which_config_keys_it_ignores(tmp_path, monkeypatc
     assert main(["trl", "grpo", "--config", "run.yaml"]) == 2
     err = capsys.readouterr().err
     assert "ignored: algo, prompts_per_step" in err and "give --model_name_or_path" in err
+
+
+def test_trls_rloo_script_and_grouprl_trl_rloo_run_the_same(model_dir, tmp_path, monkeypatch):
+    """TRL's own trl/scripts/rloo.py (its import changed) and `grouprl trl rloo` with the same
+    flags: the same run to the bit, with TRL's RLOO semantics (the KL in the reward, logged as
+    TRL's kl), and the model saved."""
+    pytest.importorskip("trl")
+    pytest.importorskip("math_verify")
+    import importlib.util
+
+    from grouprl.cli import main
+
+    dataset_dir(tmp_path / "sums", {"train": 64, "test": 16})
+    source = Path(importlib.util.find_spec("trl.scripts.rloo").origin).read_text()
+    theirs = "    from trl import RLOOTrainer, get_dataset, get_peft_config, get_quantization_config\n"
+    assert source.count(theirs) == 1  # TRL's script still imports as it did
+    source = source.replace(theirs, theirs + "    from grouprl.trl import RLOOTrainer\n")
+    theirs = "    from trl import DatasetMixtureConfig, ModelConfig, RLOOConfig, TrlParser\n"
+    assert source.count(theirs) == 1
+    source = source.replace(theirs, theirs + "    from grouprl.trl import RLOOConfig\n")
+    (tmp_path / "rloo.py").write_text(source)
+    argv = [*grpo_argv(model_dir), "--num_generations", "4", "--normalize_advantages"]
+    run_argv(tmp_path / "rloo.py", [*argv, "--output_dir", "by-script"], tmp_path, monkeypatch)
+    assert main(["trl", "rloo", *argv, "--output_dir", "by-command"]) == 0
+    runs = [tmp_path / name for name in ("by-script", "by-command")]
+    record = yaml.safe_load((runs[0] / "config.yaml").read_text())
+    assert (record["adv_estimator"], record["adv_scale"], record["kl_in_reward"],
+            record["group_size"]) == ("rloo", "whiten", True, 4)  # fmt: skip
+    metrics = lines(runs[0] / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2] and all("kl" in m for m in metrics)
+    assert comparable(runs[0]) == comparable(runs[1])  # to the bit
+    assert all((run / "model.safetensors").is_file() for run in runs)

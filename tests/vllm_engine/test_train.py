@@ -188,3 +188,32 @@ def test_trls_grpo_script_with_use_vllm_in_server_mode(vllm_model_dir, tmp_path,
     # float32 test above bounds them; here, far below the truncation at 3)
     assert all(m["logp_mismatch_max"] < 1e-3 and m["is_weight_max"] <= 3 for m in steps)
     assert (run / "model.safetensors").is_file()
+
+
+def test_trls_rloo_example_with_vllm_colocate(vllm_model_dir, tmp_path, monkeypatch):
+    """TRL's examples/scripts/rloo.py (NuminaMath-TIR, LoRA, use_vllm=True colocate,
+    steps_per_generation, log_completions) on grouprl: it trains 2 steps with TRL's RLOO
+    semantics, saves its model, and its push to the hub is one line."""
+    pytest.importorskip("trl")
+    import yaml
+    from tests.trl_shim.trl_scripts import dataset_dir
+
+    from grouprl.errors import UserError
+
+    monkeypatch.setenv("TINY_MODEL", str(vllm_model_dir))
+    monkeypatch.setenv("NUMINA", str(dataset_dir(tmp_path / "numina", {"train": 800, "test": 40},
+                                                 numina=True)))  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    script = Path(__file__).parents[1] / "trl_shim" / "scripts" / "rloo.py"
+    with pytest.raises(UserError, match=r"RLOOTrainer\.push_to_hub: grouprl does not push"):
+        runpy.run_path(str(script), run_name="__main__")
+    run = tmp_path / "Qwen3-0.6B-RLOO"
+    record = yaml.safe_load((run / "config.yaml").read_text())
+    assert (record["engine"], record["adv_estimator"], record["ratio_level"],
+            record["kl_in_reward"], record["beta"], record["group_size"]) == (
+        "vllm", "rloo", "sequence_sum", True, 0.05, 2)  # fmt: skip
+    # 8 per device x 8 steps per generation = 64 completions, 32 prompts of 2, in 4 minibatches
+    assert (record["prompts_per_step"], record["minibatches"]) == (32, 4)
+    steps = metrics(run)
+    assert [m["step"] for m in steps] == [1, 2] and all("kl" in m for m in steps)
+    assert (run / "adapter_model.safetensors").is_file()  # save_model: the LoRA adapter

@@ -29,7 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("explain", "the seeds' worked examples, computed live"),
     "plot": ("plot", "PNG plots of a run directory"),
     "view": ("view", "runs in the browser: groups, advantages, each token's ratio and clip"),
-    "trl": ("trl", "TRL's `trl grpo` command line (same flags, TRL's reward names) on grouprl"),
+    "trl": (
+        "trl",
+        "TRL's `trl grpo` and `trl rloo` command lines (same flags, TRL's reward names) on grouprl",
+    ),
 }
 
 

@@ -128,11 +128,35 @@ def markdown(command: str) -> str:
             takes = f"`{r.takes}`" if r.takes else ""
             lines.append(f"| `{r.flag}` | {takes} | `{r.default}` | {kinds.get(name, 'TRL')} "
                          f"| {r.help} |")  # fmt: skip
+        lines += ["", *_rloo_lines({r.flag for r in rows})]
         return "\n".join(lines) + "\n"
     if command in _TRAIN_TOO:
         lines += ["Every `grouprl train` flag, and its own:", ""]
     lines += _table(command_rows(command))
     return "\n".join(lines) + "\n"
+
+
+def _rloo_lines(grpo_flags: set[str]) -> list[str]:
+    """`grouprl trl rloo`: TRL's `trl rloo` command line, which differs from `trl grpo`'s by
+    the flags RLOOConfig lacks and its own (`grouprl.trl.rloo`)."""
+    from grouprl.trl.rloo import _GRPO_ONLY, RLOO_FIELDS
+    from grouprl.trl.scripts import make_parser
+
+    rows = _rows(make_parser("rloo")._actions)
+    lines = ["`grouprl trl rloo` parses TRL's `trl rloo` command line: the flags above less "
+             "GRPOConfig's own (" + ", ".join(f"`--{n}`" for n in _GRPO_ONLY) + "), with "
+             "RLOOConfig's defaults (`--num_generations 2`, `--beta 0.05`) and TRL's RLOO "
+             "semantics (leave-one-out advantages, the KL in the reward, the sequence ratio), "
+             "and these of its own:", "",
+             "| flag | takes | default | grouprl | what it does |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if r.flag in grpo_flags:
+            continue
+        name = r.flag.split(",")[0].lstrip("-").replace("-", "_")
+        takes = f"`{r.takes}`" if r.takes else ""
+        kind = RLOO_FIELDS[name].kind if name in RLOO_FIELDS else "TRL"
+        lines.append(f"| `{r.flag}` | {takes} | `{r.default}` | {kind} | {r.help} |")
+    return lines
 
 
 def reference() -> str:

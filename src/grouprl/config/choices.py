@@ -43,11 +43,13 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 Precision = Literal["fp32", "bf16"]
 Strategy = Literal["ddp", "fsdp"]
 LRSchedule = Literal["constant", "linear", "cosine"]
-RatioLevel = Literal["token", "sequence", "sequence_token"]  # grouprl.core.RATIO_LEVELS
+RatioLevel = Literal[
+    "token", "sequence", "sequence_token", "sequence_sum"
+]  # grouprl.core.RATIO_LEVELS
 LossAgg = Literal[  # grouprl.core.AGGREGATIONS
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
 ]
-AdvScale = Literal["group", "batch", "none"]  # grouprl.core.ADVANTAGE_SCALES
+AdvScale = Literal["group", "batch", "none", "whiten"]  # grouprl.core.ADVANTAGE_SCALES
 KLEstimator = Literal["k1", "k2", "k3"]  # grouprl.core.KL_ESTIMATORS
 EvalSplit = Literal["heldout", "train", "all"]
 ToolFormat = Literal["tags", "chat"]

@@ -147,7 +147,8 @@ class ObjectiveOptions:
     kl_cov_coef: float | None = None
     """KL-Cov: the coefficient of their |log r| penalty. None: 0.1 (verl's YAML)."""
     ratio_level: RatioLevel | None = None
-    """Importance ratio: per token (GRPO), per sequence (GSPO), or GSPO-token. None: preset."""
+    """Importance ratio: per token (GRPO), per sequence (GSPO), GSPO-token, or sequence_sum
+    (the whole sequences' probability ratio, not length-normalised: TRL's RLOO). None: preset."""
     clip_low: float | None = None
     """Clip range below 1: ratios under 1-clip_low are clipped. None: preset."""
     clip_high: float | None = None
@@ -158,6 +159,10 @@ class ObjectiveOptions:
     """Weight of the KL penalty to the reference (initial) policy. None: preset."""
     kl_estimator: KLEstimator = "k3"
     """KL estimator for the penalty (k3 is the GRPO paper's)."""
+    kl_in_reward: bool = False
+    """Apply --beta as a penalty on each completion's reward, β·Σ_t (log π_old − log π_ref) over
+    its trained tokens (k1, summed), before the advantages, instead of a KL term in the loss (the
+    RLOO paper and TRL's RLOOTrainer; verl's use_kl_in_reward)."""
     kl_ratio_weighted: bool = False
     """Multiply each token's KL term by its importance ratio, gradient included (DeepSeek-V3.2's
     unbiased KL estimate; TRL's use_bias_correction_kl). It changes the KL gradient even
@@ -242,11 +247,16 @@ class AdvantageOptions:
     greedy, completion per prompt: arXiv 2310.10505). All but grpo, rloo and grpo_passk set
     their own scaling, so no --adv-scale. None: the preset's."""
     adv_scale: AdvScale | None = None
-    """Advantage scaling: by the group std, the batch std, or none (Dr. GRPO). None: preset."""
+    """Advantage scaling: by the group std, the batch std, none (Dr. GRPO), or whiten (the
+    baseline's advantages, then (Â − mean)/(std + eps) over the batch: TRL RLOOTrainer's
+    normalize_advantages). None: preset."""
     unbiased_std: bool = False
     """Use the sample (Bessel) std, as TRL and verl do, instead of the population std."""
     adv_eps: float = 1e-4
     """Added to the std before dividing."""
+    reward_clip: tuple[float, float] | None = None
+    """Clamp each completion's weighted reward to [LOW, HIGH] before the advantages (TRL
+    RLOOConfig's reward_clip_range). None: no clamp."""
 
 
 @dataclass(frozen=True)

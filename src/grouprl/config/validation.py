@@ -292,7 +292,7 @@ def loss_options(cfg: RunConfig) -> LossOptions:
         clip_low=cfg.clip_low,
         clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip,
-        beta=cfg.beta,
+        beta=0.0 if cfg.kl_in_reward else cfg.beta,  # in the reward instead (train_on)
         kl_estimator=cfg.kl_estimator,
         kl_ratio_weighted=cfg.kl_ratio_weighted,
         objective=cfg.objective,
@@ -378,6 +378,14 @@ def _offpolicy_checks(cfg: RunConfig, corr: Correction, world_size: int) -> list
         (
             cfg.vllm_mode == "colocate" or cfg.engine == "vllm",
             "--vllm-mode says where --engine vllm runs; add --engine vllm (or leave --vllm-mode)",
+        ),
+        (
+            not cfg.kl_in_reward or cfg.beta > 0,
+            "--kl-in-reward applies --beta as a reward penalty; give --beta > 0 (or drop it)",
+        ),
+        (
+            cfg.reward_clip is None or cfg.reward_clip[0] < cfg.reward_clip[1],
+            "--reward-clip LOW HIGH needs LOW < HIGH",
         ),
         (
             cfg.proximal != "behaviour" or corr.weight is None,

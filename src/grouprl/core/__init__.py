@@ -46,6 +46,7 @@ _HOMES = {
     "gpg_objective": "objectives",
     "importance_ratio": "loss",
     "kl_penalty": "loss",
+    "kl_reward_penalty": "loss",
     "log_ratio": "loss",
     "mean_over": "loss",
     "policy_loss": "loss",

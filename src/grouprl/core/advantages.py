@@ -60,6 +60,15 @@ def _no_scale(centred: Tensor, valid: Tensor, eps: float, unbiased: bool) -> Ten
     return torch.ones((), dtype=centred.dtype, device=centred.device)
 
 
+def _whiten(advantages: Tensor, valid: Tensor, eps: float, unbiased: bool) -> Tensor:
+    """(Â − mean(Â)) / (std(Â) + eps) over the batch's scored completions (TRL RLOOTrainer's
+    normalize_advantages; REINFORCE++'s whitening)."""
+    count = valid.sum()
+    mean = torch.where(valid, advantages, 0.0).sum() / count.clamp(min=1)
+    deviation = torch.where(valid, advantages - mean, 0.0)
+    return (advantages - mean) / (_std(deviation.square().sum(), count, unbiased) + eps)
+
+
 #: group_advantages' baselines (the estimators by name, with every other: `grouprl.core.registry`).
 BASELINES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "grpo": _grpo,
@@ -69,6 +78,7 @@ ADVANTAGE_SCALES: dict[str, Callable[[Tensor, Tensor, float, bool], Tensor]] = {
     "group": _group_scale,
     "batch": _batch_scale,
     "none": _no_scale,
+    "whiten": _whiten,  # not a divisor: group_advantages whitens with it
 }
 
 
@@ -122,7 +132,9 @@ def group_advantages(
         grpo: Â_i = (R_i − mean(R)) / (std(R) + eps)            (arXiv 2402.03300, §4.1.2)
         rloo: Â_i = (R_i − 1/(G−1) Σ_{j≠i} R_j) / (std(R) + eps)  (arXiv 2402.14740)
 
-    ``scale`` picks the divisor (ADVANTAGE_SCALES: "group", "batch", "none"), ``estimator`` the
+    ``scale`` picks the divisor (ADVANTAGE_SCALES: "group", "batch", "none"), or "whiten": the
+    baseline's advantages, unscaled, then (Â − mean) / (std + eps) over the batch's scored
+    completions (TRL RLOOTrainer's normalize_advantages). ``estimator`` the
     baseline (BASELINES: "grpo", "rloo"). The std is the population std, or the sample
     std with ``unbiased_std=True``. NaN rewards get 0 and are excluded from the group's statistics;
     zero-variance groups get exact zeros. No gradient flows to ``rewards``. G = 1 is a ValueError.
@@ -138,8 +150,11 @@ def group_advantages(
     # so a group with no spread is zeroed explicitly: it carries no learning signal.
     silent = zero_variance_groups(rewards)[:, None] | ~valid  # (B, G)
     centred = torch.where(silent, 0.0, r - mean)  # (B, G)
-    advantages = estimate(centred, count) / divisor(centred, valid, eps, unbiased_std)  # (B, G)
-    return torch.where(silent, 0.0, advantages)
+    if divisor is _whiten:  # the baseline's advantages, whitened over the whole batch
+        advantages = _whiten(estimate(centred, count), valid, eps, unbiased_std)
+    else:
+        advantages = estimate(centred, count) / divisor(centred, valid, eps, unbiased_std)
+    return torch.where(silent, 0.0, advantages)  # (B, G)
 
 
 def gdpo_advantages(

@@ -49,6 +49,13 @@ def _sequence_level(token_log_ratio: Tensor, logp: Tensor, mask: Tensor) -> Tens
     return torch.where(mask, token_log_ratio.sum(-1, keepdim=True) / lengths, 0.0)  # (N, T)
 
 
+def _sequence_sum_level(token_log_ratio: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
+    """log r_i = Σ_t log ρ_it on every token of y_i: the ratio of the whole sequences'
+    probabilities, not length-normalised (RLOO as TRL's RLOOTrainer computes it, arXiv
+    2402.14740)."""
+    return torch.where(mask, token_log_ratio.sum(-1, keepdim=True), 0.0)  # (N, T)
+
+
 def _sequence_token_level(token_log_ratio: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
     """log s_it = sg[log s_i] + log π_θ(y_it) − sg[log π_θ(y_it)] (GSPO-token, arXiv 2507.18071)."""
     # The bracket is exactly 0 in value, so the value equals "sequence" bit for bit.
@@ -59,6 +66,7 @@ RATIO_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
     "token": _token_level,
     "sequence": _sequence_level,
     "sequence_token": _sequence_token_level,
+    "sequence_sum": _sequence_sum_level,
 }
 
 
@@ -68,8 +76,10 @@ def log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, *, level: str = "tok
         "token":          log ρ_it = logp_it − old_logp_it                       (GRPO)
         "sequence":       log s_i  = Σ_t m_it log ρ_it / Σ_t m_it on every token  (GSPO)
         "sequence_token": sg[log s_i] + logp_it − sg[logp_it]                    (GSPO-token)
+        "sequence_sum":   log r_i  = Σ_t m_it log ρ_it on every token            (RLOO, TRL's)
 
-    Sources: arXiv 2402.03300 (GRPO), arXiv 2507.18071 (GSPO and GSPO-token). ``mask`` may be
+    Sources: arXiv 2402.03300 (GRPO), arXiv 2507.18071 (GSPO and GSPO-token), arXiv 2402.14740
+    and TRL 1.16's RLOOTrainer (the unnormalised sequence ratio). ``mask`` may be
     bool or float (nonzero = valid); padded values never reach the result or its gradient.
     """
     level_fn = choose(RATIO_LEVELS, level, "ratio level")
@@ -99,6 +109,17 @@ def _k3(d: Tensor) -> Tensor:
 
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+def kl_reward_penalty(old_logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """Each completion's KL penalty as a reward (N,): Σ_t m_it (log π_old(y_it) − log π_ref(y_it)),
+    the first-order (k1) estimate summed over its tokens, which the caller scales by β and
+    subtracts from the reward before the advantages (the RLOO paper, arXiv 2402.14740, and TRL
+    1.16's RLOOTrainer; verl's use_kl_in_reward). Single samples can be negative. No gradient."""
+    _check_same_shape(old_logp=old_logp, ref_logp=ref_logp, mask=mask)
+    mask = mask.bool()
+    d = torch.where(mask, old_logp.detach() - ref_logp.detach(), 0.0)  # (N, T)
+    return d.sum(-1)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, *, estimator: str = "k3") -> Tensor:

@@ -31,7 +31,7 @@ from typing import Any
 ESTIMATOR_INPUTS = ("lengths", "baselines", "components", "weights", "scale", "eps",
                     "unbiased_std")  # fmt: skip
 #: --adv-scale's values (`grouprl.core.advantages.ADVANTAGE_SCALES`).
-SCALES = ("group", "batch", "none")
+SCALES = ("group", "batch", "none", "whiten")
 
 
 def _load(function: str | Callable[..., Any]) -> Callable[..., Any]:

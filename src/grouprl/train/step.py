@@ -6,6 +6,7 @@ optimizer, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 
 from grouprl.config.options import RunConfig
 from grouprl.config.validation import loss_options
-from grouprl.core import ADVANTAGE_ESTIMATORS, overlong_penalty
+from grouprl.core import ADVANTAGE_ESTIMATORS, kl_reward_penalty, overlong_penalty
 from grouprl.models.lora import base_model_context
 from grouprl.rollout import Rollout
 from grouprl.train.batch import Batch
@@ -89,12 +90,15 @@ def train_on(
     `update` (with the adaptive entropy coefficient's state; `watch`: the viewer's rows, see
     `grouprl.train.groups`); returns the advantages and the update's diagnostics."""
     cfg, dist = run.cfg, run.dist
-    advantages = batch_advantages(cfg, batch, dist, run.sampler.rewards.weights)  # (N,)
     ref_logp = None
     if cfg.beta > 0:
         with base_model_context(run.policy):
             model = run.reference or run.policy
             ref_logp = no_grad_logprobs(cfg, model, batch.rollout, run.sampler.dtype)
+    scored, kl_reward = _shaped(cfg, batch, ref_logp)
+    advantages = batch_advantages(cfg, scored, dist, run.sampler.rewards.weights)  # (N,)
+    if kl_reward is not None:  # the KL is in the reward, not the loss
+        ref_logp = None
     teacher_logp, jsd_teacher = None, None
     if run.teacher is not None and cfg.teacher_loss == "jsd":  # it runs with each pass
         jsd_teacher = run.teacher
@@ -105,7 +109,28 @@ def train_on(
                          dtype=run.sampler.dtype, scaler=run.scaler, dist=dist,
                          lockstep=run.lockstep, entropy_state=entropy_state,
                          step=step, watch=watch)  # fmt: skip
+    if kl_reward is not None:  # per token, over every rank's trained tokens (TRL's "kl")
+        total, tokens = dist.sum(float(kl_reward.sum()), int(batch.rollout.loss_mask.sum()))
+        diagnostics["kl"] = total / max(tokens, 1)
     return advantages, diagnostics
+
+
+def _shaped(
+    cfg: RunConfig, batch: Batch, ref_logp: torch.Tensor | None
+) -> tuple[Batch, torch.Tensor | None]:
+    """The batch whose rewards the advantages see: clamped to --reward-clip, less β times each
+    completion's summed k1 KL with --kl-in-reward (`grouprl.core.kl_reward_penalty`, also
+    returned: (N,))."""
+    rewards, penalty = batch.rewards, None
+    if cfg.reward_clip is not None:
+        rewards = rewards.clamp(*cfg.reward_clip)  # NaN (unscored) stays NaN
+    if cfg.kl_in_reward and ref_logp is not None:
+        rollout = batch.rollout
+        penalty = kl_reward_penalty(rollout.old_logp, ref_logp, rollout.loss_mask)
+        rewards = rewards - cfg.beta * penalty.to(rewards.dtype)
+    if rewards is batch.rewards:
+        return batch, None
+    return dataclasses.replace(batch, rewards=rewards), penalty
 
 
 def batch_advantages(

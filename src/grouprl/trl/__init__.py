@@ -1,4 +1,5 @@
-"""TRL's `GRPOTrainer` on grouprl: a script written for TRL runs after changing one import.
+"""TRL's `GRPOTrainer` (and `RLOOTrainer`) on grouprl: a script written for TRL runs after
+changing one import.
 
     from grouprl.trl import GRPOConfig, GRPOTrainer       # was: from trl import ...
 
@@ -16,13 +17,15 @@ options (the same to the bit), so it has grouprl's run directory, exact resume, 
 plots; the trackers also get TRL's metric names.
 
 `fields` holds the table, `config` the mapping, `trainer` the trainer, `callbacks` TRL's
-callbacks, `async_grpo` TRL's AsyncGRPOTrainer (grouprl's fixed-lag asynchronous runs), `scripts`
-TRL's `trl grpo` command (`grouprl trl grpo`).
+callbacks, `async_grpo` TRL's AsyncGRPOTrainer (grouprl's fixed-lag asynchronous runs), `rloo`
+TRL's RLOOTrainer (its own advantage, KL and ratio), `scripts` TRL's `trl grpo` and `trl rloo`
+commands (`grouprl trl grpo`, `grouprl trl rloo`).
 """
 
 from grouprl.trl.async_grpo import ASYNC_FIELDS, AsyncGRPOConfig, AsyncGRPOTrainer
 from grouprl.trl.config import FIELDS, GRPOConfig, options_from
+from grouprl.trl.rloo import RLOO_FIELDS, RLOOConfig, RLOOTrainer
 from grouprl.trl.trainer import GRPOTrainer
 
-__all__ = ["ASYNC_FIELDS", "FIELDS", "AsyncGRPOConfig", "AsyncGRPOTrainer", "GRPOConfig",
-           "GRPOTrainer", "options_from"]  # fmt: skip
+__all__ = ["ASYNC_FIELDS", "FIELDS", "RLOO_FIELDS", "AsyncGRPOConfig", "AsyncGRPOTrainer",
+           "GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer", "options_from"]  # fmt: skip

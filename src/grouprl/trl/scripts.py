@@ -1,10 +1,13 @@
-"""TRL's `trl grpo` command (trl/scripts/grpo.py) on grouprl: what `grouprl trl grpo` runs.
+"""TRL's `trl grpo` and `trl rloo` commands (trl/scripts/grpo.py, rloo.py) on grouprl: what
+`grouprl trl grpo` and `grouprl trl rloo` run.
 
-The same parser (TRL's TrlParser over TRL's GRPOScriptArguments, ModelConfig and
-DatasetMixtureConfig, with grouprl.trl's GRPOConfig), the same flags and `--config` YAML, reward
+The same parser (TRL's TrlParser over TRL's GRPOScriptArguments or RLOOScriptArguments,
+ModelConfig and DatasetMixtureConfig, with grouprl.trl's GRPOConfig or RLOOConfig), the same
+flags and `--config` YAML, reward
 names resolved as TRL resolves them (`accuracy_reward`, `reasoning_accuracy_reward`,
 `think_format_reward`, `get_soft_overlong_punishment` from `trl.rewards`, or a dotted import path
-found from the working directory), the same dataset loading, and grouprl's GRPOTrainer. TRL's
+found from the working directory), the same dataset loading, and grouprl's GRPOTrainer or
+RLOOTrainer. TRL's
 script arguments and rewards are TRL's own, so this command needs TRL installed
 (`pip install 'grouprl[trl]'`).
 """
@@ -18,10 +21,15 @@ from typing import Any
 
 from grouprl.errors import UserError
 from grouprl.trl.config import GRPOConfig
+from grouprl.trl.rloo import RLOOConfig, RLOOTrainer
 from grouprl.trl.trainer import GRPOTrainer
 
-#: The commands of TRL's CLI grouprl runs.
-COMMANDS = ("grpo",)
+#: The commands of TRL's CLI grouprl runs: (TRL's script module, its script arguments, grouprl's
+#: config and trainer).
+COMMANDS = {
+    "grpo": ("trl.scripts.grpo", "GRPOScriptArguments", GRPOConfig, GRPOTrainer),
+    "rloo": ("trl.scripts.rloo", "RLOOScriptArguments", RLOOConfig, RLOOTrainer),
+}
 #: What TRL's CLI hands to `accelerate launch` (grouprl's processes come from torchrun).
 LAUNCH = {"num_processes", "accelerate_config", "num_machines", "machine_rank",
            "main_process_ip", "main_process_port", "multi_gpu", "config_file"}  # fmt: skip
@@ -32,19 +40,20 @@ def _trl() -> Any:
         import trl
     except ImportError:
         raise UserError(
-            "grouprl trl grpo parses TRL's script arguments and resolves TRL's reward names: "
+            "grouprl trl parses TRL's script arguments and resolves TRL's reward names: "
             "pip install 'grouprl[trl]'"
         ) from None
     return trl
 
 
-def make_parser(prog: str = "grouprl trl grpo") -> Any:
-    """TRL's parser for `trl grpo`, with grouprl.trl's GRPOConfig in TRL's place."""
+def make_parser(command: str = "grpo", prog: str | None = None) -> Any:
+    """TRL's parser for `trl COMMAND`, with grouprl.trl's config class in TRL's place."""
     trl = _trl()
-    from trl.scripts.grpo import GRPOScriptArguments
-
+    module, arguments, config, _ = COMMANDS[command]
+    script_arguments = getattr(importlib.import_module(module), arguments)
     return trl.TrlParser(
-        (GRPOScriptArguments, GRPOConfig, trl.ModelConfig, trl.DatasetMixtureConfig), prog=prog
+        (script_arguments, config, trl.ModelConfig, trl.DatasetMixtureConfig),
+        prog=prog or f"grouprl trl {command}",
     )
 
 
@@ -106,8 +115,11 @@ def _datasets(script_args: Any, dataset_args: Any) -> Any:
         raise UserError(f"--dataset_name {script_args.dataset_name}: {err}") from None
 
 
-def train(script_args: Any, training_args: Any, model_args: Any, dataset_args: Any) -> None:
-    """TRL 1.16's trl/scripts/grpo.py `main` on grouprl: train what the parsed dataclasses say."""
+def train(
+    script_args: Any, training_args: Any, model_args: Any, dataset_args: Any, command: str = "grpo"
+) -> None:
+    """TRL 1.16's trl/scripts/grpo.py (or rloo.py) `main` on grouprl: train what the parsed
+    dataclasses say."""
     from trl import get_peft_config, get_quantization_config
 
     rewards = reward_functions(script_args)
@@ -127,7 +139,8 @@ def train(script_args: Any, training_args: Any, model_args: Any, dataset_args: A
         if split not in dataset:
             raise UserError(f"the dataset has no split {split!r} (it has {', '.join(dataset)}); "
                             "name one with --dataset_train_split / --dataset_test_split")  # fmt: skip
-    trainer = GRPOTrainer(
+    trainer_class = COMMANDS[command][3]
+    trainer = trainer_class(
         model=model_args.model_name_or_path,
         reward_funcs=rewards,
         args=training_args,
