@@ -236,7 +236,9 @@ def test_trls_rloo_script_and_grouprl_trl_rloo_run_the_same(model_dir, tmp_path,
 
     dataset_dir(tmp_path / "sums", {"train": 64, "test": 16})
     source = Path(importlib.util.find_spec("trl.scripts.rloo").origin).read_text()
-    theirs = "    from trl import RLOOTrainer, get_dataset, get_peft_config, get_quantization_config\n"
+    theirs = (
+        "    from trl import RLOOTrainer, get_dataset, get_peft_config, get_quantization_config\n"
+    )
     assert source.count(theirs) == 1  # TRL's script still imports as it did
     source = source.replace(theirs, theirs + "    from grouprl.trl import RLOOTrainer\n")
     theirs = "    from trl import DatasetMixtureConfig, ModelConfig, RLOOConfig, TrlParser\n"
