@@ -59,3 +59,19 @@ def servers(vllm_model_dir):
     finally:
         for server in started:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def model(vllm_model_dir):
+    """The random chat model, float32, in eval mode (tests that change weights copy it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(vllm_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(vllm_model_dir)

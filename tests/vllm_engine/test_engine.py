@@ -12,7 +12,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl.core import logp_mismatch
 from grouprl.messages import Observation
@@ -32,16 +31,6 @@ OPTIONS = VLLMOptions(
     chunked_prefill=False,
 )  # as on a CPU (`grouprl.train.build.vllm_options`)
 TEXTS = ["12+30=", "What is 7 plus 5?", "answer", "<think>add</think>", "1,200 dollars", "x"]
-
-
-@pytest.fixture(scope="module")
-def model(vllm_model_dir):
-    return AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(vllm_model_dir):
-    return AutoTokenizer.from_pretrained(vllm_model_dir)
 
 
 @pytest.fixture(params=["in-process", "server"])

@@ -8,37 +8,25 @@ in server mode trains against a running server."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import runpy
-import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl.config import TrainConfig
 from grouprl.rollout import sample_groups
 from grouprl.rollout.vllm_server import Server, VLLMServerEngine
 from grouprl.train import loop
 from numerics import F64_SAME, assert_greedy_agrees
+from resumed_runs import straight_and_resumed
 
 TEXTS = ["12+30=", "What is 7 plus 5?", "answer", "<think>add</think>", "1,200 dollars", "x"]
 TIMES = {"step_seconds", "rollout_seconds", "tokens_per_s", "sampler_seconds", "update_seconds"}
-
-
-@pytest.fixture(scope="module")
-def model(vllm_model_dir):
-    return AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(vllm_model_dir):
-    return AutoTokenizer.from_pretrained(vllm_model_dir)
 
 
 def prompts(tokenizer):
@@ -86,25 +74,9 @@ def test_a_weight_sync_moves_the_server_to_the_updated_policy(servers, model, to
 
 @pytest.fixture(scope="module")
 def runs(servers, vllm_model_dir, files, tmp_path_factory):
-    """A straight 3-step run through one server, and one stopped by SIGINT during step 2 (it
-    finishes the step, saves and stops), then resumed for step 3."""
-    root = tmp_path_factory.mktemp("server_runs")
+    """A straight 3-step run through one server, and one stopped during step 2 and resumed."""
     settings = options(vllm_model_dir, files, servers[0], log_ratios=4, log_ratios_every=1)
-    straight = loop.train(TrainConfig(**settings, output_dir=root / "straight"))
-    original = loop.collect_batch
-
-    def interrupt(cfg, sampler, step, position):
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(cfg, sampler, step, position)
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(loop, "collect_batch", interrupt)
-    try:
-        broken = loop.train(TrainConfig(**settings, output_dir=root / "broken"))
-    finally:
-        patch.undo()
-    resumed = loop.train(dataclasses.replace(TrainConfig(**settings), resume=broken.run_dir))
+    straight, broken, resumed = straight_and_resumed(settings, tmp_path_factory.mktemp("server"))
     return straight, broken, resumed
 
 

@@ -5,7 +5,6 @@ and TRL's own trl grpo script with use_vllm in server mode."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import runpy
 from pathlib import Path
@@ -16,9 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from grouprl.cli import main
-from grouprl.config import TrainConfig
-from grouprl.train import loop
 from numerics import forward_bound, logit_magnitude
+from resumed_runs import straight_and_resumed
 
 TIMES = {"step_seconds", "rollout_seconds", "tokens_per_s"}
 
@@ -39,29 +37,10 @@ def metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module", params=["full", "lora"])
 def runs(request, vllm_model_dir, files, tmp_path_factory):
-    """A straight 3-step run, and one stopped by SIGINT during step 2 (it finishes the step,
-    saves and stops), then resumed for step 3."""
-    import os
-    import signal
-
+    """A straight 3-step run, and one stopped during step 2 and resumed for step 3."""
     root = tmp_path_factory.mktemp(request.param)
     lora = {"lora_r": 4, "lr": 1e-2} if request.param == "lora" else {}
-    options = {**base(vllm_model_dir, files), **lora}
-    straight = loop.train(TrainConfig(**options, output_dir=root / "straight"))
-    original = loop.collect_batch
-
-    def interrupt(cfg, sampler, step, position):
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(cfg, sampler, step, position)
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(loop, "collect_batch", interrupt)
-    try:
-        broken = loop.train(TrainConfig(**options, output_dir=root / "broken"))
-    finally:
-        patch.undo()
-    resumed = loop.train(dataclasses.replace(TrainConfig(**options), resume=broken.run_dir))
+    straight, broken, resumed = straight_and_resumed({**base(vllm_model_dir, files), **lora}, root)
     return request.param, straight, broken, resumed
 
 
