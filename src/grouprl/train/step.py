@@ -24,7 +24,7 @@ from grouprl.train.groups import TokenWatch, group_records, watch_groups
 from grouprl.train.metrics import step_metrics
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.run import Run, RunState
-from grouprl.train.update import no_grad_logprobs, update
+from grouprl.train.update import no_grad_logprobs, recomputes_old_logp, update
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,11 @@ def train_on(
         with base_model_context(run.policy):
             model = run.reference or run.policy
             ref_logp = no_grad_logprobs(cfg, model, batch.rollout, run.sampler.dtype)
-    scored, kl_reward = _shaped(cfg, batch, ref_logp)
+    old_logp = batch.rollout.old_logp  # the ratio's: the sampler's, or the trainer's below
+    own = cfg.kl_in_reward and recomputes_old_logp(cfg, batch.rollout, run.sampler.dtype)
+    if own and ref_logp is not None:
+        old_logp = no_grad_logprobs(cfg, run.policy, batch.rollout, run.sampler.dtype)
+    scored, kl_reward = _shaped(cfg, batch, ref_logp, old_logp)
     advantages = batch_advantages(cfg, scored, dist, run.sampler.rewards.weights)  # (N,)
     if kl_reward is not None:  # the KL is in the reward, not the loss
         ref_logp = None
@@ -116,17 +120,17 @@ def train_on(
 
 
 def _shaped(
-    cfg: RunConfig, batch: Batch, ref_logp: torch.Tensor | None
+    cfg: RunConfig, batch: Batch, ref_logp: torch.Tensor | None, old_logp: torch.Tensor
 ) -> tuple[Batch, torch.Tensor | None]:
     """The batch whose rewards the advantages see: clamped to --reward-clip, less β times each
-    completion's summed k1 KL with --kl-in-reward (`grouprl.core.kl_reward_penalty`, also
-    returned: (N,))."""
+    completion's summed k1 KL with --kl-in-reward (`grouprl.core.kl_reward_penalty` of
+    `old_logp`, the policy that the update's ratio starts from, as TRL's RLOOTrainer takes it;
+    also returned: (N,))."""
     rewards, penalty = batch.rewards, None
     if cfg.reward_clip is not None:
         rewards = rewards.clamp(*cfg.reward_clip)  # NaN (unscored) stays NaN
     if cfg.kl_in_reward and ref_logp is not None:
-        rollout = batch.rollout
-        penalty = kl_reward_penalty(rollout.old_logp, ref_logp, rollout.loss_mask)
+        penalty = kl_reward_penalty(old_logp, ref_logp, batch.rollout.loss_mask)
         rewards = rewards - cfg.beta * penalty.to(rewards.dtype)
     if rewards is batch.rewards:
         return batch, None

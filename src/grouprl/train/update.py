@@ -253,9 +253,17 @@ def _plans(
     )
     plans = with_global_counts(plans, dist)
     plans = pad_passes(plans, rollout, lockstep)
-    if (dtype is None and rollout.behaviour_logp is None) or cfg.proximal == "behaviour":
+    if not recomputes_old_logp(cfg, rollout, dtype):
         return plans, None  # the sampler's log-probs are the proximal policy's
     return trainer_old_logp(cfg, policy, plans, dtype)
+
+
+def recomputes_old_logp(cfg: RunConfig, rollout: Rollout, dtype: torch.dtype | None) -> bool:
+    """Whether the update takes `old_logp` from the trainer's own forward rather than from the
+    sampler: a sampler that is not the trainer's fp32 forward (bf16, another engine, an older
+    version), unless `--proximal behaviour` clips against the sampler itself."""
+    differs = dtype is not None or rollout.behaviour_logp is not None
+    return differs and cfg.proximal != "behaviour"
 
 
 @dataclass(frozen=True)
