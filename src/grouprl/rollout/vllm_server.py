@@ -421,10 +421,20 @@ def _remove(directory: Path | None, local: LocalServer | None) -> None:
 # -- a server of grouprl's own (--vllm-server local) ---------------------------------------
 
 
+#: Ports `free_port` has handed out in this process: servers started together (each binds its
+#: port only as it starts) never get the same one.
+_HANDED: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and not one this process handed out before."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED:
+            _HANDED.add(port)
+            return port
 
 
 class LocalServer:
