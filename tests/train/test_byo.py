@@ -23,7 +23,7 @@ from grouprl.train import loop
 from grouprl.train import run as run_module
 from grouprl.train import step as train_step
 from grouprl.train.build import build_task
-from grouprl.train.update import no_grad_logprobs
+from grouprl.train.nograd import no_grad_logprobs
 from numerics import UNMOVED, assert_merged_weights, assert_same_function
 
 TINY = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "4",

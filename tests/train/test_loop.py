@@ -123,18 +123,26 @@ def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path, monkeypatc
     assert seen and not any(zero.any() for zero in seen)
 
 
-def test_resume_equals_uninterrupted_and_ctrl_c_saves(tmp_path, stop_at):
-    straight = _run(tmp_path, "straight", steps=4)
+#: packed micro-batches of at most 255 tokens, the longest row the built-in model's context
+#: allows (218 prompt + 38 completion tokens); its rows are ~30, so several share each
+PACKED = {"max_tokens_per_micro_batch": 255, "packing": "on"}
+
+
+@pytest.mark.parametrize("extra", [{}, PACKED], ids=["default", "packed"])
+def test_resume_equals_uninterrupted_and_ctrl_c_saves(tmp_path, stop_at, extra):
+    straight = _run(tmp_path, "straight", steps=4, **extra)
 
     # Interrupt the second run with SIGINT during step 3; it must save step 2 and exit cleanly.
     stop_at(2)
-    broken = _run(tmp_path, "broken", steps=4)
+    broken = _run(tmp_path, "broken", steps=4, **extra)
     assert broken.interrupted and broken.steps_done == 3
     assert (broken.run_dir / "checkpoints" / "step_000003" / "state.json").is_file()
     assert not (broken.run_dir / "final").exists()
     stop_at(None)
 
-    resumed = loop.train(dataclasses.replace(TrainConfig(**SMALL), resume=broken.run_dir, steps=4))
+    resumed = loop.train(
+        dataclasses.replace(TrainConfig(**SMALL, **extra), resume=broken.run_dir, steps=4)
+    )
     assert resumed.steps_done == 4 and not resumed.interrupted
 
     def comparable(run_dir):
@@ -448,6 +456,61 @@ def test_micro_batches_give_the_unchunked_update(micro, algo, monkeypatch):
     before = {n: p.detach() for n, p in policy.named_parameters()}
     assert max(float((whole[n] - before[n]).abs().max()) for n in whole) > 1e-4
     _assert_same_update(chunked, diag, whole, whole_diag)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("packing", ["on", "off"])
+@pytest.mark.parametrize("algo", ["grpo", "gspo", "dapo"])
+def test_token_budget_micro_batches_give_the_unchunked_update(algo, packing, monkeypatch):
+    """Rows bin-packed under a token budget (rows of different groups in one micro-batch, each
+    with its own prompt; one packed sequence each, or padded), each pass dividing by the whole
+    minibatch's counts: the same parameters as one forward/backward."""
+    policy, batch, cfg, advantages = _chunking_case(
+        algo, [[1, 0, 0, 1], [1, 1, 1, 1], [0, 1, 0, 0], [1, 1, 0, 1]]
+    )
+    cut = torch.tensor([20, 3, 20, 7, 18, 1, 9, 18, 10, 2, 10, 5, 20, 20, 4, 11])  # (16,)
+    mask = batch.rollout.mask & (torch.arange(batch.rollout.mask.shape[1])[None] < cut[:, None])
+    batch = dataclasses.replace(batch, rollout=dataclasses.replace(batch.rollout, mask=mask,
+                                                                   loss_mask=mask))  # fmt: skip
+    whole, whole_diag = _update_from(policy, cfg, batch, advantages)
+    tokens = plan.row_tokens(batch.rollout)  # (16,) prompt + completion − 1
+    budget = 3 * int(tokens.max())
+    passes = []
+    original = fsdp.completion_logprobs
+
+    def spy(model, rollout, **kwargs):
+        packed = kwargs.get("packs") is not None
+        forwarded = plan.row_tokens(rollout)
+        passes.append(int(forwarded.sum()) if packed else len(forwarded) * int(forwarded.max()))
+        assert packed == (packing == "on") and rollout.group_size == 1
+        return original(model, rollout, **kwargs)
+
+    monkeypatch.setattr(fsdp, "completion_logprobs", spy)
+    budgeted = dataclasses.replace(cfg, max_tokens_per_micro_batch=budget, packing=packing)
+    chunked, diag = _update_from(policy, budgeted, batch, advantages)
+    assert max(passes) <= budget and len(passes) > cfg.minibatches * cfg.epochs
+    _assert_same_update(chunked, diag, whole, whole_diag)
+
+
+def test_token_chunks_are_first_fit_decreasing_and_name_a_row_over_the_budget():
+    # rows forward 2 (prompt) + length − 1 positions: 11 3 6 2 9 5 (an empty row: the prompt)
+    rollout = _rollout_of_lengths([10, 2, 5, 0, 8, 4], group_size=2, width=10)
+    assert plan.row_tokens(rollout).tolist() == [11, 3, 6, 2, 9, 5]
+    rows = torch.arange(6) + 100  # the rows' places in the step's rollout
+    # decreasing: 11 9 6 5 3 2; budget 14: [11 3] [9 5] [6 2]
+    packed = plan.token_chunks(rollout, rows, 14, packed=True)
+    assert [c.rows.tolist() for c in packed] == [[100, 101], [104, 105], [102, 103]]
+    assert all(c.packed and c.rollout.group_size == 1 for c in packed)
+    assert torch.equal(packed[1].rollout.completion_ids, rollout.completion_ids[[4, 5]])
+    # padded, rows × the chunk's longest: [11] [9] [6 5] [3 2]
+    padded = plan.token_chunks(rollout, rows, 14, packed=False)
+    assert [c.rows.tolist() for c in padded] == [[100], [104], [102, 105], [101, 103]]
+    with pytest.raises(
+        UserError,
+        match=r"--max-tokens-per-micro-batch 10 is smaller than a row: "
+        r"its prompt and completion are 12 tokens \(11 forwarded\)",
+    ):
+        plan.token_chunks(rollout, rows, 10, packed=True)  # fmt: skip
 
 
 def _rollout_of_lengths(lengths: list[int], group_size: int, width: int) -> Rollout:

@@ -287,6 +287,13 @@ def test_trls_async_config_is_grouprls_fixed_lag():
         "http://r:9",
         4,
     )
+    assert "max_tokens_per_micro_batch" not in o  # TRL's None: grouprl's own planning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a token budget is mapped, not ignored
+        budget = async_options_from(AsyncGRPOConfig(bf16=False, token_budget=4096), rows=8)
+    assert budget["max_tokens_per_micro_batch"] == 4096
+    off = async_options_from(AsyncGRPOConfig(bf16=False, token_budget=0), rows=8)
+    assert "max_tokens_per_micro_batch" not in off
     with pytest.raises(UserError, match="weight_sync_steps=2"):
         async_options_from(AsyncGRPOConfig(weight_sync_steps=2), rows=8)
     with pytest.warns(UserWarning, match="queue_maxsize=5"):

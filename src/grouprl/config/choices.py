@@ -42,6 +42,7 @@ AdvEstimator = _registered(lambda: ADVANTAGE_ESTIMATORS, None)  # ...ADVANTAGE_E
 Dtype = Literal["fp32", "bf16", "fp16"]
 Precision = Literal["fp32", "bf16"]
 Strategy = Literal["ddp", "fsdp"]
+Packing = Literal["auto", "on", "off"]
 LRSchedule = Literal["constant", "linear", "cosine"]
 RatioLevel = Literal[
     "token", "sequence", "sequence_token", "sequence_sum"

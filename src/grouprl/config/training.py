@@ -17,6 +17,7 @@ from grouprl.config.choices import (
     LRSchedule,
     MaskLevel,
     Objective,
+    Packing,
     Precision,
     Proximal,
     RatioLevel,
@@ -44,6 +45,16 @@ class ComputeOptions:
     micro_batch_size: int | None = None
     """Completions per forward/backward; gradients accumulate over a minibatch's chunks (the same
     update). None: a whole minibatch at once."""
+    max_tokens_per_micro_batch: int | None = None
+    """Positions per forward/backward (prompt and completion tokens): a minibatch's rows are
+    bin-packed (first-fit decreasing) into micro-batches of at most this many, each run as one
+    packed sequence where the model allows (--packing); memory follows tokens, not rows, and
+    gradients accumulate (the same update). None: by --micro-batch-size, or as planned."""
+    packing: Packing = "auto"
+    """Packed forwards: a pass's completions as one sequence (each its prompt then its completion,
+    positions restarting per row), no position spent on padding. auto: where the planner
+    estimates it cheaper than shared prompts at per-row widths (on a CPU); on: every pass, any
+    device; off: never. A model whose attention cannot keep packed rows apart runs padded."""
     strategy: Strategy = "ddp"
     """Under torchrun: ddp keeps a full model on every rank and sums gradients; fsdp shards the
     model across ranks (FSDP2), for models that do not fit one device. No effect in one process."""

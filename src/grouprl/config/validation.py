@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from grouprl.config.choices import TRACKERS
 from grouprl.config.options import DataOptions, EvalConfig, RunConfig
-from grouprl.config.training import EntropyOptions, OffPolicyOptions, UpdateOptions
+from grouprl.config.training import (
+    ComputeOptions,
+    EntropyOptions,
+    OffPolicyOptions,
+    UpdateOptions,
+)
 from grouprl.core.registry import ADVANTAGE_ESTIMATORS, OBJECTIVES
 from grouprl.errors import UserError
 
@@ -203,6 +208,16 @@ def _estimator_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
     ]
 
 
+def _micro_batch_checks(cfg: ComputeOptions) -> list[tuple[bool, str]]:
+    micro, tokens = cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
+    return [
+        (micro is None or micro >= 1, "micro_batch_size must be at least 1"),
+        (tokens is None or tokens >= 1, "max_tokens_per_micro_batch must be at least 1"),
+        (micro is None or tokens is None, "give --micro-batch-size (completions) or "
+         "--max-tokens-per-micro-batch (tokens), not both"),
+    ]  # fmt: skip
+
+
 def validate(cfg: RunConfig, world_size: int = 1) -> None:
     """Every check a run's settings need before a model is loaded, for a job of `world_size`
     processes: one line for the first that is impossible; a warning for each dubious one. (What
@@ -262,10 +277,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         (cfg.log_groups >= 0, "log_groups must be >= 0"),
         (cfg.log_groups_every >= 1, "log_groups_every must be at least 1"),
         (cfg.threads is None or cfg.threads >= 1, "threads must be at least 1"),
-        (
-            cfg.micro_batch_size is None or cfg.micro_batch_size >= 1,
-            "micro_batch_size must be at least 1",
-        ),
+        *_micro_batch_checks(cfg),
         (cfg.lora_r is None or cfg.lora_r >= 1, "lora_r must be at least 1 (or unset)"),
         (cfg.lora_alpha is None or cfg.lora_alpha > 0, "lora_alpha must be > 0"),
         (0 <= cfg.lora_dropout < 1, "lora_dropout must lie in [0, 1)"),

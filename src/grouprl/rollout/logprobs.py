@@ -47,6 +47,7 @@ def completion_logprobs(
     chunk_tokens: int | None = None,
     share_prompt: bool = True,
     buckets: Sequence[torch.Tensor] | None = None,
+    packs: Sequence[torch.Tensor] | None = None,
     divergence: Divergence | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Per-token log-probs (N, T) of `batch.completion_ids` under softmax(logits / temperature).
@@ -64,6 +65,9 @@ def completion_logprobs(
         tokens beside rows of 200 in every group otherwise all run at 200); the same values in
         exact arithmetic (ValueError unless each row is in one bucket). Ignored where the
         prompt is not shared or the cache is not plain full attention (sliding windows).
+    packs: a partition of the N rows (index tensors) into packed sequences, a forward each:
+        each row its prompt's tokens then its completion's, positions restarting per row
+        (`packs_rows`), no padding; the same values in exact arithmetic. Overrides the rest.
     divergence: a `Divergence`, computed chunk by chunk with the head (no (N, T, V) tensor).
 
     Returns logp (N, T), or (logp, entropy), with the divergence (N, T) after them when given;
@@ -73,11 +77,10 @@ def completion_logprobs(
     tokens this equals `Rollout.old_logp` to float rounding.
 
     Prompt sharing needs the KV cache, which transformers drops under gradient checkpointing in
-    training mode; then the N full sequences are run instead (same numbers, more compute).
+    training mode; then the N full sequences run instead (same numbers, more compute).
 
-    Note for wrapped models: the decoder and head are called directly, not through
-    `model.forward`, so a DistributedDataParallel wrapper's forward hooks do not run; pass the
-    wrapped module and synchronise gradients yourself (or use FSDP2's per-module hooks).
+    The decoder and head are called directly, not through `model.forward`: a DDP wrapper's
+    hooks do not run; pass the wrapped module and sum gradients yourself (or use FSDP2's).
     """
     check_temperature(temperature)
     device = _hf.model_device(model)
@@ -98,16 +101,14 @@ def completion_logprobs(
     completion_ids = batch.completion_ids.to(device)[:, :used]  # (N, T')
     sel = mask[:, :used]  # (N, T')
 
-    if plain_head(model):
-        hidden = _completion_hidden(
-            model.get_decoder(), prompt_ids, prompt_mask, completion_ids, group_size, share_prompt,
-            None if buckets is None else _bucket_widths(buckets, sel),
-        )  # fmt: skip
-        lp, ent, div = _head_logp(model, hidden[sel], completion_ids[sel], temperature,
-                                  with_entropy, chunk_tokens, divergence)  # fmt: skip
+    plain = plain_head(model)
+    ids = (prompt_ids, prompt_mask, completion_ids, group_size)
+    out = _selected(model, plain, ids, sel, share_prompt, buckets, packs)  # (M, H) or (M, V)
+    if plain:
+        lp, ent, div = _head_logp(model, out, completion_ids[sel], temperature, with_entropy,
+                                  chunk_tokens, divergence)  # fmt: skip
     else:
-        logits = _full_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)
-        lp, ent, div = _token_logp(logits[sel], completion_ids[sel], temperature, with_entropy,
+        lp, ent, div = _token_logp(out, completion_ids[sel], temperature, with_entropy,
                                    divergence)  # fmt: skip
 
     full_sel = torch.zeros_like(mask)
@@ -117,6 +118,27 @@ def completion_logprobs(
     if not found:
         return logp
     return (logp, *(empty.masked_scatter(full_sel, v) for empty, v in zip(wanted, found)))
+
+
+def _selected(
+    model: nn.Module,
+    plain: bool,
+    ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
+    sel: torch.Tensor,
+    share_prompt: bool,
+    buckets: Sequence[torch.Tensor] | None,
+    packs: Sequence[torch.Tensor] | None,
+) -> torch.Tensor:
+    """The final hidden states (M, H) at the positions under `sel` (N, T), or with a head that
+    is more than a projection (`plain` False) the logits (M, V): packed, or the prompt shared
+    (by buckets), or the N full sequences. ids: prompt ids and mask, completion ids, G."""
+    if packs is not None:
+        module = model.get_decoder() if plain else model
+        return _packed_states(module, *ids, packs, sel, plain)[sel]
+    if plain:
+        widths = None if buckets is None else _bucket_widths(buckets, sel)
+        return _completion_hidden(model.get_decoder(), *ids, share_prompt, widths)[sel]
+    return _full_logits(model, *ids)[sel]
 
 
 #: A per-position function of the whole next-token distribution (distillation's loss against
@@ -299,12 +321,71 @@ def _bucket_widths(
 ) -> list[tuple[torch.Tensor, int]]:
     """Each bucket's rows (on `sel`'s device) and width: the last position under `sel` (N, T)
     of any of its rows, plus one (at least 1)."""
-    n, width = sel.shape
+    n = sel.shape[0]
     moved = [rows.reshape(-1).to(sel.device) for rows in buckets]
     if not torch.equal(torch.cat(moved).sort().values, torch.arange(n, device=sel.device)):
         raise ValueError(f"buckets must hold each of the {n} rows once")
-    last = torch.where(sel.any(-1), width - sel.flip(-1).int().argmax(-1), 1)  # (N,)
+    last = row_widths(sel)  # (N,)
     return [(rows, int(last[rows].max()) if rows.numel() else 1) for rows in moved]
+
+
+def row_widths(sel: torch.Tensor) -> torch.Tensor:
+    """(N,) long: each row's last position under `sel` (N, T), plus one; 1 for an empty row
+    (position 0, the prompt's last state, is computed whatever the mask)."""
+    width = sel.shape[1]
+    return torch.where(sel.any(-1), width - sel.flip(-1).int().argmax(-1), 1)
+
+
+def _packed_states(
+    module: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    group_size: int,
+    packs: Sequence[torch.Tensor],
+    sel: torch.Tensor,
+    hidden: bool,
+) -> torch.Tensor:
+    """`_completion_hidden`'s (N, T, H) states (`hidden`) or `_full_logits`' (N, T, V) logits
+    from one forward per pack, without padding: a pack's rows are concatenated, each its
+    prompt's unpadded tokens then its completion's first w − 1 (w: the row's `row_widths`),
+    with position ids 0, 1, … restarting at each row and no attention mask or cache, from
+    which transformers builds a block-diagonal causal mask (`packs_rows` probes that the model
+    does). A row's states are those at its prompt's last token and at its completion tokens;
+    positions past w are 0."""
+    n, width = completion_ids.shape
+    device = completion_ids.device
+    moved = [rows.reshape(-1).to(device) for rows in packs]
+    if not torch.equal(torch.cat(moved).sort().values, torch.arange(n, device=device)):
+        raise ValueError(f"packs must hold each of the {n} rows once")
+    widths = row_widths(sel).tolist()  # (N,)
+    prompt_len = prompt_mask.sum(-1).tolist()  # (B,)
+    out = None
+    for rows in moved:
+        ids, take, steps, offset = [], [], [], 0
+        for r in rows.tolist():
+            b, w = r // group_size, widths[r]
+            p = prompt_len[b]
+            ids += [prompt_ids[b, prompt_ids.shape[1] - p :], completion_ids[r, : w - 1]]
+            take.append(torch.arange(offset + p - 1, offset + p + w - 1, device=device))
+            steps.append(torch.arange(w, device=device))
+            offset += p + w - 1
+        lengths = [prompt_len[r // group_size] + widths[r] - 1 for r in rows.tolist()]
+        positions = torch.cat([torch.arange(length, device=device) for length in lengths])
+        states = _states(module, torch.cat(ids)[None], positions[None], hidden)[0]  # (L, X)
+        picked = states[torch.cat(take)]  # (Σw, X)
+        if out is None:
+            out = picked.new_zeros((n, width, picked.shape[-1]))
+        at = rows.repeat_interleave(torch.tensor([widths[r] for r in rows.tolist()], device=device))
+        out = out.index_put((at, torch.cat(steps)), picked)
+    return out
+
+
+def _states(module: nn.Module, ids: torch.Tensor, positions: torch.Tensor, hidden: bool):
+    """One forward of `module` (a decoder, or the whole model) over packed ids (1, L): its last
+    hidden states or its logits (1, L, X)."""
+    out = module(input_ids=ids, position_ids=positions, use_cache=False)
+    return out.last_hidden_state if hidden else out.logits
 
 
 def _bucketed_hidden(
@@ -449,3 +530,41 @@ def plain_head(model: nn.Module) -> bool:
         plain = False
     _PLAIN_HEAD[model] = plain
     return plain
+
+
+_PACKS_ROWS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def packs_rows(model: nn.Module) -> bool:
+    """Whether the model's attention keeps packed rows apart by their position ids (what
+    `completion_logprobs(..., packs=...)` needs), checked once per model.
+
+    A probe in eval mode without gradients: rows of 3 and 2 tokens, packed (positions 0 1 2 0
+    1) and each alone. A model whose attention ignores the restart lets the second row attend
+    to the first, which moves its states by about their own size; the comparison allows a
+    hundredth of that, far above float rounding (bf16's 2^-8 included) and far below a leak.
+    Under FSDP every process probes at once, before sharding (`grouprl.train.parallel.fsdp`).
+    """
+    known = _PACKS_ROWS.get(model)
+    if known is not None:
+        return known
+    module = model.get_decoder() if plain_head(model) else model
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            device, hidden = _hf.model_device(model), module is not model
+            first = torch.tensor([[1, 2, 3]], device=device)
+            second = torch.tensor([[4, 5]], device=device)
+            packed = _states(module, torch.cat([first, second], 1),
+                             torch.tensor([[0, 1, 2, 0, 1]], device=device), hidden)  # fmt: skip
+            alone = _states(module, second, torch.tensor([[0, 1]], device=device), hidden)
+            leak = (packed[:, 3:].float() - alone.float()).abs().max()
+            works = bool(leak <= 1e-2 * alone.float().abs().max())
+    except (TypeError, ValueError, RuntimeError):  # a forward without position ids
+        works = False
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    _PACKS_ROWS[model] = works
+    return works

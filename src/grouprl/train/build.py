@@ -541,3 +541,36 @@ def keep_freed_memory(device: torch.device) -> bool:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def check_packing(cfg: RunConfig, policy: nn.Module, budget: int | None, warn) -> None:
+    """Before anything runs: a `--max-tokens-per-micro-batch` below the longest row the run can
+    sample (`budget` prompt tokens and `--max-new-tokens`, all but the last forwarded) is one
+    line; a model whose attention cannot keep packed rows apart (`packs_rows`) is one line
+    under `--packing on` and otherwise one warning: its passes run padded."""
+    tokens = cfg.max_tokens_per_micro_batch
+    if tokens is not None and budget is not None and budget + cfg.max_new_tokens - 1 > tokens:
+        longest = budget + cfg.max_new_tokens - 1
+        ways = remedy(("raise", "max_tokens_per_micro_batch"), ("lower", "max_prompt_length"),
+                      ("lower", "max_new_tokens"), otherwise="shorten the prompts")  # fmt: skip
+        raise UserError(
+            f"--max-tokens-per-micro-batch {tokens} is smaller than the longest row this run can "
+            f"sample: {budget} prompt + {cfg.max_new_tokens} completion tokens, {longest} "
+            f"forwarded; it must be at least {longest}: {ways}"
+        )
+    if cfg.packing == "off" and tokens is None:
+        return
+    from grouprl.rollout.logprobs import packs_rows
+
+    if packs_rows(policy):
+        return
+    if cfg.packing == "on":
+        raise UserError(
+            "--packing on: this model's attention does not keep packed rows apart (a probe of "
+            "two rows packed by their position ids saw the second attend to the first); use "
+            "--packing auto or off"
+        )
+    warn(
+        "this model's attention does not keep packed rows apart: its passes run padded"
+        + (", and --max-tokens-per-micro-batch counts rows × the longest" if tokens else "")
+    )

@@ -15,6 +15,7 @@ from torch import nn
 from grouprl.config.options import RunConfig
 from grouprl.config.training import ComputeOptions
 from grouprl.config.validation import dense_gradients
+from grouprl.errors import UserError
 from grouprl.rollout import Rollout
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep
@@ -30,6 +31,14 @@ class Chunk:
     #: rows of `rollout` whose completions run at their own width over the pass's one prompt
     #: forward (`completion_logprobs`' buckets); None: all at the longest's
     buckets: tuple[torch.Tensor, ...] | None = None
+    #: the rows run as one packed sequence (`completion_logprobs`' packs: each row its own
+    #: prompt then its completion, no padding); `rollout` then holds groups of one
+    packed: bool = False
+
+    @property
+    def packs(self) -> tuple[torch.Tensor, ...] | None:
+        """`completion_logprobs`' packs: all of the chunk's rows in one, or None."""
+        return (torch.arange(len(self.rows)),) if self.packed else None
 
 
 #: A forward/backward pass's fixed cost, in completion positions (rows × width) of a model of
@@ -115,13 +124,131 @@ def _cheapest_runs(widths: list[int], weight: int, overhead: int) -> list[tuple[
 
 
 def plan_rows(
-    cfg: ComputeOptions, rollout: Rollout, rows: torch.Tensor, overhead: int | None = None
+    cfg: ComputeOptions,
+    rollout: Rollout,
+    rows: torch.Tensor,
+    overhead: int | None = None,
+    model: Shape | None = None,
 ) -> list[Chunk]:
-    """`rollout` (whose completions are `rows` of the step's rollout) in micro-batch chunks;
-    without a micro-batch size, in `width_chunks` when `overhead` is given."""
-    if cfg.micro_batch_size is None and overhead is not None:
+    """`rollout` (whose completions are `rows` of the step's rollout) in forward/backward
+    chunks: with `--max-tokens-per-micro-batch`, `token_chunks` (packed where `model` packs,
+    padded otherwise); with a micro-batch size, chunks of that many completions; otherwise
+    `width_chunks` when `overhead` is given, or packed chunks where `--packing` asks for them
+    (`on`) or they cost less (`auto`, `packing_pays`). `model`: the policy's `Shape`, None
+    when it cannot pack."""
+    packs = model is not None and model.packs and cfg.packing != "off"
+    if packs and overhead is not None:  # the same fixed cost as the widths' plan
+        model = dataclasses.replace(model, overhead=overhead)
+    if cfg.max_tokens_per_micro_batch is not None:
+        return token_chunks(rollout, rows, cfg.max_tokens_per_micro_batch, packed=packs)
+    if cfg.micro_batch_size is not None:
+        return [Chunk(piece, rows[span], packed=packs and cfg.packing == "on")
+                for piece, span in rollout.chunks(cfg.micro_batch_size)]  # fmt: skip
+    if packs and (cfg.packing == "on" or (overhead is not None and cfg.packing == "auto")):
+        packed = token_chunks(rollout, rows, model.pack_tokens(rollout), packed=True)
+        if cfg.packing == "on":
+            return packed
+        chunks = width_chunks(rollout, rows, overhead)
+        return packed if model.cost(packed) < model.cost(chunks) else chunks
+    if overhead is not None:
         return width_chunks(rollout, rows, overhead)
-    return [Chunk(piece, rows[span]) for piece, span in rollout.chunks(cfg.micro_batch_size)]
+    return [Chunk(rollout, rows)]
+
+
+def row_tokens(rollout: Rollout) -> torch.Tensor:
+    """(N,) long: the positions each row's own forward computes, its prompt and its completion
+    but the last token (an empty completion: the prompt alone)."""
+    prompt = rollout.prompt_mask.sum(-1).repeat_interleave(rollout.group_size)  # (N,)
+    return prompt.cpu() + rollout.lengths.cpu().clamp(min=1) - 1
+
+
+def token_chunks(rollout: Rollout, rows: torch.Tensor, budget: int, *, packed: bool) -> list[Chunk]:
+    """`rollout`'s rows in chunks of at most `budget` positions a forward, by first-fit
+    decreasing: the rows in decreasing `row_tokens`, each into the first chunk it fits. FFD
+    minimises the number of chunks (each a forward's fixed cost) to within 11/9 of the fewest;
+    Karmarkar–Karp balances a given number of bins, which matters for spreading work over
+    ranks, not here. Deterministic: a function of the lengths, ties in row order. Packed: a
+    chunk's positions are its rows' (`Chunk.packed`); padded: its rows × its longest, each row
+    with its own prompt. A chunk holds groups of one (`Rollout.regroup`), so rows of different
+    groups share it. Raises UserError naming the row when one alone exceeds the budget."""
+    tokens = row_tokens(rollout).tolist()  # (n,)
+    order = sorted(range(len(tokens)), key=lambda i: -tokens[i])
+    if order and tokens[order[0]] > budget:
+        i = order[0]
+        raise UserError(
+            f"--max-tokens-per-micro-batch {budget} is smaller than a row: its prompt and "
+            f"completion are {tokens[i] + 1} tokens ({tokens[i]} forwarded); raise it to at "
+            f"least {tokens[i]}"
+        )
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in order:
+        for b, members in enumerate(bins):
+            need = used[b] + tokens[i] if packed else (len(members) + 1) * tokens[members[0]]
+            if need <= budget:
+                members.append(i)
+                used[b] += tokens[i]
+                break
+        else:
+            bins.append([i])
+            used.append(tokens[i])
+    single = rollout.regroup(1)
+    return [Chunk(single.select_groups(members), rows[torch.tensor(members)], packed=packed)
+            for members in bins]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What planning needs of the policy: whether it packs rows (`packs_rows`) and the cost of
+    attention per (query, key) pair in positions (a position costs its linear layers, about 2 ×
+    the parameters outside the embeddings; a pair 4 × hidden × layers FLOPs)."""
+
+    packs: bool
+    pair_cost: float
+    overhead: int  # a forward/backward's fixed cost in positions (`pass_overhead`)
+
+    @staticmethod
+    def of(model: nn.Module) -> Shape:
+        from grouprl.rollout.logprobs import packs_rows
+
+        config = getattr(model, "config", None)
+        hidden = getattr(config, "hidden_size", 0)
+        layers = getattr(config, "num_hidden_layers", 0)
+        embeddings = (
+            model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        )
+        inside = sum(p.numel() for p in model.parameters())
+        if embeddings is not None:
+            inside -= embeddings.weight.numel()
+        pair = 4 * hidden * layers / max(2 * inside, 1)
+        return Shape(packs=packs_rows(model), pair_cost=pair, overhead=pass_overhead(model))
+
+    def pack_tokens(self, rollout: Rollout) -> int:
+        """A packed chunk's length when no budget says: with SDPA's dense mask a pack of L
+        positions costs overhead + L + pair_cost·L² (the attention's cross-row pairs computed
+        and masked), so a position costs least at L = √(overhead / pair_cost); never below the
+        longest row."""
+        longest = int(row_tokens(rollout).max()) if len(rollout.lengths) else 1
+        return max(longest, int(math.sqrt(self.overhead / max(self.pair_cost, 1e-12))))
+
+    def cost(self, chunks: list[Chunk]) -> float:
+        """A plan's estimated cost in positions: per forward its fixed cost, its positions, and
+        its attention pairs; a bucket's width its own fixed cost (`_WIDTH_MARGIN`)."""
+        total = 0.0
+        for chunk in chunks:
+            r = chunk.rollout
+            if chunk.packed:
+                length = int(row_tokens(r).sum())
+                total += self.overhead + length + self.pair_cost * length**2
+                continue
+            prompt = r.prompt_mask.shape[1]
+            total += self.overhead + r.num_prompts * prompt
+            lengths = r.lengths.clamp(min=1)
+            for rows in chunk.buckets or (torch.arange(len(lengths)),):
+                width = int(lengths[rows].max())
+                total += len(rows) * width * (1 + self.pair_cost * (prompt + width))
+            total += max(len(chunk.buckets or ()) - 1, 0) * self.overhead / _WIDTH_MARGIN
+        return total
 
 
 @dataclass(frozen=True)
@@ -144,6 +271,7 @@ def plan_minibatches(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     overhead: int | None = None,
+    model: Shape | None = None,
 ) -> list[Minibatch]:
     """`cfg.minibatches` minibatches of whole groups, in order, without the groups that have
     nothing to learn (all advantages 0) when `skip_zero_advantage` applies (beta = 0, and no
@@ -177,7 +305,7 @@ def plan_minibatches(
                 rows=rows,
                 num_tokens=m.sum(),
                 num_seqs=m.any(-1).sum(),
-                chunks=tuple(plan_rows(cfg, trained, rows, overhead))
+                chunks=tuple(plan_rows(cfg, trained, rows, overhead, model))
                 if trained is not None
                 else (),
                 first_group=first,

@@ -53,6 +53,7 @@ from grouprl.train.build import (
     build_rewards,
     build_task,
     build_tools,
+    check_packing,
     estimator_tools,
     forward_dtype,
     keep_freed_memory,
@@ -173,6 +174,7 @@ def setup_run(
     dtype = forward_dtype(cfg)  # every forward's autocast dtype: the run's one source
     rewards = build_rewards(cfg, task, device, tools)
     budget = prompt_budget(cfg, policy, cfg.max_new_tokens)
+    check_packing(cfg, policy, budget, warn)
     sampler = Sampler(
         engine=run_engine(cfg, policy, tokenizer, tools, dtype, budget, lockstep),
         tokenizer=tokenizer,

@@ -22,9 +22,10 @@ from grouprl.train.batch import Batch
 from grouprl.train.collect import Collected
 from grouprl.train.groups import TokenWatch, group_records, watch_groups
 from grouprl.train.metrics import step_metrics
+from grouprl.train.nograd import no_grad_logprobs
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.run import Run, RunState
-from grouprl.train.update import no_grad_logprobs, recomputes_old_logp, update
+from grouprl.train.update import recomputes_old_logp, update
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,12 @@ from grouprl.train.batch import Batch
 from grouprl.train.entropy import EntropyTerms, high_entropy_tokens
 from grouprl.train.groups import TokenWatch
 from grouprl.train.metrics import UpdateSums
+from grouprl.train.nograd import trainer_old_logp
 from grouprl.train.parallel.distributed import SINGLE, Dist
 from grouprl.train.parallel.fsdp import Lockstep, logprobs
 from grouprl.train.plan import (
     Minibatch,
+    Shape,
     pad_passes,
     pass_overhead,
     plan_minibatches,
@@ -248,9 +250,8 @@ def _plans(
     is a collective per layer (all ranks must run the same passes) and costs an all-gather of
     the model that the position count does not model."""
     by_width = model_device(policy).type == "cpu" and not dist.fsdp
-    plans = plan_minibatches(
-        cfg, rollout, advantages, mask, pass_overhead(policy) if by_width else None
-    )
+    plans = plan_minibatches(cfg, rollout, advantages, mask,
+                             pass_overhead(policy) if by_width else None, Shape.of(policy))  # fmt: skip
     plans = with_global_counts(plans, dist)
     plans = pad_passes(plans, rollout, lockstep)
     if not recomputes_old_logp(cfg, rollout, dtype):
@@ -404,7 +405,7 @@ def _forward(
     ):
         divergence = None if inputs.teacher is None else inputs.teacher.divergence(chunk.rollout)
         out = logprobs(policy, chunk.rollout, temperature=cfg.temperature, buckets=chunk.buckets,
-                       with_entropy=with_entropy, divergence=divergence)  # fmt: skip
+                       packs=chunk.packs, with_entropy=with_entropy, divergence=divergence)  # fmt: skip
     out = list(out) if isinstance(out, tuple) else [out]
     logp = out.pop(0)
     entropy = out.pop(0) if with_entropy else None
@@ -491,62 +492,6 @@ def optimizer_step(
         if finite:
             optimizer.step()
     return float(grad_norm) if finite else None
-
-
-def trainer_old_logp(
-    cfg: RunConfig, policy, plans: list[Minibatch], dtype: torch.dtype | None
-) -> tuple[list[Minibatch], MismatchSums]:
-    """The minibatches with `old_logp` recomputed by the trainer's own forward, and the
-    sampler's log-probs' distance from it over the trained tokens (`logp_mismatch`).
-
-    Under bf16 the sampler's KV-cached decode and the trainer's full-sequence forward round
-    differently (measured: up to 0.06 per token, 4e-3 per sequence), more than GSPO's clip range;
-    another engine (vLLM) differs by its kernels and precision, and by top-k / top-p, which its
-    log-probs include. Recomputing on exactly the chunks (and so the shapes) that the update
-    then runs, through the same forward path (prompt shared, or not under gradient
-    checkpointing), makes the first update's ratio 1 again. Runs before any optimizer step.
-    """
-    device = model_device(policy)
-    out, mismatch = [], MismatchSums()
-    for plan in plans:
-        chunks = []
-        for chunk in plan.chunks:
-            with torch.no_grad(), autocast(device, dtype):
-                old_logp = logprobs(
-                    policy,
-                    chunk.rollout,
-                    temperature=cfg.temperature,
-                    share_prompt=not cfg.gradient_checkpointing,  # the update's own path
-                    buckets=chunk.buckets,
-                )
-            if chunk.weight:  # a lockstep filler's rows are not trained
-                sampled = chunk.rollout
-                mismatch += logp_mismatch(sampled.sampler_logp, old_logp, sampled.loss_mask)
-            behaviour = chunk.rollout.sampler_logp  # kept: the correction reads it
-            chunks.append(
-                dataclasses.replace(
-                    chunk,
-                    rollout=dataclasses.replace(
-                        chunk.rollout, old_logp=old_logp, behaviour_logp=behaviour
-                    ),
-                )
-            )
-        out.append(dataclasses.replace(plan, chunks=tuple(chunks)))
-    return out, mismatch
-
-
-def no_grad_logprobs(
-    cfg: RunConfig, model: nn.Module, rollout: Rollout, dtype: torch.dtype | None
-) -> torch.Tensor:
-    """Log-probs (N, T) of the rollout's completions under `model`, without gradients (the
-    reference policy's, for the KL term), in chunks no larger than the update's: a micro-batch,
-    or else a minibatch, so this pass never needs more memory than training does."""
-    out = torch.zeros_like(rollout.old_logp)  # (N, T)
-    minibatch = max(1, rollout.num_prompts // cfg.minibatches) * rollout.group_size
-    for piece, span in rollout.chunks(cfg.micro_batch_size or minibatch):
-        with torch.no_grad(), autocast(model_device(model), dtype):
-            out[span] = logprobs(model, piece, temperature=cfg.temperature)
-    return out
 
 
 def _recomputing(cfg: ComputeOptions, policy: nn.Module) -> contextlib.AbstractContextManager:

@@ -50,7 +50,7 @@ _OWN = {
     "fork_threshold_tokens": Field(int, 1024, WARNED),
     "request_timeout": Field(int, 600, WARNED),
     "weight_sync_timeout": Field(int, 1800, WARNED),
-    "token_budget": Field(int | None, None, WARNED),
+    "token_budget": Field(int | None, None, MAPPED),
     "max_inflight_tasks": Field(int, -1, WARNED),
     "max_staleness": Field(int, 4, MAPPED),
     "queue_maxsize": Field(int, 1024, WARNED),
@@ -78,6 +78,9 @@ _HELP = {
     "max_staleness": "grouprl's --max-staleness: every batch is sampled by the weights of "
     "exactly this many optimizer steps before (none dropped).",
     "weight_sync_steps": "Only 1: the sampler gets the weights after every optimizer step.",
+    "token_budget": "grouprl's --max-tokens-per-micro-batch when > 0: rows bin-packed into "
+    "packed micro-batches of at most this many tokens, each row's prompt counted with it (TRL "
+    "counts a prompt its rows share once). None or <= 0: grouprl's own planning.",
 }
 
 AsyncGRPOConfig = config_class(
@@ -129,6 +132,8 @@ def async_options_from(
     options = options_from(grpo, world=world, rows=rows, lora=lora)
     options.update(max_staleness=int(args.max_staleness), proximal="behaviour",
                    unbiased_std=False, adv_eps=1e-8)  # fmt: skip
+    if args.token_budget is not None and args.token_budget > 0:
+        options.update(max_tokens_per_micro_batch=int(args.token_budget))
     if args.vllm_server_base_url != _CHANGED["vllm_server_base_url"].default:
         # a server the script names samples (TRL's default, unnamed: grouprl's own sampler)
         options.update(engine="vllm", vllm_server=str(args.vllm_server_base_url))

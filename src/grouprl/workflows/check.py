@@ -294,7 +294,8 @@ def _mismatch(run: Run, collected: Collected) -> dict[str, Any]:
     trainer's own forward of them, whatever the options make the sampler (grouprl's, in fp32:
     the same function to float rounding; under bf16; vLLM): one no-grad forward."""
     from grouprl.core import logp_mismatch
-    from grouprl.train.update import mismatch_metrics, no_grad_logprobs
+    from grouprl.train.nograd import no_grad_logprobs
+    from grouprl.train.update import mismatch_metrics
 
     batch = collected.kept or collected.sampled
     rollout = batch.rollout

@@ -29,7 +29,7 @@ from torch import nn
 
 from grouprl.errors import UserError
 from grouprl.rollout import HFRolloutEngine, Rollout, completion_logprobs
-from grouprl.rollout.logprobs import plain_head
+from grouprl.rollout.logprobs import packs_rows, plain_head
 from grouprl.train.parallel.distributed import SINGLE, Dist
 
 T = TypeVar("T")
@@ -96,12 +96,13 @@ def shard(model: nn.Module, *, device: torch.device) -> nn.Module:
     sit on the CPU: each rank's shards move to `device`, so no rank ever holds the whole model
     there.
 
-    First the head probe (`plain_head`: whether logits are head(decoder(x))), a whole-model
-    forward that only the unsharded model can run alone. Gradients are reduced in fp32 (fp64
+    First the head probe (`plain_head`: whether logits are head(decoder(x))) and the packing
+    probe (`packs_rows`), whole-model forwards that only the unsharded model can run alone. Gradients are reduced in fp32 (fp64
     for an fp64 model) and summed (the loss divides by global counts already). `completion_logprobs` becomes the method
     `LOGPROBS_METHOD`, run with the root's FSDP hooks: it calls the decoder and head directly,
     which alone would see sharded root parameters."""
     plain_head(model)
+    packs_rows(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         FSDPModule,
