@@ -1,5 +1,6 @@
 """The GPU check: on one CUDA GPU, in about 5 minutes, a table of grouprl's training paths with
-the HF engine (bf16 full fine-tuning, LoRA, torchrun with NCCL on 1 rank, FSDP2 on 1 rank): steps
+the HF engine (bf16 full fine-tuning, padded and packed; LoRA, torchrun with NCCL on 1 rank,
+FSDP2 on 1 rank): steps
 run, step seconds, tokens per second, the peak GPU memory, and the bf16 sampler's log-prob
 mismatch against the trainer's recompute.
 
@@ -61,6 +62,22 @@ APIS = {"fsdp2": ("torch.distributed.fsdp", "fully_shard")}
 #: (name, launched by torchrun, extra flags)
 CASES = [
     ("hf-bf16", False, ["--precision", "bf16"]),
+    # the same run packed: rows as lines of position-restarting sequences, micro-batches of at
+    # most 4,096 tokens (prompts at most 128), against hf-bf16's one padded pass a minibatch
+    (
+        "hf-bf16-packed",
+        False,
+        [
+            "--precision",
+            "bf16",
+            "--packing",
+            "on",
+            "--max-prompt-length",
+            "128",
+            "--max-tokens-per-micro-batch",
+            "4096",
+        ],
+    ),
     ("lora-bf16", False, ["--precision", "bf16", "--lora-r", "16", "--lr", "1e-4"]),
     ("torchrun-nccl-1", True, ["--precision", "bf16", "--strategy", "ddp"]),
     ("fsdp2-1", True, ["--precision", "bf16", "--strategy", "fsdp"]),

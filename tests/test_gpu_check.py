@@ -1,7 +1,7 @@
 """The GPU check's CPU dry run (`benchmarks/gpu_check.py --dry-run`): every case (bf16 full
-fine-tuning, LoRA, torchrun on 1 rank, FSDP2 on 1 rank) trains its steps on the CPU and fills its
-row of the table, so that on a GPU only CUDA itself is new; and a machine that lacks a module
-the check needs is told which, and what to carry."""
+fine-tuning padded and packed, LoRA, torchrun on 1 rank, FSDP2 on 1 rank) trains its steps on
+the CPU and fills its row of the table, so that on a GPU only CUDA itself is new; and a machine
+that lacks a module the check needs is told which, and what to carry."""
 
 from __future__ import annotations
 

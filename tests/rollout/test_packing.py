@@ -1,5 +1,5 @@
-"""Packed forwards (`completion_logprobs(..., packs=...)`): rows concatenated into sequences
-whose position ids restart at each row, no position padding. A claim that two paths compute
+"""Packed forwards (`completion_logprobs(..., packs=...)`): rows concatenated into lines whose
+position ids restart at each row, the lines one batch. A claim that two paths compute
 the same function, checked on float64 models to `numerics.F64_SAME` (tests/numerics.py)."""
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ def assert_packed_equals_padded(model, rollout):
         hook.remove()
     want_logp, want_entropy, want_grads = values_and_grads(model, rollout, share_prompt=False)
     prompt = rollout.prompt_mask.sum(-1)
-    # one forward per pack, as long as its rows' prompts and completions but their last token
-    want = [(1, sum(int(prompt[r // 3]) + max(int(CUT[r]), 1) - 1 for r in pack.tolist()))
-            for pack in PACKS]  # fmt: skip
-    assert lengths == want
+    # one forward, a line per pack, as long as the longest line: its rows' prompts and
+    # completions but their last token (the shorter lines end in filler)
+    lines = [sum(int(prompt[r // 3]) + max(int(CUT[r]), 1) - 1 for r in pack.tolist())
+             for pack in PACKS]  # fmt: skip
+    assert lengths == [(len(PACKS), max(lines))] and len(set(lines)) == len(PACKS)
     assert_same_f64(logp, want_logp)
     assert_same_f64(entropy, want_entropy)
     assert (logp[~rollout.mask] == 0).all() and (logp[rollout.mask] != 0).all()

@@ -479,9 +479,11 @@ def test_token_budget_micro_batches_give_the_unchunked_update(algo, packing, mon
     original = fsdp.completion_logprobs
 
     def spy(model, rollout, **kwargs):
-        packed = kwargs.get("packs") is not None
-        forwarded = plan.row_tokens(rollout)
-        passes.append(int(forwarded.sum()) if packed else len(forwarded) * int(forwarded.max()))
+        packs = kwargs.get("packs")
+        packed = packs is not None
+        forwarded = plan.row_tokens(rollout)  # what the forward computes: lines × the longest
+        lines = [forwarded[p] for p in packs] if packed else [t[None] for t in forwarded]
+        passes.append(len(lines) * max(int(line.sum()) for line in lines))
         assert packed == (packing == "on") and rollout.group_size == 1
         return original(model, rollout, **kwargs)
 
@@ -497,20 +499,25 @@ def test_token_chunks_are_first_fit_decreasing_and_name_a_row_over_the_budget():
     rollout = _rollout_of_lengths([10, 2, 5, 0, 8, 4], group_size=2, width=10)
     assert plan.row_tokens(rollout).tolist() == [11, 3, 6, 2, 9, 5]
     rows = torch.arange(6) + 100  # the rows' places in the step's rollout
-    # decreasing: 11 9 6 5 3 2; budget 14: [11 3] [9 5] [6 2]
-    packed = plan.token_chunks(rollout, rows, 14, packed=True)
-    assert [c.rows.tolist() for c in packed] == [[100, 101], [104, 105], [102, 103]]
-    assert all(c.packed and c.rollout.group_size == 1 for c in packed)
-    assert torch.equal(packed[1].rollout.completion_ids, rollout.completion_ids[[4, 5]])
-    # padded, rows × the chunk's longest: [11] [9] [6 5] [3 2]
-    padded = plan.token_chunks(rollout, rows, 14, packed=False)
+    # lines of ≤ 12, rows in decreasing order into the first that fits: [11] [9 3] [6 5] [2];
+    # lines in decreasing order into chunks of ≤ 24 (lines × the longest): [9 3 | 11] [6 5 | 2]
+    packed = plan.token_chunks(rollout, rows, 24, 12)
+    assert [c.rows.tolist() for c in packed] == [[104, 101, 100], [102, 105, 103]]
+    assert [[p.tolist() for p in c.packs] for c in packed] == [[[0, 1], [2]], [[0, 1], [2]]]
+    assert all(c.rollout.group_size == 1 for c in packed)
+    assert torch.equal(packed[1].rollout.completion_ids, rollout.completion_ids[[2, 5, 3]])
+    whole = plan.token_chunks(rollout, rows, None, 12)  # no budget: every line in one forward
+    assert [c.rows.tolist() for c in whole] == [[104, 101, 100, 102, 105, 103]]
+    # padded, rows × the chunk's longest ≤ 14: [11] [9] [6 5] [3 2]
+    padded = plan.token_chunks(rollout, rows, 14, None)
     assert [c.rows.tolist() for c in padded] == [[100], [104], [102, 105], [101, 103]]
+    assert all(c.packs is None for c in padded)
     with pytest.raises(
         UserError,
         match=r"--max-tokens-per-micro-batch 10 is smaller than a row: "
         r"its prompt and completion are 12 tokens \(11 forwarded\)",
     ):
-        plan.token_chunks(rollout, rows, 10, packed=True)  # fmt: skip
+        plan.token_chunks(rollout, rows, 10, 12)  # fmt: skip
 
 
 def _rollout_of_lengths(lengths: list[int], group_size: int, width: int) -> Rollout:

@@ -347,12 +347,13 @@ def _packed_states(
     hidden: bool,
 ) -> torch.Tensor:
     """`_completion_hidden`'s (N, T, H) states (`hidden`) or `_full_logits`' (N, T, V) logits
-    from one forward per pack, without padding: a pack's rows are concatenated, each its
+    from one forward of the packs as lines of a batch: a pack's rows are concatenated, each its
     prompt's unpadded tokens then its completion's first w − 1 (w: the row's `row_widths`),
     with position ids 0, 1, … restarting at each row and no attention mask or cache, from
     which transformers builds a block-diagonal causal mask (`packs_rows` probes that the model
-    does). A row's states are those at its prompt's last token and at its completion tokens;
-    positions past w are 0."""
+    does); a line shorter than the longest ends in filler positions 0, 1, … of their own,
+    which no row attends to. A row's states are those at its prompt's last token and at its
+    completion tokens; positions past w are 0."""
     n, width = completion_ids.shape
     device = completion_ids.device
     moved = [rows.reshape(-1).to(device) for rows in packs]
@@ -360,25 +361,30 @@ def _packed_states(
         raise ValueError(f"packs must hold each of the {n} rows once")
     widths = row_widths(sel).tolist()  # (N,)
     prompt_len = prompt_mask.sum(-1).tolist()  # (B,)
-    out = None
+    lines, take, rows_at, steps = [], [], [], []  # per line: (ids, positions); per row: picks
     for rows in moved:
-        ids, take, steps, offset = [], [], [], 0
+        ids, positions, offset = [], [], 0
         for r in rows.tolist():
             b, w = r // group_size, widths[r]
             p = prompt_len[b]
             ids += [prompt_ids[b, prompt_ids.shape[1] - p :], completion_ids[r, : w - 1]]
-            take.append(torch.arange(offset + p - 1, offset + p + w - 1, device=device))
+            positions.append(torch.arange(p + w - 1, device=device))
+            take.append(
+                (len(lines), torch.arange(offset + p - 1, offset + p + w - 1, device=device))
+            )
+            rows_at.append(torch.full((w,), r, device=device))
             steps.append(torch.arange(w, device=device))
             offset += p + w - 1
-        lengths = [prompt_len[r // group_size] + widths[r] - 1 for r in rows.tolist()]
-        positions = torch.cat([torch.arange(length, device=device) for length in lengths])
-        states = _states(module, torch.cat(ids)[None], positions[None], hidden)[0]  # (L, X)
-        picked = states[torch.cat(take)]  # (Σw, X)
-        if out is None:
-            out = picked.new_zeros((n, width, picked.shape[-1]))
-        at = rows.repeat_interleave(torch.tensor([widths[r] for r in rows.tolist()], device=device))
-        out = out.index_put((at, torch.cat(steps)), picked)
-    return out
+        lines.append((torch.cat(ids), torch.cat(positions)))
+    longest = max(len(ids) for ids, _ in lines)
+    ids = torch.stack([F.pad(i, (0, longest - len(i))) for i, _ in lines])  # (k, L)
+    filler = [torch.arange(longest - len(p), device=device) for _, p in lines]
+    positions = torch.stack([torch.cat([p, f]) for (_, p), f in zip(lines, filler, strict=True)])
+    states = _states(module, ids, positions, hidden)  # (k, L, X)
+    index = torch.cat([line * longest + at for line, at in take])  # (Σw,) into (k·L)
+    picked = states.reshape(-1, states.shape[-1])[index]  # (Σw, X)
+    out = picked.new_zeros((n, width, picked.shape[-1]))
+    return out.index_put((torch.cat(rows_at), torch.cat(steps)), picked)
 
 
 def _states(module: nn.Module, ids: torch.Tensor, positions: torch.Tensor, hidden: bool):

@@ -31,14 +31,21 @@ class Chunk:
     #: rows of `rollout` whose completions run at their own width over the pass's one prompt
     #: forward (`completion_logprobs`' buckets); None: all at the longest's
     buckets: tuple[torch.Tensor, ...] | None = None
-    #: the rows run as one packed sequence (`completion_logprobs`' packs: each row its own
-    #: prompt then its completion, no padding); `rollout` then holds groups of one
-    packed: bool = False
+    #: the rows as packed lines of one forward (`completion_logprobs`' packs: indices of
+    #: `rollout`'s rows, each line its rows' prompts and completions, positions restarting per
+    #: row); `rollout` then holds groups of one. None: the rows run padded
+    packs: tuple[torch.Tensor, ...] | None = None
 
     @property
-    def packs(self) -> tuple[torch.Tensor, ...] | None:
-        """`completion_logprobs`' packs: all of the chunk's rows in one, or None."""
-        return (torch.arange(len(self.rows)),) if self.packed else None
+    def packed(self) -> bool:
+        return self.packs is not None
+
+
+def packs_every_pass(cfg: ComputeOptions, model: Shape) -> bool:
+    """Whether every pass of the update runs packed whatever the lengths (`plan_rows`): a token
+    budget or `--packing on`, on a model that packs."""
+    on = cfg.max_tokens_per_micro_batch is not None or cfg.packing == "on"
+    return model.packs and cfg.packing != "off" and on
 
 
 #: A forward/backward pass's fixed cost, in completion positions (rows × width) of a model of
@@ -133,19 +140,23 @@ def plan_rows(
     """`rollout` (whose completions are `rows` of the step's rollout) in forward/backward
     chunks: with `--max-tokens-per-micro-batch`, `token_chunks` (packed where `model` packs,
     padded otherwise); with a micro-batch size, chunks of that many completions; otherwise
-    `width_chunks` when `overhead` is given, or packed chunks where `--packing` asks for them
-    (`on`) or they cost less (`auto`, `packing_pays`). `model`: the policy's `Shape`, None
-    when it cannot pack."""
-    packs = model is not None and model.packs and cfg.packing != "off"
-    if packs and overhead is not None:  # the same fixed cost as the widths' plan
+    `width_chunks` when `overhead` is given, or packed lines where `--packing` asks for them
+    (`on`) or they cost less (`auto`: `Shape.cost`). `model`: the policy's `Shape`."""
+    can_pack = model is not None and model.packs and cfg.packing != "off"
+    if can_pack and overhead is not None:  # the same fixed cost as the widths' plan
         model = dataclasses.replace(model, overhead=overhead)
+    line = model.pack_tokens(rollout) if can_pack else None
     if cfg.max_tokens_per_micro_batch is not None:
-        return token_chunks(rollout, rows, cfg.max_tokens_per_micro_batch, packed=packs)
+        return token_chunks(rollout, rows, cfg.max_tokens_per_micro_batch, line)
     if cfg.micro_batch_size is not None:
-        return [Chunk(piece, rows[span], packed=packs and cfg.packing == "on")
-                for piece, span in rollout.chunks(cfg.micro_batch_size)]  # fmt: skip
-    if packs and (cfg.packing == "on" or (overhead is not None and cfg.packing == "auto")):
-        packed = token_chunks(rollout, rows, model.pack_tokens(rollout), packed=True)
+        pieces = rollout.chunks(cfg.micro_batch_size)
+        if can_pack and cfg.packing == "on":
+            return [
+                c for piece, span in pieces for c in token_chunks(piece, rows[span], None, line)
+            ]
+        return [Chunk(piece, rows[span]) for piece, span in pieces]
+    if can_pack and (cfg.packing == "on" or (overhead is not None and cfg.packing == "auto")):
+        packed = token_chunks(rollout, rows, None, line)
         if cfg.packing == "on":
             return packed
         chunks = width_chunks(rollout, rows, overhead)
@@ -162,39 +173,69 @@ def row_tokens(rollout: Rollout) -> torch.Tensor:
     return prompt.cpu() + rollout.lengths.cpu().clamp(min=1) - 1
 
 
-def token_chunks(rollout: Rollout, rows: torch.Tensor, budget: int, *, packed: bool) -> list[Chunk]:
-    """`rollout`'s rows in chunks of at most `budget` positions a forward, by first-fit
-    decreasing: the rows in decreasing `row_tokens`, each into the first chunk it fits. FFD
-    minimises the number of chunks (each a forward's fixed cost) to within 11/9 of the fewest;
-    Karmarkar–Karp balances a given number of bins, which matters for spreading work over
-    ranks, not here. Deterministic: a function of the lengths, ties in row order. Packed: a
-    chunk's positions are its rows' (`Chunk.packed`); padded: its rows × its longest, each row
-    with its own prompt. A chunk holds groups of one (`Rollout.regroup`), so rows of different
-    groups share it. Raises UserError naming the row when one alone exceeds the budget."""
+def token_chunks(
+    rollout: Rollout, rows: torch.Tensor, budget: int | None, line: int | None
+) -> list[Chunk]:
+    """`rollout`'s rows in chunks of at most `budget` positions a forward (None: one chunk).
+
+    Packed (`line` given): rows into lines of at most min(`line`, `budget`) positions
+    (`row_tokens`), by first-fit decreasing: the rows in decreasing length, each into the first
+    line it fits. FFD minimises the number of lines to within 11/9 of the fewest; Karmarkar–Karp
+    balances a given number of bins, which matters for spreading work over ranks, not here.
+    Then the lines (padded, `line` None: each row alone) into chunks the same way, a chunk's
+    size its units × its longest (what its forward computes). Deterministic: a function of the
+    lengths, ties in row order. A chunk holds groups of one (`Rollout.regroup`), so rows of
+    different groups share it, each with its own prompt. Raises UserError naming the row when
+    one alone exceeds the budget."""
     tokens = row_tokens(rollout).tolist()  # (n,)
     order = sorted(range(len(tokens)), key=lambda i: -tokens[i])
-    if order and tokens[order[0]] > budget:
+    if budget is not None and order and tokens[order[0]] > budget:
         i = order[0]
         raise UserError(
             f"--max-tokens-per-micro-batch {budget} is smaller than a row: its prompt and "
             f"completion are {tokens[i] + 1} tokens ({tokens[i]} forwarded); raise it to at "
             f"least {tokens[i]}"
         )
-    bins: list[list[int]] = []
-    used: list[int] = []
-    for i in order:
-        for b, members in enumerate(bins):
-            need = used[b] + tokens[i] if packed else (len(members) + 1) * tokens[members[0]]
-            if need <= budget:
-                members.append(i)
-                used[b] += tokens[i]
+    if line is None:
+        units = [([i], tokens[i]) for i in order]
+    else:
+        cap = line if budget is None else min(line, budget)
+        units = _first_fit(order, tokens, cap)
+        units.sort(key=lambda unit: -unit[1])  # stable: equal lines keep their order
+    chunks: list[list[tuple[list[int], int]]] = []
+    for unit in units:  # decreasing: a chunk's first unit is its longest
+        for chunk in chunks:
+            if budget is None or (len(chunk) + 1) * chunk[0][1] <= budget:
+                chunk.append(unit)
                 break
         else:
-            bins.append([i])
-            used.append(tokens[i])
+            chunks.append([unit])
     single = rollout.regroup(1)
-    return [Chunk(single.select_groups(members), rows[torch.tensor(members)], packed=packed)
-            for members in bins]  # fmt: skip
+    out = []
+    for chunk in chunks:
+        members = [i for unit, _ in chunk for i in unit]
+        packs, start = [], 0
+        for unit, _ in chunk:
+            packs.append(torch.arange(start, start + len(unit)))
+            start += len(unit)
+        out.append(Chunk(single.select_groups(members), rows[torch.tensor(members)],
+                         packs=None if line is None else tuple(packs)))  # fmt: skip
+    return out
+
+
+def _first_fit(order: list[int], tokens: list[int], cap: int) -> list[tuple[list[int], int]]:
+    """The rows `order` (decreasing `tokens`) into bins of at most `cap` tokens, each into the
+    first it fits (a row over `cap` alone): (rows, their tokens) per bin."""
+    bins: list[tuple[list[int], int]] = []
+    for i in order:
+        for b, (members, used) in enumerate(bins):
+            if used + tokens[i] <= cap:
+                members.append(i)
+                bins[b] = (members, used + tokens[i])
+                break
+        else:
+            bins.append(([i], tokens[i]))
+    return bins
 
 
 @dataclass(frozen=True)
@@ -224,30 +265,34 @@ class Shape:
         return Shape(packs=packs_rows(model), pair_cost=pair, overhead=pass_overhead(model))
 
     def pack_tokens(self, rollout: Rollout) -> int:
-        """A packed chunk's length when no budget says: with SDPA's dense mask a pack of L
-        positions costs overhead + L + pair_cost·L² (the attention's cross-row pairs computed
-        and masked), so a position costs least at L = √(overhead / pair_cost); never below the
-        longest row."""
+        """A packed chunk's length when no budget says. SDPA's mask is dense, so a pack of L
+        positions costs about c + L + pair_cost·L² (c: a forward's measured fixed cost, the
+        overhead without its margin, as a width's): a position costs least at L = √(c /
+        pair_cost), about 800 on the 20M Llama (measured: 10 packs of ≤ 600 positions 4.9 s, 3
+        of ≤ 2,048 6.2 s, one of 5,400 12 s); never below the longest row."""
         longest = int(row_tokens(rollout).max()) if len(rollout.lengths) else 1
-        return max(longest, int(math.sqrt(self.overhead / max(self.pair_cost, 1e-12))))
+        fixed = self.overhead / _WIDTH_MARGIN
+        return max(longest, int(math.sqrt(fixed / max(self.pair_cost, 1e-12))))
 
     def cost(self, chunks: list[Chunk]) -> float:
-        """A plan's estimated cost in positions: per forward its fixed cost, its positions, and
-        its attention pairs; a bucket's width its own fixed cost (`_WIDTH_MARGIN`)."""
-        total = 0.0
+        """A plan's estimated cost in positions: per forward (a pass, a pack or a bucket's
+        width) its measured fixed cost (the overhead without its margin), its positions, and
+        its attention pairs."""
+        fixed, total = self.overhead / _WIDTH_MARGIN, 0.0
         for chunk in chunks:
             r = chunk.rollout
-            if chunk.packed:
-                length = int(row_tokens(r).sum())
-                total += self.overhead + length + self.pair_cost * length**2
+            if chunk.packs is not None:
+                tokens = row_tokens(r)
+                k, longest = len(chunk.packs), max(int(tokens[p].sum()) for p in chunk.packs)
+                total += fixed + k * longest * (1 + self.pair_cost * longest)
                 continue
             prompt = r.prompt_mask.shape[1]
-            total += self.overhead + r.num_prompts * prompt
+            total += fixed + r.num_prompts * prompt
             lengths = r.lengths.clamp(min=1)
             for rows in chunk.buckets or (torch.arange(len(lengths)),):
                 width = int(lengths[rows].max())
                 total += len(rows) * width * (1 + self.pair_cost * (prompt + width))
-            total += max(len(chunk.buckets or ()) - 1, 0) * self.overhead / _WIDTH_MARGIN
+            total += max(len(chunk.buckets or ()) - 1, 0) * fixed
         return total
 
 
@@ -333,10 +378,14 @@ def with_global_counts(plans: list[Minibatch], dist: Dist) -> list[Minibatch]:
     ]
 
 
-def pad_passes(plans: list[Minibatch], rollout: Rollout, lockstep: Lockstep) -> list[Minibatch]:
+def pad_passes(
+    plans: list[Minibatch], rollout: Rollout, lockstep: Lockstep, packed: bool = False
+) -> list[Minibatch]:
     """Under lockstep (FSDP), each minibatch with zero-weight filler passes (a forward/backward
     of its first group whose loss is multiplied by 0) up to the most passes any rank runs
-    (`Lockstep.most_passes`); the plans themselves otherwise."""
+    (`Lockstep.most_passes`); the plans themselves otherwise. `packed`: the passes run packed
+    (one decoder forward each, where a shared prompt takes two), and so does a filler: every
+    rank must call the sharded decoder as often."""
     if not lockstep.active:
         return plans
     out = []
@@ -344,7 +393,9 @@ def pad_passes(plans: list[Minibatch], rollout: Rollout, lockstep: Lockstep) -> 
         missing = most - len(plan.chunks)
         if missing > 0:
             group = [plan.first_group]
-            filler = Chunk(rollout.select_groups(group), rollout.group_rows(group), weight=0.0)
+            g = rollout.group_size
+            filler = Chunk(rollout.select_groups(group), rollout.group_rows(group), weight=0.0,
+                           packs=(torch.arange(g),) if packed else None)  # fmt: skip
             plan = dataclasses.replace(plan, chunks=plan.chunks + (filler,) * missing)
         out.append(plan)
     return out

@@ -47,6 +47,7 @@ from grouprl.train.parallel.fsdp import Lockstep, logprobs
 from grouprl.train.plan import (
     Minibatch,
     Shape,
+    packs_every_pass,
     pad_passes,
     pass_overhead,
     plan_minibatches,
@@ -250,10 +251,11 @@ def _plans(
     is a collective per layer (all ranks must run the same passes) and costs an all-gather of
     the model that the position count does not model."""
     by_width = model_device(policy).type == "cpu" and not dist.fsdp
+    shape = Shape.of(policy)
     plans = plan_minibatches(cfg, rollout, advantages, mask,
-                             pass_overhead(policy) if by_width else None, Shape.of(policy))  # fmt: skip
+                             pass_overhead(policy) if by_width else None, shape)  # fmt: skip
     plans = with_global_counts(plans, dist)
-    plans = pad_passes(plans, rollout, lockstep)
+    plans = pad_passes(plans, rollout, lockstep, packs_every_pass(cfg, shape))
     if not recomputes_old_logp(cfg, rollout, dtype):
         return plans, None  # the sampler's log-probs are the proximal policy's
     return trainer_old_logp(cfg, policy, plans, dtype)

@@ -130,6 +130,10 @@ def parity(dist: Dist, policy, tokenizer, out: dict) -> None:
     # the batch-global estimators and entropy terms: whitening, a quantile, a bonus, over ranks
     cases += [("reinforce_pp", "ddp", False, {"top_entropy_quantile": 0.5}),
               ("gspo", "fsdp", False, {"entropy_coef": 0.05, "entropy_target": 5.0})]  # fmt: skip
+    # packed lines: token-budget micro-batches under FSDP (ranks run different numbers: padded),
+    # and LoRA packed under DDP
+    cases += [("dapo", "fsdp", False, {"packing": "on", "max_tokens_per_micro_batch": 96}),
+              ("gspo", "ddp", True, {"packing": "on"})]  # fmt: skip
     for algo, strategy, lora, micro in cases:
         extra = {"minibatches": 2} if algo == "gspo" else {}
         options = micro if isinstance(micro, dict) else {}

@@ -20,7 +20,8 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 CASES = ["grpo-ddp", "grpo-fsdp", "gspo-ddp", "gspo-fsdp", "dapo-ddp", "dapo-fsdp",
          "grpo-ddp-lora", "gspo-ddp-lora", "dapo-fsdp-micro3", "gdpo-ddp",
          "grpo-ddp-token_tis", "gspo-fsdp-icepop", "reinforce_pp-ddp-top_entropy_quantile",
-         "gspo-fsdp-entropy_coef-entropy_target"]  # fmt: skip
+         "gspo-fsdp-entropy_coef-entropy_target", "dapo-fsdp-packing-max_tokens_per_micro_batch",
+         "gspo-ddp-lora-packing"]  # fmt: skip
 
 
 def torchrun(*args, cwd, timeout=600, env=None):
