@@ -520,6 +520,29 @@ def test_token_chunks_are_first_fit_decreasing_and_name_a_row_over_the_budget():
         plan.token_chunks(rollout, rows, 10, 12)  # fmt: skip
 
 
+def test_auto_packing_packs_where_its_cost_model_says_it_pays():
+    """`--packing auto` on a CPU: 32 rows of one (G = 1, nothing to share) whose lengths spread
+    from 16 to 512 are packed; a group of equal lengths behind a long shared prompt is not."""
+    from grouprl.config.training import ComputeOptions
+
+    cfg = ComputeOptions(packing="auto")
+    shape = plan.Shape(packs=True, pair_cost=3e-4, overhead=2048)
+    lengths = [int(16 * 32 ** (i / 31)) for i in range(32)]  # 16 … 512, log-spread
+    spread = _rollout_of_lengths(lengths[::2] + lengths[1::2], group_size=1, width=512)
+    rows = torch.arange(32)
+    chunks = plan.plan_rows(cfg, spread, rows, 2048, shape)
+    assert all(c.packed for c in chunks)  # cost 6,380 positions against the widths' 7,431
+    assert sorted(torch.cat([c.rows for c in chunks]).tolist()) == list(range(32))
+    even = _rollout_of_lengths([16] * 8, group_size=8, width=16)
+    even = dataclasses.replace(even, prompt_ids=torch.ones(1, 45, dtype=torch.long),
+                               prompt_mask=torch.ones(1, 45, dtype=torch.bool))  # fmt: skip
+    assert not any(c.packed for c in plan.plan_rows(cfg, even, torch.arange(8), 2048, shape))
+    off = ComputeOptions(packing="off")
+    assert not any(c.packed for c in plan.plan_rows(off, spread, rows, 2048, shape))
+    cannot = dataclasses.replace(shape, packs=False)
+    assert not any(c.packed for c in plan.plan_rows(cfg, spread, rows, 2048, cannot))
+
+
 def _rollout_of_lengths(lengths: list[int], group_size: int, width: int) -> Rollout:
     """A rollout whose completions (of 2-token prompts p0, p1, ...) have these lengths."""
     n, b = len(lengths), len(lengths) // group_size
