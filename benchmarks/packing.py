@@ -201,6 +201,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--one", arm, "--model", args.model,
                "--longest", str(args.longest), "--shortest", str(args.shortest),
                "--repeats", str(args.repeats), "--threads", str(args.threads),
+               "--prompts", str(args.prompts), "--group-size", str(args.group_size),
                "--out", str(args.out)] + (["--lora-r", str(args.lora_r)] if args.lora_r else [])  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
@@ -212,7 +213,8 @@ def main() -> None:
     rows = [[arm, f"{r['seconds']:.2f}", f"{r['peak_mb']:,.0f}", f"{r['update_mb']:,.0f}"]
             for arm, r in results.items()]  # fmt: skip
     print(md_table(["arm", "update s (median)", "peak RSS MB", "RSS above load MB"], rows))
-    (args.out / f"{args.model}-{args.longest}.json").write_text(json.dumps(results, indent=1))
+    name = f"{args.model}-{args.longest}-g{args.group_size}.json"
+    (args.out / name).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
