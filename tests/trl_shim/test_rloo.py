@@ -150,3 +150,15 @@ def test_the_shims_advantages_and_loss_equal_trls_rloo_on_a_fixed_batch(tiny, tm
     out = policy_loss(logp, old, ours, mask, options=loss_options(cfg))
     assert math.isclose(float(out.loss), theirs_loss, rel_tol=F64_SAME, abs_tol=F64_SAME)
     assert float(out.stats.ratio_max) > 1.2  # the ratio moved past the clip: it was tested
+
+
+def test_a_config_of_another_trainer_is_one_line():
+    """GRPOConfig handed to the RLOO shim (TRL's own mistake of the kind: fields RLOO has and
+    GRPO lacks), and RLOOConfig to the GRPO one: each names the config it takes."""
+    from grouprl.trl import GRPOConfig
+    from grouprl.trl.config import options_from
+
+    with pytest.raises(UserError, match=r"args= takes grouprl.trl.RLOOConfig"):
+        rloo_options_from(GRPOConfig(bf16=False), rows=64)
+    with pytest.raises(UserError, match=r"args= takes grouprl.trl.GRPOConfig"):
+        options_from(RLOOConfig(bf16=False), rows=64)

@@ -16,7 +16,6 @@ the population std, as TRL's worker computes it; the loss is the token mean (TRL
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any
 
@@ -30,6 +29,7 @@ from grouprl.trl.config import (
     config_class,
     options_from,
     refusal,
+    require_config,
 )
 from grouprl.trl.trainer import GRPOTrainer
 
@@ -96,12 +96,7 @@ def async_options_from(
     args: Any, *, world: int = 1, rows: int | None = None, lora: bool = False
 ) -> dict[str, Any]:
     """grouprl's options for TRL's AsyncGRPOConfig `args` (see the module)."""
-    fields = {f.name for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else ()
-    if set(fields) < set(ASYNC_FIELDS):
-        raise UserError(
-            "args= takes grouprl.trl.AsyncGRPOConfig (TRL's fields); build it with "
-            "`from grouprl.trl import AsyncGRPOConfig`"
-        )
+    require_config(args, ASYNC_FIELDS, "AsyncGRPOConfig")
     changed = {n: getattr(args, n) for n, spec in _OWN.items() if getattr(args, n) != spec.default}
     warned = [f"{n}={v!r}" for n, v in changed.items() if _OWN[n].kind == WARNED]
     if warned:

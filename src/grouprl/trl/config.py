@@ -48,15 +48,19 @@ _EVERY = {"steps", "no", "epoch"}
 _KEEP_ALL = 1_000_000
 
 
+def require_config(args: Any, fields: Any, name: str) -> None:
+    """One line unless `args` is a dataclass with every one of `fields` (TRL's config `name`)."""
+    have = {f.name for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else set()
+    if not set(fields) <= have:
+        raise UserError(
+            f"args= takes grouprl.trl.{name} (TRL's fields); build it with "
+            f"`from grouprl.trl import {name}`"
+        )
+
+
 def _check_fields(args: Any) -> None:
     """Refused fields set to anything but TRL's default raise; plumbing set so is warned of."""
-    if not dataclasses.is_dataclass(args) or {f.name for f in dataclasses.fields(args)} < set(
-        FIELDS
-    ):
-        raise UserError(
-            "args= takes grouprl.trl.GRPOConfig (TRL's fields); build it with "
-            "`from grouprl.trl import GRPOConfig`"
-        )
+    require_config(args, FIELDS, "GRPOConfig")
     changed = {name: getattr(args, name) for name, spec in FIELDS.items()
                if getattr(args, name) != spec.default}  # fmt: skip
     for name, value in changed.items():

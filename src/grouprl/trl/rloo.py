@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grouprl.trl.config import FIELDS, GRPOConfig, options_from
+from grouprl.trl.config import FIELDS, GRPOConfig, options_from, require_config
 from grouprl.trl.fields import MAPPED, Field, config_class
 from grouprl.trl.trainer import GRPOTrainer
 
@@ -86,17 +86,11 @@ def rloo_options_from(
     args: Any, *, world: int = 1, rows: int | None = None, lora: bool = False
 ) -> dict[str, Any]:
     """grouprl's options for TRL's RLOOConfig `args` (see the module)."""
-    import dataclasses
     import warnings
 
     from grouprl.errors import UserError
 
-    fields = {f.name for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else ()
-    if set(fields) < set(RLOO_FIELDS):
-        raise UserError(
-            "args= takes grouprl.trl.RLOOConfig (TRL's fields); build it with "
-            "`from grouprl.trl import RLOOConfig`"
-        )
+    require_config(args, RLOO_FIELDS, "RLOOConfig")
     if args.num_generations is None or args.num_generations < 2:
         raise _refusal("num_generations", args.num_generations,
                        "the leave-one-out baseline needs at least 2 completions per prompt")  # fmt: skip
