@@ -619,7 +619,7 @@ def test_width_chunks_give_the_unsplit_update(algo, monkeypatch):
     passes.clear()
     buckets = []
     _record_passes(monkeypatch, buckets)
-    monkeypatch.setattr(train_update, "pass_overhead", lambda model: 1)
+    monkeypatch.setattr(plan, "pass_overhead", lambda model: 1)
     split, diag = _update_from(policy, cfg, batch, advantages)
     widths = [width for _, width in passes]
     assert len(widths) > cfg.minibatches * cfg.epochs and len(set(widths)) > 1

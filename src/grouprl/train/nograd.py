@@ -16,7 +16,7 @@ from grouprl.core import MismatchSums, logp_mismatch
 from grouprl.models.precision import autocast
 from grouprl.rollout import Rollout, model_device
 from grouprl.train.parallel.fsdp import logprobs
-from grouprl.train.plan import Chunk, Minibatch, Shape, pass_overhead, plan_rows
+from grouprl.train.plan import Chunk, Minibatch, Shape, plan_rows
 
 
 def trainer_old_logp(
@@ -68,16 +68,20 @@ def no_grad_logprobs(
     """Log-probs (N, T) of the rollout's completions under `model`, without gradients (the
     reference policy's, for the KL term), in chunks no larger than the update's: a micro-batch
     (of completions or of tokens), or else a minibatch, so this pass never needs more memory
-    than training does; packed as the update packs (`plan_rows`, without its widths).
+    than training does; cut as the update cuts a minibatch (`plan_rows`: widths on a CPU,
+    packed lines, token budgets).
     Under FSDP every process must run as many passes: there the chunks are by completions."""
     out = torch.zeros_like(rollout.old_logp)  # (N, T)
     minibatch = max(1, rollout.num_prompts // cfg.minibatches) * rollout.group_size
     sharded = cfg.strategy == "fsdp" and torch.distributed.is_initialized()
     shape = None if sharded else Shape.of(model)
-    overhead = pass_overhead(model) if model_device(model).type == "cpu" else None
+    by_width = shape is not None and model_device(model).type == "cpu"
     for piece, span in rollout.chunks(cfg.micro_batch_size or minibatch):
         rows = torch.arange(span.start, span.stop)
-        chunks = plan_rows(cfg, piece, rows, overhead, shape) if shape else [Chunk(piece, rows)]
+        if shape is None:
+            chunks = [Chunk(piece, rows)]
+        else:
+            chunks = plan_rows(cfg, piece, rows, shape.overhead if by_width else None, shape)
         for chunk in chunks:
             with torch.no_grad(), autocast(model_device(model), dtype):
                 out[chunk.rows] = logprobs(model, chunk.rollout, temperature=cfg.temperature,

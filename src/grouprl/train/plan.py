@@ -143,8 +143,6 @@ def plan_rows(
     `width_chunks` when `overhead` is given, or packed lines where `--packing` asks for them
     (`on`) or they cost less (`auto`: `Shape.cost`). `model`: the policy's `Shape`."""
     can_pack = model is not None and model.packs and cfg.packing != "off"
-    if can_pack and overhead is not None:  # the same fixed cost as the widths' plan
-        model = dataclasses.replace(model, overhead=overhead)
     line = model.pack_tokens(rollout) if can_pack else None
     if cfg.max_tokens_per_micro_batch is not None:
         return token_chunks(rollout, rows, cfg.max_tokens_per_micro_batch, line)

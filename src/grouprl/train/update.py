@@ -49,7 +49,6 @@ from grouprl.train.plan import (
     Shape,
     packs_every_pass,
     pad_passes,
-    pass_overhead,
     plan_minibatches,
     with_global_counts,
 )
@@ -253,7 +252,7 @@ def _plans(
     by_width = model_device(policy).type == "cpu" and not dist.fsdp
     shape = Shape.of(policy)
     plans = plan_minibatches(cfg, rollout, advantages, mask,
-                             pass_overhead(policy) if by_width else None, shape)  # fmt: skip
+                             shape.overhead if by_width else None, shape)  # fmt: skip
     plans = with_global_counts(plans, dist)
     plans = pad_passes(plans, rollout, lockstep, packs_every_pass(cfg, shape))
     if not recomputes_old_logp(cfg, rollout, dtype):
