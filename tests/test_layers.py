@@ -1,4 +1,4 @@
-"""The package's layers: core, sandbox ← rollout, models, tasks, report ← config ← train ←
+"""The package's layers: core, sandbox ← rollout, models, tasks, report ← config, endpoint ← train ←
 workflows ← api ← trl ← cli; and inside tasks its rooms: the floor ← rewards, tools ←
 ecosystems, builtin.
 
@@ -20,7 +20,7 @@ LAYERS = {
     "errors": 0, "faults": 0, "messages": 0, "quiet": 0,
     "core": 1, "sandbox": 1,
     "rollout": 2, "models": 2, "tasks": 2, "report": 2, "explain": 2,
-    "config": 3,
+    "config": 3, "endpoint": 3,
     "train": 4,
     "workflows": 5,
     "api": 6,

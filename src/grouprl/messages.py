@@ -22,6 +22,9 @@ class ToolRequest:
     text: str  # the row's model text since its last observation; ends with a closer
     calls_made: int  # tool calls (and environment steps) the row ran before this turn
     at_end: bool = False  # the turn ended (EOS or a stop string), not at a call's closer
+    # the turn's token ids and their log-probs, for a handler that `wants_turn_ids`
+    ids: tuple[int, ...] = ()
+    logps: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -233,6 +233,16 @@ class ToolOptions:
     budget."""
     tool_timeout: float = 10.0
     """Seconds a tool call may take; a call past it returns an error observation."""
+    agent: str | None = None
+    """An agent program plays each episode: path/agent.py:function or package.module:function,
+    an async function agent(client, row) given an openai.AsyncOpenAI client pointed at
+    grouprl's endpoint (the policy, answered by the run's sampler) and the dataset row. It
+    returns the episode's reward, or None and the run's rewards score its conversation."""
+    agent_timeout: float = 300.0
+    """Seconds an agent episode may run between two requests; past it the episode ends and
+    scores as failed."""
+    agent_port: int = 0
+    """The port on 127.0.0.1 the endpoint agents talk to listens on. 0: a free one."""
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,12 @@ def _data_checks(opts: DataOptions) -> list[tuple[bool, str]]:
             "drop --task",
         ),
         (
-            # an environment may own the reward (get_reward); build_rewards checks it has one
-            opts.dataset is None or bool(opts.rewards) or opts.environment is not None,
+            # an environment may own the reward (get_reward); build_rewards checks it has one;
+            # an agent program returns its episodes' rewards
+            opts.dataset is None
+            or bool(opts.rewards)
+            or opts.environment is not None
+            or getattr(opts, "agent", None) is not None,
             "--dataset needs --rewards: name the functions that score your data, e.g. "
             "--rewards accuracy 1.0, or --rewards path/to/rewards.py:my_reward 1.0",
         ),

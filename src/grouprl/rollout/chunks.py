@@ -97,7 +97,7 @@ def _step(out: Decoded, logits: torch.Tensor, done: torch.Tensor, rows: torch.Te
     turns = s.turns
     if s.stopper is not None:
         hit |= s.stopper.hits(out.tokens, rows, sampling & ~hit, written, since=turns.since)
-    hit = turns.after_step(out.tokens, rows, sampling, hit, written)
+    hit = turns.after_step(out.tokens, rows, sampling, hit, written, out.old_logp)
     out.stop_at[out_rows] = torch.where(hit, written + 1, out.stop_at[out_rows])
     written = written + sampling.long()  # (n,)
     for b, row, ids in turns.take(rows):  # observations, cut to the budget by `after_step`

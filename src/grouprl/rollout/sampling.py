@@ -341,7 +341,7 @@ def _step(
         since = None if turns is None else turns.since
         hit |= s.stopper.hits(out.tokens, rows, ~(fed | hit), t, since=since)
     if turns is not None:
-        hit = turns.after_step(out.tokens, rows, ~fed, hit, t)
+        hit = turns.after_step(out.tokens, rows, ~fed, hit, t, out.old_logp)
     out.stop_at[out_rows] = torch.where(hit, t + 1, out.stop_at[out_rows])
     return tok, hit
 

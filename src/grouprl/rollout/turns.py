@@ -27,6 +27,7 @@ the counts the trainer logs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -127,13 +128,15 @@ class Turns:
         return taken
 
     def after_step(self, tokens: torch.Tensor, rows: torch.Tensor | None, sampled: torch.Tensor,
-                   hit: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
+                   hit: torch.Tensor, t: int | torch.Tensor,
+                   logp: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Ask the handler about the rows among `sampled` (n,) bool (those that sampled this
         step's token) whose newest token closed a call, or, if it `ends_turns`, ended their turn
         (`hit`, (n,) bool: EOS or a stop string); queue what it answers. `t`: the newest token's
         position, for every row or (n,) per batch row. Returns `hit` updated: the batch rows
         whose trajectory ends now (a call past the limit ends one; an answered turn end goes
-        on)."""
+        on). `logp`: the (N, T) sampled log-probs, for a handler that `wants_turn_ids` (its
+        requests carry the turn's ids and log-probs)."""
         hit = hit.clone()
         asking = torch.zeros_like(sampled)
         if self.closers is not None:
@@ -151,6 +154,10 @@ class Turns:
         )
         requests = [ToolRequest(r, text, self.calls[r] + self.steps[r], at_end=bool(at_end[b]))
                     for b, r, text in zip(batch_rows, out, texts)]  # fmt: skip
+        if logp is not None and getattr(self.handler, "wants_turn_ids", False):
+            requests = [dataclasses.replace(q, ids=tuple(tokens[r, self.since[r]:end].tolist()),
+                                            logps=tuple(logp[r, self.since[r]:end].tolist()))
+                        for q, r, end in zip(requests, out, ends)]  # fmt: skip
         answers = self.handler.respond(requests)
         for b, r, end, answer in zip(batch_rows, out, ends, answers, strict=True):
             self.calls[r] += answer.calls

@@ -218,7 +218,7 @@ class _Rollouts:
         for row, (position, ended) in events.items():
             at[row], asked[row], hit[row] = position, True, ended
         if turns is not None:
-            hit = turns.after_step(out.tokens, None, asked, hit, at)
+            hit = turns.after_step(out.tokens, None, asked, hit, at, out.old_logp)
         out.stop_at = torch.where(hit & asked, at + 1, out.stop_at)
         if turns is not None:
             for _, row, ids in turns.take(None):  # observations, cut to the budget

@@ -19,6 +19,8 @@ from grouprl.config.options import DataOptions, ModelOptions, RunConfig
 from grouprl.config.training import AdvantageOptions
 from grouprl.config.validation import TASK_CONFIG_ALONE
 from grouprl.core.registry import ADVANTAGE_ESTIMATORS
+from grouprl.endpoint.agents import METRICS as AGENT_METRICS
+from grouprl.endpoint.agents import AgentUse, agent_reward, run_agent_use
 from grouprl.errors import UserError, remedy
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models import load_model, load_tokenizer
@@ -76,6 +78,8 @@ def build_tools(
                             "environment's requests): drop --engine vllm")  # fmt: skip
         return verifiers_use(task, tokenizer, end_ids, opts.max_turns,
                              getattr(opts, "model", None) or "the model")  # fmt: skip
+    if getattr(opts, "agent", None):
+        return run_agent_use(opts, tokenizer, end_ids)
     environment = load_environment(opts.environment) if opts.environment else None
     # an environment brings its own tools: the task's are used only without one
     default = [] if environment is not None else sorted(task.tools or {})
@@ -206,7 +210,11 @@ def build_rewards(
     the reward, as in TRL)."""
     weights = dict(opts.rewards or task.reward_weights)
     environment = None if tools is None else tools.environment
-    if environment is not None and environment.has_reward:
+    if isinstance(tools, AgentUse):  # the agent's reward, and its episodes' counts (logged)
+        weights = {"agent": 1.0, **dict.fromkeys(AGENT_METRICS, 0.0), **(opts.rewards or {})}
+        funcs = {**task.reward_funcs, "agent": agent_reward, **AGENT_METRICS}
+        task = dataclasses.replace(task, reward_funcs=funcs)
+    elif environment is not None and environment.has_reward:
         weights = {environment.name: 1.0, **(opts.rewards or {})}
         funcs = {**task.reward_funcs, environment.name: environment.reward()}
         task = dataclasses.replace(task, reward_funcs=funcs)

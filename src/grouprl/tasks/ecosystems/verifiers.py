@@ -45,7 +45,8 @@ from typing import Any, ClassVar
 from grouprl.errors import UserError
 from grouprl.messages import Observation, ToolRequest
 from grouprl.tasks.base import Task
-from grouprl.tasks.tools.chat import _HERMES, _end_texts, call_style, parse_calls
+from grouprl.tasks.tools.rendering import Renderer, conversation_key, extension
+from grouprl.tasks.tools.rendering import message_dict as _message_dict
 from grouprl.tasks.tools.use import RolloutStart, ToolUse
 
 PREFIX = "verifiers:"
@@ -202,34 +203,6 @@ def _client_class():
     return Client
 
 
-def _message_dict(message: Any) -> dict[str, Any]:
-    """A verifiers message (pydantic or dict) as the chat template takes it."""
-    data = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else (
-        dict(message))  # fmt: skip
-    calls = data.get("tool_calls")
-    if calls:  # verifiers' ToolCall (a model, a dict, or its JSON text), OpenAI's shape
-        data["tool_calls"] = [_openai_call(_arguments(c)) for c in calls]
-    return {k: v for k, v in data.items() if k in ("role", "content", "tool_calls",
-                                                   "tool_call_id", "name")}  # fmt: skip
-
-
-def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
-    if "function" in call:
-        function = call["function"]
-        return {**call, "function": {**function, "arguments": _arguments(function.get(
-            "arguments"))}}  # fmt: skip
-    return {"id": call.get("id"), "type": "function",
-            "function": {"name": call.get("name"), "arguments": _arguments(call.get(
-                "arguments"))}}  # fmt: skip
-
-
-def _arguments(text: Any) -> Any:
-    try:
-        return json.loads(text) if isinstance(text, str) else text
-    except ValueError:
-        return text
-
-
 # ---------------------------------------------------------------------------------------------
 # A batch of rollouts: the environment's loops, the sampler's turns
 
@@ -311,7 +284,7 @@ class VerifiersRollout:
         prompts = [self.pending[r].messages for r in range(len(self.environments))]
         for r, messages in enumerate(prompts):
             self.last[r] = messages
-            if _key_all(messages) != _key_all(prompts[r - r % self.G]):
+            if conversation_key(messages) != conversation_key(prompts[r - r % self.G]):
                 raise UserError(
                     "a verifiers environment asked the model differently in the rollouts of one "
                     f"group (rollout {r}); a group shares its prompt (prefilled once), so the "
@@ -426,26 +399,14 @@ def _overlong():
 def _extension(before: list[dict], new: list[dict], row: int) -> list[dict]:
     """The messages a request adds to the conversation so far; one line when it does not
     extend it (the environment rewrote its history: the ids sampled would not be its text)."""
-    head = new[: len(before)]
-    if len(new) <= len(before) or any(_key(a) != _key(b) for a, b in zip(head, before)):
+    tail = extension(before, new)
+    if tail is None:
         raise UserError(
             "a verifiers environment asked the model with a conversation that does not extend "
             f"the one so far (rollout {row}): grouprl trains on the ids it sampled and fed, "
             "turn by turn, so the environment must keep earlier turns as they were"
         )
-    return new[len(before) :]
-
-
-def _key_all(messages: list[dict]) -> list[tuple]:
-    return [_key(m) for m in messages]
-
-
-def _key(message: dict) -> tuple:
-    calls = message.get("tool_calls") or []
-    names = tuple(str(c.get("function", {}).get("name")) for c in calls)
-    content = message.get("content")
-    return (message.get("role"), (content or "").strip() if isinstance(content, str) else
-            json.dumps(content, sort_keys=True, default=str), names)  # fmt: skip
+    return tail
 
 
 def _response(message: dict, finish: str, driver: VerifiersDriver) -> Any:
@@ -459,70 +420,6 @@ def _response(message: dict, finish: str, driver: VerifiersDriver) -> Any:
                     message=ResponseMessage(content=message.get("content") or "",
                                             tool_calls=calls or None, finish_reason=finish,
                                             is_truncated=finish == "length"))  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Rendering: the model's chat template, prefix-preserving
-
-
-class Renderer:
-    """The model's chat template over verifiers' conversations: a turn's calls read in the
-    template's convention, and the ids of the messages that follow a model turn."""
-
-    def __init__(self, tokenizer: Any, schemas: list[dict], end_ids: Sequence[int],
-                 model: str = "the model") -> None:  # fmt: skip
-        self.tokenizer, self.schemas, self.model = tokenizer, schemas, model
-        template = getattr(tokenizer, "chat_template", None)
-        if not template:
-            raise UserError(f"a verifiers environment speaks in chat messages, and {model}'s "
-                            "tokenizer has no chat template; use an instruct model")  # fmt: skip
-        self.style = call_style(template, model) if schemas else None
-        self.ends = _end_texts(tokenizer, end_ids)
-
-    def render(self, messages: list[dict], *, generation: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.schemas or None, tokenize=False, add_generation_prompt=generation
-        )
-
-    def assistant(self, text: str) -> dict[str, Any]:
-        """A model turn as a message, as an OpenAI-compatible server with the template's tool
-        parser returns it: the calls in it as `tool_calls`, its text outside them as content."""
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if self.style is not None:
-            calls = [c for c in parse_calls(text, self.style) if c.error is None]
-            if calls:
-                message["content"] = _HERMES.sub("", text).strip() if self.style == "hermes" else ""
-                message["tool_calls"] = [
-                    {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                     "function": {"name": c.name, "arguments": _arguments(c.args)}}
-                    for c in calls
-                ]  # fmt: skip
-        return message
-
-    def tail(self, turn: dict[str, Any], messages: list[dict]) -> list[int]:
-        """The ids the template writes after a model turn (`turn`) ends, for `messages`, up to
-        the next assistant header: rendered after a probe conversation of the same shape (a
-        user turn, then an assistant turn with calls or without), encoded once."""
-        probe_user = {"role": "user", "content": "PROBE-QUESTION"}
-        probe_turn = {"role": "assistant", "content": "PROBE-ANSWER"}
-        if turn.get("tool_calls"):
-            probe_turn["tool_calls"] = turn["tool_calls"]
-        before = self.render([probe_user, probe_turn], generation=False)
-        after = self.render([probe_user, probe_turn, *messages], generation=True)
-        prompt = self.render([probe_user], generation=True)
-        cut = self._turn_end(before, len(prompt))
-        if not after.startswith(before[:cut]):
-            raise UserError(f"the chat template of {self.model} is not prefix-preserving: what "
-                            "follows a turn changes how the turn renders")  # fmt: skip
-        return self.tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
-
-    def _turn_end(self, rendered: str, start: int) -> int:
-        found = [rendered.find(e, start) for e in self.ends]
-        found = [i + len(e) for i, e in zip(found, self.ends) if i >= 0]
-        if not found:
-            raise UserError(f"the chat template of {self.model} ends an assistant turn with none "
-                            f"of the model's end-of-turn tokens ({', '.join(self.ends)})")  # fmt: skip
-        return min(found)
 
 
 # ---------------------------------------------------------------------------------------------

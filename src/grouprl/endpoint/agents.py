@@ -1,0 +1,554 @@
+"""Agent programs as rollouts: `--agent file.py:function` (`agent=` in the Python API).
+
+An agent program is an async function `agent(client, row)`: `client` an `openai.AsyncOpenAI`
+pointed at grouprl's endpoint, `row` the dataset row. It returns the episode's reward (a number),
+or None and the run's reward functions score its conversation (TRL's convention). A function
+that also takes `model=` is given the name the endpoint serves (requests for another model are
+refused).
+
+How a rollout runs. Each of a batch's rows is played by G episodes, each an `agent` call on an
+event loop of the batch's own, each with its own client (its base URL names the episode). Every
+episode's requests wait until every live episode waits on the model or is done; then the
+sampler answers all of them in one decode loop (a batch is formed by that rule, never by arrival
+time, so a deterministic agent gives a run that is a function of its seed). Exactness:
+
+- An episode's first request is its group's prompt (rendered by the chat template with the
+  request's tools; a completion's prompt string or the token route's ids as given), prefilled
+  once for the group's G episodes, which must therefore ask the same first request.
+- A turn ends at the model's end-of-turn token; its text (with the calls in it parsed in the
+  template's convention into OpenAI `tool_calls`) answers the request.
+- The next request must extend the conversation (the messages up to the last turn as they were
+  sent and answered, the same tools; for completions, the prompt so far and the answer's text;
+  for token ids, every id so far): only what it adds is rendered (after the model's end-of-turn
+  token, up to the next assistant header) and fed into the row's running cache. Nothing sampled
+  is encoded again: the ids trained on are the ids sampled and fed.
+- A request that rewrites an earlier turn ends the episode's trajectory where it is (the
+  request is refused with HTTP 409, and counted: `agent_prefix_breaks`).
+- The budget (`--max-new-tokens`) counts the whole trajectory: the turn it cuts is answered with
+  `finish_reason` "length", and a request after it is refused (HTTP 400).
+
+An episode whose agent raises is scored as failed (reward 0, the traceback in the log once per
+run); one that neither asks nor finishes within `--agent-timeout` seconds is ended and scored as
+failed, in one line. A step whose episodes all failed ends the run in one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from grouprl.endpoint.server import Endpoint
+from grouprl.endpoint.wire import Answer, Request, Sampling, WireError
+from grouprl.errors import UserError
+from grouprl.messages import Observation, ToolRequest
+from grouprl.tasks.live import is_live, live_object
+from grouprl.tasks.tools.rendering import Renderer, conversation_key, extension, message_dict
+from grouprl.tasks.tools.use import RolloutStart, ToolUse
+
+
+def _say(message: str) -> None:
+    """A warning line in the run's log (stderr, where the run's own warnings go)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+#: Seconds an episode may run between two requests (`--agent-timeout`).
+AGENT_TIMEOUT = 300.0
+
+
+def load_agent(spec: str) -> Callable:
+    """The async function `spec` names: path/to/agent.py:function, package.module:function, or
+    a live object (the Python API's `agent=`)."""
+    from grouprl.tasks.loading import import_file, import_function, load_attribute
+
+    if is_live(spec):
+        fn = live_object(spec, "agent")
+    else:
+        where, _, attr = spec.rpartition(":")
+        if not where or not attr:
+            raise UserError(f"--agent {spec!r}: give a file and function "
+                            "(path/to/agent.py:run) or a module and function")  # fmt: skip
+        if where.endswith(".py"):
+            path = Path(where).expanduser()
+            if not path.is_file():
+                raise UserError(f"agent file {path} does not exist (from --agent {spec})")
+            fn = load_attribute(import_file(path, "agent"), attr, str(path))
+        else:
+            fn = import_function(where, attr, spec, "agent")
+    if not inspect.iscoroutinefunction(fn):
+        raise UserError(f"--agent {spec}: {getattr(fn, '__name__', fn)!r} is not an async "
+                        "function; define it `async def agent(client, row)`")  # fmt: skip
+    return fn
+
+
+@dataclass
+class AgentResult:
+    """An episode's outcome, which reward functions receive as `environments`."""
+
+    value: Any = None  # what the agent returned
+    failed: str | None = None  # why the episode failed (raised, timed out), or None
+    messages: list[dict] | None = None  # its chat conversation, with the model's last turn
+    requests: int = 0
+    prefix_breaks: int = 0
+
+    @property
+    def reward(self) -> float | None:
+        """The agent's reward: what it returned, 0 when it failed, None when it returned none."""
+        if self.failed is not None:
+            return 0.0
+        return None if self.value is None else float(self.value)
+
+
+def agent_reward(completions, environments, **_) -> list[float | None]:
+    """The reward each agent episode returned (0 for a failed one; None: it returned none)."""
+    return [r.reward for r in environments]
+
+
+def _count(name: str, of: Callable[[AgentResult], float]):
+    def metric(completions, environments, **_) -> list[float]:
+        return [of(r) for r in environments]
+
+    metric.__name__ = name
+    return metric
+
+
+#: What an agent run logs of its episodes (weight 0: reported, not rewarded).
+METRICS = {
+    "agent_failed": _count("agent_failed", lambda r: float(r.failed is not None)),
+    "agent_requests": _count("agent_requests", lambda r: float(r.requests)),
+    "agent_prefix_breaks": _count("agent_prefix_breaks", lambda r: float(r.prefix_breaks)),
+}
+
+
+@dataclass
+class _Episode:
+    """One completion row's episode."""
+
+    row: int
+    key: str
+    result: AgentResult = field(default_factory=AgentResult)
+    task: asyncio.Task | None = None
+    pending: tuple[Request, asyncio.Future] | None = None
+    kind: str | None = None  # chat, completion or tokens: its first request's
+    renderer: Renderer | None = None  # chat: the template with the episode's tools
+    messages: list[dict] | None = None  # chat: the conversation so far, the model's turn last
+    text: str | None = None  # completion: the prompt so far and the answers
+    context: list[int] | None = None  # tokens: every id so far
+    ended: str | None = None  # why its trajectory ended (a request after it is refused)
+    since: float = 0.0  # when it last asked or was answered (monotonic)
+
+
+@dataclass
+class AgentSettings:
+    """What every batch of an agent run shares."""
+
+    agent: Callable
+    tokenizer: Any
+    end_ids: tuple[int, ...]
+    sampling: Sampling
+    served: str
+    timeout: float = AGENT_TIMEOUT
+    port: int = 0
+    max_calls: int = 10
+    max_model_len: int | None = None
+    model: str = "the model"
+
+
+class AgentRollout:
+    """One batch of agent episodes (rows, each played `group_size` times) on an event loop of
+    their own, the endpoint's backend and the sampler's `TurnHandler` (see the module
+    docstring). `start` runs every episode to its first request; `respond` answers turns;
+    `finish` (after sampling) answers the turns the budget cut and runs what is left."""
+
+    closers: ClassVar[list[str]] = []
+    ends_turns = True
+    keeps_content = True
+    wants_turn_ids = True
+    serial: ClassVar[int] = 0
+
+    def __init__(self, settings: AgentSettings, rows: Sequence[dict], group_size: int,
+                 warned: set[str]) -> None:  # fmt: skip
+        self.s, self.rows, self.G, self.warned = settings, list(rows), group_size, warned
+        self.tokenizer = settings.tokenizer
+        self.served, self.sampling = settings.served, settings.sampling
+        self.max_model_len = settings.max_model_len
+        AgentRollout.serial += 1
+        tag = f"{AgentRollout.serial}"
+        self.episodes = [_Episode(r, f"{tag}-{r}") for r in range(len(self.rows) * group_size)]
+        self.by_key = {e.key: e for e in self.episodes}
+        self.environments = [e.result for e in self.episodes]
+        self.loop = asyncio.new_event_loop()
+        self.endpoint = Endpoint(self, settings.port)
+        self._renderer: Renderer | None = None
+
+    # --- the endpoint's backend
+    async def answer(self, episode: str | None, request: Request) -> Answer:
+        ep = self.by_key.get(episode or "")
+        if ep is None:
+            raise WireError(404, f"no live episode {episode!r}: each episode's client names it "
+                            "in its base URL (…/e/EPISODE/v1) or the X-Episode-ID header",
+                            "not_found_error")  # fmt: skip
+        if ep.pending is not None:
+            raise WireError(409, "this episode has a request waiting: send one request at a "
+                            "time per episode (each is its next turn)")  # fmt: skip
+        if ep.ended is not None:
+            raise WireError(400, ep.ended)
+        if ep.kind is not None and request.kind != ep.kind:
+            raise WireError(400, f"this episode asked on the {ep.kind} route first; its turns "
+                            "are one trajectory, so ask every turn on the same route")  # fmt: skip
+        future = self.loop.create_future()
+        ep.pending, ep.since = (request, future), time.monotonic()
+        ep.result.requests += 1
+        return await future
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([i]) for i in ids]
+
+    # --- the episodes
+    async def _play(self, ep: _Episode, client: Any) -> None:
+        row = self.rows[ep.row // self.G]
+        kwargs = {"model": self.served} if _takes_model(self.s.agent) else {}
+        try:
+            ep.result.value = _reward_value(await self.s.agent(client, dict(row), **kwargs))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            ep.result.failed = f"{type(err).__name__}: {err}"
+            if "raised" not in self.warned:
+                self.warned.add("raised")
+                _say("an agent episode raised (scored as failed; later ones are only counted: "
+                     f"agent_failed):\n{traceback.format_exc().rstrip()}")  # fmt: skip
+        finally:
+            await client.close()
+
+    def _client(self, ep: _Episode) -> Any:
+        import httpx
+        import openai
+
+        http = httpx.AsyncClient(trust_env=False, timeout=None)  # no proxies on loopback
+        return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{self.endpoint.port}/e/{ep.key}/v1",
+                                  api_key="grouprl", max_retries=0, http_client=http)  # fmt: skip
+
+    def start(self) -> list[list[int]]:
+        """Every episode to its first request; each group's prompt ids."""
+        self._run(self.endpoint.start())
+        for ep in self.episodes:
+            ep.since = time.monotonic()
+            ep.task = self.loop.create_task(self._play(ep, self._client(ep)))
+        try:
+            self._settle(range(len(self.episodes)))
+            return self._prompts()
+        except BaseException:
+            self.close()
+            raise
+
+    def _prompts(self) -> list[list[int]]:
+        prompts = []
+        for g in range(len(self.rows)):
+            group = self.episodes[g * self.G : (g + 1) * self.G]
+            asked = [ep for ep in group if ep.pending is not None]
+            if len(asked) < len(group):
+                why = next(ep.result.failed for ep in group if ep.pending is None)
+                raise UserError(
+                    f"agent episode {group[0].row + len(asked)} ended before asking the model "
+                    f"anything ({why or 'it returned'}); an agent's episode asks the model first"
+                )
+            ids = [self._first(ep, ep.pending[0]) for ep in group]
+            if any(i != ids[0] for i in ids[1:]):
+                raise UserError(
+                    "the agent asked the model differently in the episodes of one group (row "
+                    f"{g}); a group shares its prompt (prefilled once), so an episode's first "
+                    "request must depend on its row only, not on chance"
+                )
+            prompts.append(ids[0])
+        return prompts
+
+    def _first(self, ep: _Episode, request: Request) -> list[int]:
+        ep.kind = request.kind
+        if request.kind == "chat":
+            ep.renderer = self.renderer().with_tools(request.tools)
+            ep.messages = [message_dict(m) for m in request.messages]
+            ids = ep.renderer.prompt_ids(ep.messages)
+        elif request.kind == "completion":
+            ep.text = request.prompt
+            ids = self.tokenizer(request.prompt)["input_ids"]
+        else:
+            ids = list(request.token_ids)
+        ep.context = list(ids)
+        return ids
+
+    def renderer(self) -> Renderer:
+        if self._renderer is None:
+            self._renderer = Renderer(self.tokenizer, None, self.s.end_ids, self.s.model)
+        return self._renderer
+
+    # --- the sampler's side
+    def respond(self, requests: Sequence[ToolRequest]) -> list[Observation]:
+        resumed = []
+        for q in requests:
+            ep = self.episodes[q.row]
+            if ep.pending is None:  # done with its model (it will not ask again)
+                continue
+            request, future = ep.pending
+            ep.pending = None
+            future.set_result(self._answer(ep, request, q.ids, q.logps, q.text, "stop"))
+            resumed.append(q.row)
+        self._settle(resumed)
+        out = []
+        for q in requests:
+            ep = self.episodes[q.row]
+            if q.row not in resumed or ep.pending is None:
+                ep.ended = ep.ended or "the episode's trajectory has ended"
+                out.append(Observation(end=True))
+                continue
+            if q.calls_made >= self.s.max_calls:
+                ep.ended = (f"the episode made as many turns as a trajectory may "
+                            f"(--max-turns {self.s.max_calls}); end the episode")  # fmt: skip
+                out.append(Observation(end=True, over_limit=True))
+                continue
+            fed = self._feed(ep, ep.pending[0])
+            if fed is None:
+                out.append(Observation(end=True))
+                continue
+            ids, messages, calls = fed
+            out.append(Observation(ids, messages, calls=calls, steps=0 if calls else 1))
+        return out
+
+    def _answer(self, ep: _Episode, request: Request, ids: Sequence[int],
+                logps: Sequence[float], text: str, finish: str) -> Answer:  # fmt: skip
+        """The answer to `request`: the turn's ids, log-probs and text; the episode's record
+        extended by it."""
+        before = len(ep.context)
+        ep.context = [*(request.token_ids or ep.context), *ids] if ep.kind == "tokens" else (
+            [*ep.context, *ids])  # fmt: skip
+        message = None
+        if ep.kind == "chat":
+            message = ep.renderer.assistant(text)
+            ep.messages = [*(message_dict(m) for m in request.messages), message]
+            if message.get("tool_calls") and finish == "stop":
+                finish = "tool_calls"
+        elif ep.kind == "completion":
+            ep.text = request.prompt + text
+        ids, logps = list(ids), list(logps)
+        if ep.kind != "tokens" and ids and ids[-1] in self.s.end_ids:  # not in the text
+            ids, logps = ids[:-1], logps[:-1]
+        ep.since = time.monotonic()
+        return Answer(ids, logps, text, finish, message, prompt_tokens=before)
+
+    def _feed(self, ep: _Episode, request: Request) -> tuple[list[int], list[dict], int] | None:
+        """What `request` adds to the episode's trajectory: the ids to feed, the turn as the
+        transcript shows it, and the calls the model's last turn made; None where it rewrites
+        the trajectory (the request refused, its trajectory ended, counted)."""
+        calls = 0
+        if ep.kind == "chat":
+            new = [message_dict(m) for m in request.messages]
+            tail = extension(ep.messages, new)
+            same_tools = (request.tools or []) == ep.renderer.schemas
+            if tail is None or not same_tools:
+                return self._broken(ep, _where(ep.messages, new) if same_tools else "its tools")
+            calls = len(ep.messages[-1].get("tool_calls") or [])
+            ids = ep.renderer.tail(ep.messages[-1], tail)
+            ep.context.extend(ids)
+            return ids, tail, calls
+        if ep.kind == "completion":
+            if not request.prompt.startswith(ep.text):
+                return self._broken(ep, "the prompt so far")
+            added = request.prompt[len(ep.text) :]
+            ids = self.tokenizer(added, add_special_tokens=False)["input_ids"]
+            ep.context.extend(ids)
+            return ids, [{"role": "user", "content": added}], 0
+        given = list(request.token_ids)
+        if given[: len(ep.context)] != ep.context:
+            return self._broken(ep, "the ids so far")
+        ids = given[len(ep.context) :]
+        ep.context = given
+        return ids, [{"role": "user", "content": self.tokenizer.decode(ids)}], 0
+
+    def _broken(self, ep: _Episode, where: str) -> None:
+        ep.result.prefix_breaks += 1
+        ep.ended = "the episode's trajectory ended at its rewritten request"
+        _, future = ep.pending
+        ep.pending = None
+        future.set_exception(WireError(409, (
+            f"this request rewrites {where} (not as sent and answered before): grouprl trains on "
+            "the ids it sampled and fed, turn by turn, so this episode's trajectory ends here; "
+            "send earlier turns back as the server returned them")))  # fmt: skip
+        if "broken" not in self.warned:
+            self.warned.add("broken")
+            _say(f"an agent rewrote an earlier turn ({where}); its trajectory ended there "
+                 "(counted: agent_prefix_breaks)")  # fmt: skip
+        return None
+
+    def finish(self, cut: dict[int, tuple[list[int], list[float], str]]) -> list[AgentResult]:
+        """After sampling: the episodes waiting on a turn the budget cut get it (`cut`: row ->
+        its ids, log-probs and text) with finish_reason "length"; every episode runs to its end
+        (a further request is refused); the results."""
+        spent = ("the episode's token budget (--max-new-tokens counts the whole trajectory) "
+                 "is spent; end the episode")  # fmt: skip
+        for ep in self.episodes:
+            ep.ended = ep.ended or spent
+            if ep.pending is not None:
+                request, future = ep.pending
+                ep.pending = None
+                ids, logps, text = cut.get(ep.row, ([], [], ""))
+                future.set_result(self._answer(ep, request, ids, logps, text, "length"))
+        self._settle(range(len(self.episodes)), to_end=True)
+        for ep in self.episodes:
+            ep.result.messages = ep.messages
+        self.close()
+        failed = [r.failed for r in self.environments if r.failed is not None]
+        if len(failed) == len(self.environments):
+            raise UserError(f"every agent episode of this batch failed; the first: {failed[0]}")
+        return self.environments
+
+    def close(self) -> None:
+        """Cancel what still runs, stop the server, close the loop."""
+        if self.loop.is_closed():
+            return
+        tasks = [ep.task for ep in self.episodes if ep.task is not None and not ep.task.done()]
+        for task in tasks:
+            task.cancel()
+
+        async def drain() -> None:
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.endpoint.close()
+
+        self._run(drain())
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+    # --- the event loop
+    def _run(self, awaitable: Any) -> Any:
+        asyncio.set_event_loop(self.loop)
+        try:
+            return self.loop.run_until_complete(awaitable)
+        finally:
+            asyncio.set_event_loop(None)
+
+    def _settle(self, rows: Any, *, to_end: bool = False) -> None:
+        """Run the episodes until each of `rows` waits on the model or is done (`to_end`: is
+        done). One that does neither within the timeout is ended as failed, in one line."""
+        eps = [self.episodes[r] for r in rows]
+
+        def waiting() -> list[_Episode]:
+            return [ep for ep in eps if not ep.task.done()
+                    and (to_end or ep.pending is None)]  # fmt: skip
+
+        async def wait() -> None:
+            spins = 0
+            while True:
+                left = waiting()
+                if not left:
+                    return
+                now = time.monotonic()
+                for ep in left:
+                    if now - ep.since > self.s.timeout:
+                        ep.result.failed = (f"neither asked the model nor finished within "
+                                            f"{self.s.timeout:g} s (--agent-timeout)")  # fmt: skip
+                        _say(f"agent episode {ep.row}: {ep.result.failed}; ended, scored as "
+                             "failed")  # fmt: skip
+                        ep.task.cancel()
+                spins += 1  # a request on its way through the loopback socket: yield
+                await asyncio.sleep(0 if spins < 200 else 0.0005)
+
+        self._run(wait())
+        for ep in eps:  # let cancelled episodes unwind
+            if ep.task.done() and not ep.task.cancelled():
+                ep.task.exception()
+
+
+def _where(before: list[dict], new: list[dict]) -> str:
+    keys, got = conversation_key(before), conversation_key(new)
+    for i, (a, b) in enumerate(zip(keys, got)):
+        if a != b:
+            return f"message {i} ({before[i].get('role')})"
+    return "the conversation (it is not longer than before)"
+
+
+def _takes_model(fn: Callable) -> bool:
+    try:
+        return "model" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _reward_value(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"the agent returned {value!r}; return a finite number (its reward) "
+                        "or None (the run's reward functions score it)")  # fmt: skip
+    return float(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the trainer and `eval` hold: a ToolUse whose rollouts agent programs drive
+
+
+@dataclass(frozen=True)
+class AgentUse(ToolUse):
+    """A run's agent program in the place of its tool use: `rollout` starts a batch
+    (`AgentRollout`), `sampled` ends it after sampling."""
+
+    settings: AgentSettings | None = None
+    warned: set = field(default_factory=set)
+
+    @property
+    def schemas(self) -> list[dict] | None:
+        return None  # the prompts are the episodes' first requests, as ids
+
+    def rollout(self, rows, group_size, *seed_parts, keys=None) -> RolloutStart:
+        batch = AgentRollout(self.settings, rows, group_size, self.warned)
+        prompts = batch.start()
+        return RolloutStart(prompts, batch, batch.environments, list(rows))
+
+    def sampled(self, rollout: Any, handler: Any) -> None:
+        """After sampling: the episodes waiting on a turn the budget cut get it; all end."""
+        if not isinstance(handler, AgentRollout):
+            return
+        cut = {}
+        sampled = rollout.loss_mask & rollout.mask  # (N, T)
+        for ep in handler.episodes:
+            if ep.pending is None:
+                continue
+            row = ep.row
+            fed = (~rollout.loss_mask[row] & rollout.mask[row]).nonzero()
+            start = int(fed[-1]) + 1 if len(fed) else 0
+            keep = sampled[row, start:]
+            ids = rollout.completion_ids[row, start:][keep].tolist()
+            logps = rollout.old_logp[row, start:][keep].tolist()
+            cut[row] = (ids, logps, self.settings.tokenizer.decode(ids, skip_special_tokens=True))
+        handler.finish(cut)
+
+
+def agent_use(spec: str, tokenizer: Any, end_ids: Sequence[int], sampling: Sampling, *,
+              served: str, timeout: float = AGENT_TIMEOUT, port: int = 0, max_calls: int = 10,
+              max_model_len: int | None = None, model: str = "the model") -> AgentUse:  # fmt: skip
+    """The tool use of `--agent SPEC` (see the module docstring)."""
+    settings = AgentSettings(load_agent(spec), tokenizer, tuple(int(i) for i in end_ids),
+                             sampling, served, timeout, port, max_calls, max_model_len, model)  # fmt: skip
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    return AgentUse(handler=None, environment=None, chat=chat, settings=settings)
+
+
+def run_agent_use(opts: Any, tokenizer: Any, end_ids: Sequence[int]) -> AgentUse:
+    """`--agent`'s tool use in a run (`opts`: its data, sampling and model options)."""
+    if opts.tools or opts.environment:
+        raise UserError("--agent plays the episodes with its own tools and loop: drop --tools "
+                        "and --environment")  # fmt: skip
+    if getattr(opts, "engine", "hf") != "hf":
+        raise UserError("--agent runs on grouprl's own sampler (its turns answer the agent's "
+                        "requests): drop --engine vllm")  # fmt: skip
+    sampling = Sampling(getattr(opts, "temperature", 1.0), getattr(opts, "top_p", 1.0),
+                        getattr(opts, "top_k", 0) or 0)  # fmt: skip
+    model = getattr(opts, "model", None)
+    return agent_use(opts.agent, tokenizer, end_ids, sampling, served=model or "grouprl",
+                     timeout=opts.agent_timeout, port=opts.agent_port, max_calls=opts.max_turns,
+                     model=model or "the model")  # fmt: skip

@@ -1,0 +1,175 @@
+"""Agent programs as rollouts (`--agent`): a loop over the real `openai` client talks to
+grouprl's endpoint, answered by the run's sampler. Token exactness: with a scripted model, a
+tool-calling episode's ids are its sampled turns and the fed renderings of what the agent sent
+back, turn by turn, and they decode to the chat template's rendering of the agent's own
+conversation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("aiohttp", reason="pip install -e '.[agents]' (make test does)")
+pytest.importorskip("openai", reason="pip install -e '.[agents]' (make test does)")
+
+import torch
+
+from grouprl.cli import main
+from grouprl.endpoint.agents import agent_use
+from grouprl.endpoint.wire import Sampling
+from grouprl.errors import UserError
+from grouprl.models.tiny import QWEN25_TOOLS, save_tiny_chat_model
+from grouprl.rollout import sample_groups
+from scripted import Scripted
+
+PROGRAMS = Path(__file__).with_name("agents") / "programs.py"
+ROW = {"prompt": "What is lookup(4) doubled?", "answer": 62}
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    """A tiny random chat model with a Qwen2.5-style tool template, its tokenizer, and a
+    12-row dataset."""
+    path = tmp_path_factory.mktemp("agent_chat")
+    _, tokenizer = save_tiny_chat_model(path / "model", template=QWEN25_TOOLS)
+    with (path / "data.jsonl").open("w") as f:
+        for i in range(12):
+            f.write(json.dumps({"prompt": f"What is {i} plus {i}?", "answer": 2 * i}) + "\n")
+    return path, tokenizer
+
+
+def _ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _use(tokenizer, program, **kw):
+    end = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return agent_use(f"{PROGRAMS}:{program}", tokenizer, end, Sampling(temperature=0.0),
+                     served="grouprl", max_calls=4, **kw)  # fmt: skip
+
+
+def _rollout(tokenizer, program, script_of, row=ROW):
+    """One group of 2 episodes of `row`, sampled by a scripted model whose script
+    `script_of(renderer)` returns as (ids, trained) pieces."""
+    use = _use(tokenizer, program)
+    start = use.rollout([row], 2)
+    (prompt,) = start.prompts
+    pieces = script_of(start.handler.episodes[0].renderer)
+    script = [i for ids, _ in pieces for i in ids]
+    model = Scripted(tokenizer, ids={tuple(prompt): [*script, tokenizer.eos_token_id]})
+    r = sample_groups(model, tokenizer, [prompt], group_size=2, max_new_tokens=len(script) + 4,
+                      temperature=0.0, tools=start.handler)  # fmt: skip
+    use.sampled(r, start.handler)
+    return r, start.handler, pieces, prompt
+
+
+@pytest.mark.usefixtures("scripted_cache")
+def test_a_tool_episode_trains_on_the_ids_sampled_and_fed_turn_by_turn(chat):
+    _, tokenizer = chat
+    calls = ('<tool_call>\n{"name": "lookup", "arguments": {"key": 4}}\n</tool_call>',
+             '<tool_call>\n{"name": "double", "arguments": {"x": 31}}\n</tool_call>')  # fmt: skip
+    answer = "It is 62."
+
+    def script(renderer):
+        pieces = []
+        for call, result in zip(calls, ("31", "62")):
+            turn = renderer.assistant(call)
+            fed = renderer.tail(turn, [{"role": "tool", "tool_call_id": "x", "content": result}])
+            pieces += [(_ids(tokenizer, call + "<|im_end|>"), True), (fed, False)]
+        return [*pieces, (_ids(tokenizer, answer + "<|im_end|>"), True)]
+
+    r, handler, pieces, prompt = _rollout(tokenizer, "two_tools", script)
+    script_ids = [i for ids, _ in pieces for i in ids]
+    n = len(script_ids)
+    for row in (0, 1):
+        assert r.completion_ids[row, :n].tolist() == script_ids and int(r.lengths[row]) == n
+        assert r.loss_mask[row, :n].tolist() == [own for ids, own in pieces for _ in ids]
+    results = handler.environments
+    assert [x.reward for x in results] == [1.0, 1.0]
+    assert [x.requests for x in results] == [3, 3] and results[0].prefix_breaks == 0
+    # what the agent sent is what the ids say: the template's rendering of its conversation
+    conversation = results[0].messages
+    assert [m["role"] for m in conversation] == ["user", "assistant", "tool", "assistant",
+                                                 "tool", "assistant"]  # fmt: skip
+    assert conversation[1]["tool_calls"][0]["function"]["name"] == "lookup"
+    assert conversation[-1]["content"] == answer
+    schemas = handler.episodes[0].renderer.schemas
+    rendered = tokenizer.apply_chat_template(conversation, tools=schemas, tokenize=False)
+    assert tokenizer.decode(prompt + r.completion_ids[0, :n].tolist()).rstrip() == rendered.rstrip()
+    # the sampled turns' log-probs reached the agent as the sampler computed them
+    assert r.old_logp[0, : len(pieces[0][0])].tolist() == pytest.approx(
+        [float(torch.log_softmax(torch.tensor([2.0] + [0.0] * (len(tokenizer) - 1)), 0)[0])]
+        * len(pieces[0][0]))  # fmt: skip
+
+
+@pytest.mark.usefixtures("scripted_cache")
+def test_a_rewritten_history_ends_the_trajectory_and_is_counted(chat):
+    _, tokenizer = chat
+    first = _ids(tokenizer, "hello<|im_end|>")
+    r, handler, _, _ = _rollout(tokenizer, "rewrites", lambda _: [(first, True),
+                                                                 (_ids(tokenizer, "x"), False)])  # fmt: skip
+    assert [x.prefix_breaks for x in handler.environments] == [1, 1]
+    assert [x.reward for x in handler.environments] == [0.5, 0.5]  # it saw the 409's words
+    assert r.lengths.tolist() == [len(first)] * 2  # the trajectory ended at its first turn
+
+
+FLAGS = ["--steps", "3", "--prompts-per-step", "2", "--group-size", "2", "--minibatches", "1",
+         "--max-new-tokens", "24", "--eval-every", "0", "--eval-size", "2", "--eval-samples",
+         "1", "--no-progress", "--threads", "1", "--seed", "3"]  # fmt: skip
+
+
+def _train(chat, out, program, *extra):
+    path, _ = chat
+    return main(["train", "--model", str(path / "model"), "--dataset", str(path / "data.jsonl"),
+                 "--agent", f"{PROGRAMS}:{program}", *FLAGS, "--output-dir", str(out),
+                 *extra])  # fmt: skip
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").open()]
+
+
+@pytest.mark.parametrize("program", ["single_turn", "two_tools"])
+def test_agents_train_three_steps_and_two_runs_are_identical(chat, tmp_path, program):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _train(chat, a, program) == 0 and _train(chat, b, program) == 0
+    rows = _metrics(a)
+    assert len(rows) == 3 and all(r["reward_agent_failed"] == 0.0 for r in rows)
+    assert all(r["reward_agent_requests"] >= 1.0 for r in rows)
+    timeless = [{k: v for k, v in r.items() if "seconds" not in k and "per_s" not in k}
+                for r in (rows, _metrics(b)) for r in r]  # fmt: skip
+    assert timeless[:3] == timeless[3:]
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(next((d / "final").glob("*.safetensors"))) for d in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_an_agent_that_returns_nothing_is_scored_by_the_runs_rewards(chat, tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def short(completions, **_):\n"
+                       "    return [float(len(c[-1]['content']) < 20) for c in completions]\n")  # fmt: skip
+    assert _train(chat, tmp_path / "run", "no_reward", "--rewards", f"{rewards}:short",
+                  "1.0") == 0  # fmt: skip
+    rows = _metrics(tmp_path / "run")
+    assert "reward_short" in rows[0] and rows[0]["reward_agent"] is None
+
+
+def test_mistakes_are_one_line(chat, tmp_path, capsys):
+    _, tokenizer = chat
+    with pytest.raises(UserError, match="is not an async function"):
+        _use(tokenizer, "not_async")
+    with pytest.raises(UserError, match="does not exist"):
+        agent_use(f"{tmp_path}/missing.py:run", tokenizer, [0], Sampling(), served="x")
+    with pytest.raises(UserError, match="give a file and function"):
+        agent_use("nothing", tokenizer, [0], Sampling(), served="x")
+    # an agent that raises: its episodes fail; when all of a batch fail, the run ends in a line
+    assert _train(chat, tmp_path / "run", "raises") == 2
+    err = capsys.readouterr().err
+    assert (
+        "every agent episode of this batch failed; the first: RuntimeError: the agent's own bug"
+        in err
+    )
+    assert err.count("Traceback") == 1  # the traceback once, in the log
