@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("aiohttp", reason="pip install -e '.[agents]' (make test does)")
 pytest.importorskip("openai", reason="pip install -e '.[agents]' (make test does)")
 
+import openai
 import torch
 
 from grouprl.cli import main
@@ -173,3 +174,37 @@ def test_mistakes_are_one_line(chat, tmp_path, capsys):
         in err
     )
     assert err.count("Traceback") == 1  # the traceback once, in the log
+
+
+def test_serve_answers_the_openai_client_over_a_runs_final(chat, tmp_path):
+    import threading
+
+    from grouprl.endpoint.serve import serve_model
+
+    assert _train(chat, tmp_path / "run", "single_turn", "--steps", "1") == 0
+    urls, stop = [], threading.Event()
+    server = threading.Thread(target=serve_model, args=(str(tmp_path / "run"),), daemon=True,
+                              kwargs={"port": 0, "served": "tiny", "ready": urls.append,
+                                      "stop": stop})  # fmt: skip
+    server.start()
+    try:
+        for _ in range(600):  # the model loads, then the port is bound
+            if urls or not server.is_alive():
+                break
+            server.join(0.05)
+        client = openai.OpenAI(base_url=urls[0], api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        asked = {"model": "tiny", "messages": [{"role": "user", "content": "1 plus 1?"}],
+                 "max_tokens": 5, "temperature": 0.0, "logprobs": True}  # fmt: skip
+        first, again = (client.chat.completions.create(**asked) for _ in range(2))
+        assert first.choices[0].message.content == again.choices[0].message.content  # greedy
+        assert first.usage.completion_tokens <= 5 and first.choices[0].finish_reason in (
+            "stop", "length")  # fmt: skip
+        assert len(first.choices[0].logprobs.content) == first.usage.completion_tokens
+        text = client.completions.create(model="tiny", prompt="abc", max_tokens=3)
+        assert text.usage.completion_tokens <= 3
+        with pytest.raises(openai.NotFoundError, match="serves the model 'tiny'"):
+            client.chat.completions.create(**{**asked, "model": "gpt-4o"})
+    finally:
+        stop.set()
+        server.join(10)

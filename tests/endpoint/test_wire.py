@@ -9,7 +9,9 @@ import asyncio
 import pytest
 
 pytest.importorskip("aiohttp", reason="pip install -e '.[agents]' (make test does)")
-openai = pytest.importorskip("openai", reason="pip install -e '.[agents]' (make test does)")
+pytest.importorskip("openai", reason="pip install -e '.[agents]' (make test does)")
+
+import openai
 
 from grouprl.endpoint.server import Endpoint
 from grouprl.endpoint.wire import Answer, Sampling, WireError, read_tokens, tokens_body

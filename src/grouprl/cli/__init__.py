@@ -1,4 +1,5 @@
-"""`grouprl train | eval | generate | sft | compare | check | doctor | explain | plot | view | trl`.
+"""`grouprl train | eval | generate | sft | compare | check | doctor | explain | plot | view | serve |
+trl`.
 
 One module per command (`grouprl.cli.train`, ...), each with `run(argv) -> exit status`: it
 parses its flags (a dataclass whose field docstrings are the help text, through tyro), builds
@@ -29,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("explain", "the seeds' worked examples, computed live"),
     "plot": ("plot", "PNG plots of a run directory"),
     "view": ("view", "runs in the browser: groups, advantages, each token's ratio and clip"),
+    "serve": ("serve", "a saved model behind an OpenAI-compatible endpoint on 127.0.0.1"),
     "trl": (
         "trl",
         "TRL's `trl grpo` and `trl rloo` command lines (same flags, TRL's reward names) on grouprl",

@@ -51,7 +51,8 @@ class Request:
     logprobs: bool = False
     max_tokens: int | None = None
     stream: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    sampling: Sampling | None = None  # a server that samples as asked: the request's
+    stop: list[str] = field(default_factory=list)  # such a server's stop strings
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,20 @@ def _model(body: dict, served: str) -> str:
     return served
 
 
-def _sampling(values: dict, sampling: Sampling) -> None:
-    """Refuse sampling the server does not do (its own is the run's)."""
+def _sampling(values: dict, sampling: Sampling | None) -> Sampling | None:
+    """The request's sampling where the server samples as asked (`sampling` None), else None
+    after refusing any the server does not do (its own is the run's)."""
+    _single(values, stops=sampling is None)
+    if sampling is None:
+        temperature, top_p = values.get("temperature"), values.get("top_p")
+        top_k = values.get("top_k")
+        if temperature is not None and not 0 <= float(temperature) <= 100:
+            raise WireError(400, f"temperature={temperature}: give a number from 0 to 100")
+        if top_p is not None and not 0 < float(top_p) <= 1:
+            raise WireError(400, f"top_p={top_p}: give a number in (0, 1]")
+        return Sampling(1.0 if temperature is None else float(temperature),
+                        1.0 if top_p is None else float(top_p),
+                        0 if top_k in (None, -1) else int(top_k))  # fmt: skip
     for key, ours, flag in (("temperature", sampling.temperature, "--temperature"),
                             ("top_p", sampling.top_p, "--top-p")):  # fmt: skip
         given = values.get(key)
@@ -95,18 +108,27 @@ def _sampling(values: dict, sampling: Sampling) -> None:
     if top_k not in (None, -1, 0, sampling.top_k):
         raise WireError(400, f"top_k={top_k}: this server samples with top_k "
                         f"{sampling.top_k} (the run's --top-k); drop top_k from the request")  # fmt: skip
+    return None
+
+
+def _single(values: dict, *, stops: bool) -> None:
+    """Refuse more than one choice, top log-probs, and (`stops` False) stop strings."""
     n = values.get("n")
     if n not in (None, 1):
-        raise WireError(400, f"n={n}: each request here is one episode's next turn, sampled "
-                        "once (the run samples the group); ask with n=1")  # fmt: skip
-    stop = values.get("stop")
-    if stop:
+        raise WireError(400, f"n={n}: each request is answered with one choice (a run samples "
+                        "its groups itself); ask with n=1, or send n requests")  # fmt: skip
+    if values.get("stop") and not stops:
         raise WireError(400, "stop=: a turn here ends at the model's end-of-turn token (and the "
                         "run's --stop strings); drop stop from the request")  # fmt: skip
     top = values.get("top_logprobs")
     if top:
         raise WireError(400, f"top_logprobs={top}: only the sampled tokens' log-probs are "
                         "served; drop top_logprobs")  # fmt: skip
+
+
+def _stops(values: dict) -> list[str]:
+    stop = values.get("stop") or []
+    return [stop] if isinstance(stop, str) else list(stop)
 
 
 def _max_tokens(values: dict) -> int | None:
@@ -116,49 +138,49 @@ def _max_tokens(values: dict) -> int | None:
     return out
 
 
-def read_chat(body: dict, served: str, sampling: Sampling) -> Request:
+def read_chat(body: dict, served: str, sampling: Sampling | None) -> Request:
     """A `/v1/chat/completions` request."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise WireError(400, "messages: give a non-empty list of {role, content} messages")
     if any(not isinstance(m, dict) or "role" not in m for m in messages):
         raise WireError(400, "messages: every message is an object with a role")
-    _sampling(body, sampling)
+    asked = _sampling(body, sampling)
     tools = body.get("tools") or None
     if tools is not None and not isinstance(tools, list):
         raise WireError(400, "tools: give a list of {type: function, function: {...}} schemas")
     return Request("chat", _model(body, served), messages=messages, tools=tools,
                    logprobs=bool(body.get("logprobs")), max_tokens=_max_tokens(body),
-                   stream=bool(body.get("stream")))  # fmt: skip
+                   stream=bool(body.get("stream")), sampling=asked, stop=_stops(body))  # fmt: skip
 
 
-def read_completion(body: dict, served: str, sampling: Sampling) -> Request:
+def read_completion(body: dict, served: str, sampling: Sampling | None) -> Request:
     """A `/v1/completions` request (one prompt string)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise WireError(400, "prompt: give one string (one request per prompt)")
-    _sampling(body, sampling)
+    asked = _sampling(body, sampling)
     if body.get("echo"):
         raise WireError(400, "echo=true: the prompt is not sent back; drop echo")
     return Request("completion", _model(body, served), prompt=prompt,
                    logprobs=body.get("logprobs") is not None, max_tokens=_max_tokens(body),
-                   stream=bool(body.get("stream")))  # fmt: skip
+                   stream=bool(body.get("stream")), sampling=asked, stop=_stops(body))  # fmt: skip
 
 
-def read_tokens(body: dict, served: str, sampling: Sampling) -> Request:
+def read_tokens(body: dict, served: str, sampling: Sampling | None) -> Request:
     """An `/inference/v1/generate` request: prompt token ids in, sampled ids out."""
     ids = body.get("token_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
         raise WireError(400, "token_ids: give a non-empty list of token ids")
     params = dict(body.get("sampling_params") or {})
-    _sampling({k: v for k, v in params.items() if k != "logprobs"}, sampling)
+    asked = _sampling({k: v for k, v in params.items() if k != "logprobs"}, sampling)
     if (params.get("logprobs") or 0) > 1:
         raise WireError(400, "sampling_params.logprobs > 1: only the sampled tokens' "
                         "log-probs are served; ask for 1")  # fmt: skip
     return Request("tokens", _model(body, served), token_ids=ids, logprobs=True,
-                   max_tokens=_max_tokens(params))  # fmt: skip
+                   max_tokens=_max_tokens(params), sampling=asked, stop=_stops(params))  # fmt: skip
 
 
 def models_body(served: str, max_model_len: int | None) -> dict[str, Any]:
