@@ -39,6 +39,7 @@ _OPTIONS = {
     "explain": ("grouprl.cli.explain", "ExplainArgs"),
     "plot": ("grouprl.cli.plot", "PlotArgs"),
     "view": ("grouprl.cli.view", "ViewArgs"),
+    "serve": ("grouprl.cli.serve", "ServeArgs"),
 }
 #: Commands whose other flags are all of train's.
 _TRAIN_TOO = ("compare", "check")
