@@ -208,3 +208,36 @@ def test_serve_answers_the_openai_client_over_a_runs_final(chat, tmp_path):
     finally:
         stop.set()
         server.join(10)
+
+
+def test_the_lookup_agent_program_samples_what_the_native_tool_loop_samples():
+    """examples/lookup_agent: the built-in lookup task as an `openai` completions loop with
+    `</lookup>` as its stop string. With the same seed its rollout is the native tags loop's,
+    id for id: each call's turn ends at the stop string, the agent sends back the prompt so
+    far with the closing tag and the value, and only the value is fed."""
+    from grouprl.models import load_model, load_tokenizer
+    from grouprl.rollout import stop_token_ids
+    from grouprl.tasks.builtin.lookup import lookup_task
+    from grouprl.tasks.tools.calls import TagTools, load_tools
+
+    tokenizer, model = load_tokenizer("builtin:lookup"), load_model("builtin:lookup")
+    task, end = lookup_task(), stop_token_ids(model, tokenizer)
+    rows = [task.train[i] for i in range(4)]
+    example = Path(__file__).parents[2] / "examples" / "lookup_agent" / "agent.py"
+    use = agent_use(f"{example}:agent", tokenizer, end, Sampling(), served="builtin:lookup",
+                    max_calls=4)  # fmt: skip
+    start = use.rollout(rows, 4)
+    agent = sample_groups(model, tokenizer, start.prompts, group_size=4, max_new_tokens=48,
+                          seed=7, tools=start.handler)  # fmt: skip
+    use.sampled(agent, start.handler)
+    native_tools = TagTools(load_tools(sorted(task.tools), task.tools), tokenizer, max_calls=4)
+    native = sample_groups(model, tokenizer, [r["prompt"] for r in rows], group_size=4,
+                           max_new_tokens=48, seed=7, tools=native_tools)  # fmt: skip
+    called = sum("<lookup>" in t for t in native.texts)
+    assert 0 < called < len(native.texts)  # some completions call the tool, some guess
+    for name in ("prompt_ids", "completion_ids", "mask", "loss_mask", "old_logp"):
+        assert torch.equal(getattr(agent, name), getattr(native, name)), name
+    assert agent.texts == native.texts
+    results = start.handler.environments
+    assert [r.requests for r in results] == [1 + ("<lookup>" in t) for t in native.texts]
+    assert all(r.failed is None and r.prefix_breaks == 0 for r in results)

@@ -14,7 +14,15 @@ pytest.importorskip("openai", reason="pip install -e '.[agents]' (make test does
 import openai
 
 from grouprl.endpoint.server import Endpoint
-from grouprl.endpoint.wire import Answer, Sampling, WireError, read_tokens, tokens_body
+from grouprl.endpoint.wire import (
+    Answer,
+    Sampling,
+    WireError,
+    before_stop,
+    read_completion,
+    read_tokens,
+    tokens_body,
+)
 
 
 class Echo:
@@ -71,7 +79,7 @@ def test_chat_completions_models_and_the_episode_in_the_url():
         ({"model": "gpt-4o"}, "serves the model 'm', not 'gpt-4o'"),
         ({"temperature": 1.0}, "samples at temperature 0.7"),
         ({"n": 2}, "n=2"),
-        ({"stop": ["\n"]}, "end-of-turn token"),
+        ({"stop": ["\n"]}, "ask on /v1/completions, where stop strings end turns"),
         ({"logprobs": True, "top_logprobs": 3}, "top_logprobs=3"),
         ({"stream": True}, "stream=true is not served"),
     ],
@@ -120,3 +128,20 @@ def test_a_port_in_use_is_one_line():
             await first.close()
 
     asyncio.run(run())
+
+
+def test_stop_strings_end_completions_turns_in_a_run_and_the_text_before_them():
+    run = Sampling(temperature=0.7)
+    body = {"model": "m", "prompt": "#482+37=", "stop": "</lookup>"}
+    request = read_completion(body, "m", run)
+    assert request.stop == ["</lookup>"] and request.include_stop is False
+    kept = read_completion({**body, "include_stop_str_in_output": True}, "m", run)
+    assert kept.include_stop is True
+    tokens = read_tokens({"model": "m", "token_ids": [1, 2],
+                          "sampling_params": {"stop": ["</a>", "</b>"]}}, "m", run)  # fmt: skip
+    assert tokens.stop == ["</a>", "</b>"]
+    # OpenAI's rule: the text ends where the first stop string in it starts
+    assert before_stop("<lookup>482</lookup>", ["</lookup>"], False) == "<lookup>482"
+    assert before_stop("<lookup>482</lookup>", ["</lookup>"], True) == "<lookup>482</lookup>"
+    assert before_stop("x</b>y</a>", ["</a>", "</b>"], False) == "x"
+    assert before_stop("no stop here", ["</a>"], False) == "no stop here"

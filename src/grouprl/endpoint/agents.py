@@ -7,15 +7,19 @@ that also takes `model=` is given the name the endpoint serves (requests for ano
 refused).
 
 How a rollout runs. Each of a batch's rows is played by G episodes, each an `agent` call on an
-event loop of the batch's own, each with its own client (its base URL names the episode). Every
-episode's requests wait until every live episode waits on the model or is done; then the
-sampler answers all of them in one decode loop (a batch is formed by that rule, never by arrival
-time, so a deterministic agent gives a run that is a function of its seed). Exactness:
+event loop of the batch's own, each with its own client (its base URL names the episode; its
+transport calls the endpoint in-process, while the server on 127.0.0.1 answers clients the
+agent makes itself). Every episode's requests wait until every live episode waits on the model
+or is done; then the sampler answers all of them in one decode loop (a batch is formed by that
+rule, never by arrival time, so a deterministic agent gives a run that is a function of its
+seed). Exactness:
 
 - An episode's first request is its group's prompt (rendered by the chat template with the
   request's tools; a completion's prompt string or the token route's ids as given), prefilled
   once for the group's G episodes, which must therefore ask the same first request.
-- A turn ends at the model's end-of-turn token; its text (with the calls in it parsed in the
+- A turn ends at the model's end-of-turn token or, on the completions and token routes, at a
+  stop string (`stop=`, the same in every request of the batch; the answer's text ends before
+  it unless `include_stop_str_in_output`, the trajectory keeps its ids); its text (with the calls in it parsed in the
   template's convention into OpenAI `tool_calls`) answers the request.
 - The next request must extend the conversation (the messages up to the last turn as they were
   sent and answered, the same tools; for completions, the prompt so far and the answer's text;
@@ -45,8 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from grouprl.endpoint.server import Endpoint
-from grouprl.endpoint.wire import Answer, Request, Sampling, WireError
+from grouprl.endpoint.server import Endpoint, in_process_transport
+from grouprl.endpoint.wire import Answer, Request, Sampling, WireError, before_stop
 from grouprl.errors import UserError
 from grouprl.messages import Observation, ToolRequest
 from grouprl.tasks.live import is_live, live_object
@@ -167,7 +171,7 @@ class AgentRollout:
     docstring). `start` runs every episode to its first request; `respond` answers turns;
     `finish` (after sampling) answers the turns the budget cut and runs what is left."""
 
-    closers: ClassVar[list[str]] = []
+    closers: list[str]  # the stop strings of the episodes' first requests (completions, ids)
     ends_turns = True
     keeps_content = True
     wants_turn_ids = True
@@ -187,6 +191,7 @@ class AgentRollout:
         self.loop = asyncio.new_event_loop()
         self.endpoint = Endpoint(self, settings.port)
         self._renderer: Renderer | None = None
+        self.closers = []
 
     # --- the endpoint's backend
     async def answer(self, episode: str | None, request: Request) -> Answer:
@@ -203,6 +208,10 @@ class AgentRollout:
         if ep.kind is not None and request.kind != ep.kind:
             raise WireError(400, f"this episode asked on the {ep.kind} route first; its turns "
                             "are one trajectory, so ask every turn on the same route")  # fmt: skip
+        if ep.kind is not None and request.stop != self.closers:
+            raise WireError(400, f"stop={request.stop}: this batch's turns end at the stop "
+                            f"strings its episodes' first requests named ({self.closers}); "
+                            "give every request of an episode the same stop=")  # fmt: skip
         future = self.loop.create_future()
         ep.pending, ep.since = (request, future), time.monotonic()
         ep.result.requests += 1
@@ -232,7 +241,10 @@ class AgentRollout:
         import httpx
         import openai
 
-        http = httpx.AsyncClient(trust_env=False, timeout=None)  # no proxies on loopback
+        # the endpoint in-process: no socket, no HTTP parsing (the server on 127.0.0.1 answers
+        # the same for clients an agent makes itself)
+        http = httpx.AsyncClient(transport=in_process_transport(self.endpoint), trust_env=False,
+                                 timeout=None)  # fmt: skip
         return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{self.endpoint.port}/e/{ep.key}/v1",
                                   api_key="grouprl", max_retries=0, http_client=http)  # fmt: skip
 
@@ -268,6 +280,14 @@ class AgentRollout:
                     "request must depend on its row only, not on chance"
                 )
             prompts.append(ids[0])
+        stops = {tuple(ep.pending[0].stop) for ep in self.episodes}
+        if len(stops) > 1:
+            raise UserError(
+                "the agent's first requests name different stop strings "
+                f"({' and '.join(repr(list(s)) for s in sorted(stops))}); a batch's turns end "
+                "at one set of stop strings, so give every episode the same stop="
+            )
+        self.closers = list(stops.pop())
         return prompts
 
     def _first(self, ep: _Episode, request: Request) -> list[int]:
@@ -335,10 +355,11 @@ class AgentRollout:
             if message.get("tool_calls") and finish == "stop":
                 finish = "tool_calls"
         elif ep.kind == "completion":
-            ep.text = request.prompt + text
+            ep.text = request.prompt + text  # as sampled: with the stop string that ended it
         ids, logps = list(ids), list(logps)
         if ep.kind != "tokens" and ids and ids[-1] in self.s.end_ids:  # not in the text
             ids, logps = ids[:-1], logps[:-1]
+        text = before_stop(text, request.stop, request.include_stop)
         ep.since = time.monotonic()
         return Answer(ids, logps, text, finish, message, prompt_tokens=before)
 
@@ -415,6 +436,10 @@ class AgentRollout:
         tasks = [ep.task for ep in self.episodes if ep.task is not None and not ep.task.done()]
         for task in tasks:
             task.cancel()
+        for ep in self.episodes:  # the server's handlers of requests never answered
+            if ep.pending is not None:
+                ep.pending[1].cancel()
+                ep.pending = None
 
         async def drain() -> None:
             await asyncio.gather(*tasks, return_exceptions=True)

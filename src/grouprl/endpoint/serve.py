@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from grouprl.endpoint.server import Endpoint
-from grouprl.endpoint.wire import Answer, Request, Sampling, WireError
+from grouprl.endpoint.wire import Answer, Request, Sampling, WireError, before_stop
 from grouprl.errors import UserError
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.loading import context_length
@@ -93,9 +93,7 @@ class ModelBackend:
         finish = "length" if bool(r.truncated[0]) else "stop"
         shown = out[:-1] if out and out[-1] in self.end_ids else out
         text = self.tokenizer.decode(shown, skip_special_tokens=True)
-        for stop in request.stop:  # a stop string ends the text where it starts
-            if stop in text:
-                text = text[: text.index(stop)]
+        text = before_stop(text, request.stop, request.include_stop)
         message = None
         if renderer is not None:
             message = renderer.assistant(text)

@@ -7,6 +7,10 @@ change): `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`, 
 object with the status `WireError` gives. The server answers only while its event loop runs: a
 run's loop runs while its episodes are live (`grouprl.endpoint.agents`), `grouprl serve`'s
 always.
+
+`Endpoint.serve` is the server without HTTP: a run hands each episode an `openai` client whose
+transport calls it in-process (`in_process_transport`; no socket, no parsing of HTTP), the
+same routes and answers as the socket's.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from grouprl.endpoint.wire import (
 from grouprl.errors import UserError
 
 HOST = "127.0.0.1"
+#: The POST routes: path (after an optional /e/EPISODE) -> the request's kind.
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+          "/inference/v1/generate": "tokens"}  # fmt: skip
+READERS = {"chat": read_chat, "completion": read_completion, "tokens": read_tokens}
 
 
 class Backend(Protocol):
@@ -60,11 +68,7 @@ class Endpoint:
         from aiohttp import web
 
         app = web.Application(client_max_size=64 * 2**20)
-        for prefix in ("", "/e/{episode}"):
-            app.router.add_get(prefix + "/v1/models", self._models)
-            app.router.add_post(prefix + "/v1/chat/completions", self._route("chat"))
-            app.router.add_post(prefix + "/v1/completions", self._route("completion"))
-            app.router.add_post(prefix + "/inference/v1/generate", self._route("tokens"))
+        app.router.add_route("*", "/{path:.*}", self._http)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, HOST, self.port, reuse_address=True)
@@ -85,37 +89,56 @@ class Endpoint:
             await self._runner.cleanup()
             self._runner = None
 
-    async def _models(self, request: Any) -> Any:
+    async def _http(self, http: Any) -> Any:
         from aiohttp import web
 
+        status, body = await self.serve(http.method, http.path, http.headers, await http.read())
+        return web.json_response(body, status=status)
+
+    async def serve(self, method: str, path: str, headers: Any, raw: bytes) -> tuple[int, dict]:
+        """One request: its method, URL path, headers (a case-insensitive mapping) and body;
+        the status and JSON body of the answer."""
+        episode, route = None, path
+        if path.startswith("/e/"):
+            episode, _, rest = path[3:].partition("/")
+            route = "/" + rest
+        episode = episode or headers.get("X-Episode-ID") or headers.get("X-Session-ID")
         b = self.backend
-        return web.json_response(models_body(b.served, b.max_model_len))
-
-    def _route(self, kind: str):
-        read = {"chat": read_chat, "completion": read_completion, "tokens": read_tokens}[kind]
-        write = {"chat": chat_body, "completion": completion_body}.get(kind)
-
-        async def handle(http: Any) -> Any:
-            from aiohttp import web
-
-            b = self.backend
-            episode = (http.match_info.get("episode") or http.headers.get("X-Episode-ID")
-                       or http.headers.get("X-Session-ID"))  # fmt: skip
+        if route == "/v1/models" and method == "GET":
+            return 200, models_body(b.served, b.max_model_len)
+        kind = ROUTES.get(route)
+        try:
+            if kind is None or method != "POST":
+                raise WireError(404, f"no route {method} {path}: this server answers GET "
+                                f"/v1/models and POST {', '.join(ROUTES)}", "not_found_error")  # fmt: skip
             try:
-                try:
-                    body = await http.json()
-                except (ValueError, json.JSONDecodeError):
-                    raise WireError(400, "the request body is not JSON") from None
-                if not isinstance(body, dict):
-                    raise WireError(400, "the request body is not a JSON object")
-                request = read(body, b.served, b.sampling)
-                if request.stream:
-                    raise WireError(400, "stream=true is not served here; ask without stream")
-                answer = await b.answer(episode, request)
-            except WireError as err:
-                return web.json_response(err.body(), status=err.status)
-            if write is None:
-                return web.json_response(tokens_body(request, answer))
-            return web.json_response(write(request, answer, b.token_texts(answer.ids)))
+                body = json.loads(raw or b"null")
+            except (ValueError, UnicodeDecodeError):
+                raise WireError(400, "the request body is not JSON") from None
+            if not isinstance(body, dict):
+                raise WireError(400, "the request body is not a JSON object")
+            request = READERS[kind](body, b.served, b.sampling)
+            if request.stream:
+                raise WireError(400, "stream=true is not served here; ask without stream")
+            answer = await b.answer(episode, request)
+        except WireError as err:
+            return err.status, err.body()
+        if kind == "tokens":
+            return 200, tokens_body(request, answer)
+        write = chat_body if kind == "chat" else completion_body
+        return 200, write(request, answer, b.token_texts(answer.ids))
 
-        return handle
+
+def in_process_transport(endpoint: Endpoint) -> Any:
+    """An httpx transport that hands each request to `endpoint.serve` in the caller's event
+    loop: an `openai` client over it talks to the endpoint with no socket in between."""
+    import httpx
+
+    class InProcess(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            raw = await request.aread()
+            status, body = await endpoint.serve(request.method, request.url.path,
+                                                request.headers, raw)  # fmt: skip
+            return httpx.Response(status, json=body, request=request)
+
+    return InProcess()

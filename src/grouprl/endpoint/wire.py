@@ -52,7 +52,8 @@ class Request:
     max_tokens: int | None = None
     stream: bool = False
     sampling: Sampling | None = None  # a server that samples as asked: the request's
-    stop: list[str] = field(default_factory=list)  # such a server's stop strings
+    stop: list[str] = field(default_factory=list)  # strings that end the turn
+    include_stop: bool = False  # the answer's text keeps the stop string that ended it
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ IGNORED = {"user", "metadata", "store", "seed", "parallel_tool_calls", "service_
            "stream_options", "presence_penalty", "frequency_penalty", "cache_salt",
            "priority", "skip_special_tokens", "return_token_ids", "content_parts",
            "stop_token_ids", "tool_choice", "response_format", "reasoning_effort",
-           "spaces_between_special_tokens", "include_stop_str_in_output", "extra_body"}  # fmt: skip
+           "spaces_between_special_tokens", "extra_body"}  # fmt: skip
 
 
 def _model(body: dict, served: str) -> str:
@@ -84,10 +85,11 @@ def _model(body: dict, served: str) -> str:
     return served
 
 
-def _sampling(values: dict, sampling: Sampling | None) -> Sampling | None:
+def _sampling(values: dict, sampling: Sampling | None, *, stops: bool = True) -> Sampling | None:
     """The request's sampling where the server samples as asked (`sampling` None), else None
-    after refusing any the server does not do (its own is the run's)."""
-    _single(values, stops=sampling is None)
+    after refusing any the server does not do (its own is the run's; `stops` False: nor stop
+    strings)."""
+    _single(values, stops=stops or sampling is None)
     if sampling is None:
         temperature, top_p = values.get("temperature"), values.get("top_p")
         top_k = values.get("top_k")
@@ -118,8 +120,9 @@ def _single(values: dict, *, stops: bool) -> None:
         raise WireError(400, f"n={n}: each request is answered with one choice (a run samples "
                         "its groups itself); ask with n=1, or send n requests")  # fmt: skip
     if values.get("stop") and not stops:
-        raise WireError(400, "stop=: a turn here ends at the model's end-of-turn token (and the "
-                        "run's --stop strings); drop stop from the request")  # fmt: skip
+        raise WireError(400, "stop=: a chat turn here ends at the model's end-of-turn token "
+                        "(and the run's --stop strings); drop stop from the request, or ask on "
+                        "/v1/completions, where stop strings end turns")  # fmt: skip
     top = values.get("top_logprobs")
     if top:
         raise WireError(400, f"top_logprobs={top}: only the sampled tokens' log-probs are "
@@ -145,7 +148,7 @@ def read_chat(body: dict, served: str, sampling: Sampling | None) -> Request:
         raise WireError(400, "messages: give a non-empty list of {role, content} messages")
     if any(not isinstance(m, dict) or "role" not in m for m in messages):
         raise WireError(400, "messages: every message is an object with a role")
-    asked = _sampling(body, sampling)
+    asked = _sampling(body, sampling, stops=False)
     tools = body.get("tools") or None
     if tools is not None and not isinstance(tools, list):
         raise WireError(400, "tools: give a list of {type: function, function: {...}} schemas")
@@ -166,7 +169,8 @@ def read_completion(body: dict, served: str, sampling: Sampling | None) -> Reque
         raise WireError(400, "echo=true: the prompt is not sent back; drop echo")
     return Request("completion", _model(body, served), prompt=prompt,
                    logprobs=body.get("logprobs") is not None, max_tokens=_max_tokens(body),
-                   stream=bool(body.get("stream")), sampling=asked, stop=_stops(body))  # fmt: skip
+                   stream=bool(body.get("stream")), sampling=asked, stop=_stops(body),
+                   include_stop=bool(body.get("include_stop_str_in_output")))  # fmt: skip
 
 
 def read_tokens(body: dict, served: str, sampling: Sampling | None) -> Request:
@@ -180,7 +184,17 @@ def read_tokens(body: dict, served: str, sampling: Sampling | None) -> Request:
         raise WireError(400, "sampling_params.logprobs > 1: only the sampled tokens' "
                         "log-probs are served; ask for 1")  # fmt: skip
     return Request("tokens", _model(body, served), token_ids=ids, logprobs=True,
-                   max_tokens=_max_tokens(params), sampling=asked, stop=_stops(params))  # fmt: skip
+                   max_tokens=_max_tokens(params), sampling=asked, stop=_stops(params),
+                   include_stop=bool(params.get("include_stop_str_in_output")))  # fmt: skip
+
+
+def before_stop(text: str, stops: Sequence[str], keep: bool) -> str:
+    """`text` up to the first of `stops` in it (`keep`: and the stop string), as OpenAI answers
+    a turn that a stop string ended."""
+    at = min(((text.find(s), s) for s in stops if s in text), default=None)
+    if at is None:
+        return text
+    return text[: at[0] + (len(at[1]) if keep else 0)]
 
 
 def models_body(served: str, max_model_len: int | None) -> dict[str, Any]:

@@ -205,13 +205,16 @@ def build_rewards(
     opts: DataOptions, task: Task, device: torch.device, tools: ToolUse | None = None
 ) -> RewardSet:
     """The reward functions `--rewards` names (default: the task's) and the pass reward. An
-    environment with `get_reward` adds its reward, named after its class, with weight 1 unless
+    agent program (`--agent`) adds its own reward, `agent` (weight 1 unless `--rewards` weights
+    it; an episode whose agent returns None has none, and the others score it), and its
+    episodes' counts (weight 0: logged). An environment with `get_reward` adds its reward, named after its class, with weight 1 unless
     `--rewards` weights it; without `--rewards` it is the only reward (the environment owns
     the reward, as in TRL)."""
     weights = dict(opts.rewards or task.reward_weights)
     environment = None if tools is None else tools.environment
     if isinstance(tools, AgentUse):  # the agent's reward, and its episodes' counts (logged)
-        weights = {"agent": 1.0, **dict.fromkeys(AGENT_METRICS, 0.0), **(opts.rewards or {})}
+        weights = {**weights, "agent": weights.get("agent", 1.0),
+                   **{name: weights.get(name, 0.0) for name in AGENT_METRICS}}  # fmt: skip
         funcs = {**task.reward_funcs, "agent": agent_reward, **AGENT_METRICS}
         task = dataclasses.replace(task, reward_funcs=funcs)
     elif environment is not None and environment.has_reward:
