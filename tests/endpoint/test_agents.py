@@ -6,6 +6,7 @@ conversation."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -241,3 +242,18 @@ def test_the_lookup_agent_program_samples_what_the_native_tool_loop_samples():
     results = start.handler.environments
     assert [r.requests for r in results] == [1 + ("<lookup>" in t) for t in native.texts]
     assert all(r.failed is None and r.prefix_breaks == 0 for r in results)
+
+
+def test_a_chat_request_the_template_cannot_render_is_one_line(chat):
+    """No chat template (the built-in char model): the agent's chat request is refused (400)
+    naming the completions route; tools= on a template that renders no calls, likewise."""
+    from grouprl.models import load_tokenizer
+
+    plain = load_tokenizer("builtin:lookup")
+    with pytest.raises(UserError, match="has no chat template, so chat requests cannot be"):
+        _use(plain, "single_turn").rollout([ROW], 2)
+    _, tokenizer = chat
+    bare = copy.copy(tokenizer)
+    bare.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(UserError, match=r"tools=: the chat template of .* renders no tool calls"):
+        _use(bare, "two_tools").rollout([ROW], 2)

@@ -212,10 +212,28 @@ class AgentRollout:
             raise WireError(400, f"stop={request.stop}: this batch's turns end at the stop "
                             f"strings its episodes' first requests named ({self.closers}); "
                             "give every request of an episode the same stop=")  # fmt: skip
+        if ep.kind is None and request.kind == "chat":
+            self._check_chat(request)
         future = self.loop.create_future()
         ep.pending, ep.since = (request, future), time.monotonic()
         ep.result.requests += 1
         return await future
+
+    def _check_chat(self, request: Request) -> None:
+        """Refuse a chat request the model's template cannot render: no template, or tools=
+        with a template that renders no tool calls."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise WireError(400, f"{self.s.model} has no chat template, so chat requests cannot "
+                            "be rendered; ask on /v1/completions (client.completions.create) "
+                            "with a prompt string")  # fmt: skip
+        if request.tools:
+            try:
+                self.renderer().with_tools(request.tools)
+            except UserError:
+                raise WireError(400, f"tools=: the chat template of {self.s.model} renders no "
+                                "tool calls (neither Hermes/Qwen2.5 <tool_call> blocks nor "
+                                "Llama-3.1 ipython turns); ask without tools=, or train a model "
+                                "whose template renders them") from None  # fmt: skip
 
     def token_texts(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([i]) for i in ids]
