@@ -117,6 +117,50 @@ def test_a_rewritten_history_ends_the_trajectory_and_is_counted(chat):
     assert r.lengths.tolist() == [len(first)] * 2  # the trajectory ended at its first turn
 
 
+@pytest.mark.usefixtures("scripted_cache")
+def test_a_rewritten_history_splits_the_trajectory_into_exact_rows(chat):
+    _, tokenizer = chat
+    use = _use(tokenizer, "rewrites_and_goes_on")
+    start = use.rollout([ROW], 2)
+    (prompt,) = start.prompts
+    renderer = start.handler.episodes[0].renderer
+    first = _ids(tokenizer, "hello<|im_end|>")
+    rewritten = [{"role": "user", "content": ROW["prompt"]},
+                 {"role": "assistant", "content": "something else entirely"},
+                 {"role": "user", "content": "and again?"}]  # fmt: skip
+    branch_prompt = renderer.prompt_ids(rewritten)
+    two = _ids(tokenizer, "two<|im_end|>")
+    fed = renderer.tail(renderer.assistant("two"), [{"role": "user", "content": "once more?"}])
+    three = _ids(tokenizer, "three<|im_end|>")
+    script = [*two, *fed, *three]
+    model = Scripted(tokenizer, ids={tuple(prompt): [*first, tokenizer.eos_token_id],
+                                     tuple(branch_prompt): [*script, tokenizer.eos_token_id]})  # fmt: skip
+    kw = dict(max_new_tokens=len(script) + 4, temperature=0.0, tools=start.handler)
+    r = sample_groups(model, tokenizer, [prompt], group_size=2, **kw)
+    asked = []
+
+    def resample(prompts, k):
+        asked.append(k)
+        return sample_groups(model, tokenizer, prompts, group_size=1, **kw)
+
+    branches = use.sampled(r, start.handler, resample)
+    # the first rows end where the history was rewritten; the rest is a row of its own each,
+    # from the rewritten conversation's rendering, then sampled and fed ids as always
+    assert r.lengths.tolist() == [len(first)] * 2 and asked == [0]
+    b = branches.rollout
+    assert branches.parents.tolist() == [0, 1] and b.group_size == 1 and b.num_prompts == 2
+    for row in (0, 1):
+        assert b.prompt_ids[row][b.prompt_mask[row]].tolist() == branch_prompt
+        assert b.completion_ids[row, : len(script)].tolist() == script
+        assert int(b.lengths[row]) == len(script)
+        assert b.loss_mask[row, : len(script)].tolist() == (
+            [True] * len(two) + [False] * len(fed) + [True] * len(three))  # fmt: skip
+    results = start.handler.results
+    assert [x.prefix_breaks for x in results] == [1, 1] and [x.requests for x in results] == [3, 3]
+    assert [x.reward for x in results] == [1.0, 1.0]
+    assert results[0].messages[-1]["content"] == "three"
+
+
 FLAGS = ["--steps", "3", "--prompts-per-step", "2", "--group-size", "2", "--minibatches", "1",
          "--max-new-tokens", "24", "--eval-every", "0", "--eval-size", "2", "--eval-samples",
          "1", "--no-progress", "--threads", "1", "--seed", "3"]  # fmt: skip
@@ -147,6 +191,22 @@ def test_agents_train_three_steps_and_two_runs_are_identical(chat, tmp_path, pro
 
     wa, wb = (load_file(next((d / "final").glob("*.safetensors"))) for d in (a, b))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("minibatches", ["1", "2"])
+def test_split_trajectories_train_and_two_runs_are_identical(chat, tmp_path, minibatches):
+    """An agent that asks again with its prompt edited: each episode splits (counted), its
+    second row trains with the episode's advantage, in its parent's minibatch."""
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for out in runs:
+        assert _train(chat, out, "rewrites_completions", "--minibatches", minibatches) == 0
+    rows = _metrics(runs[0])
+    assert [r["reward_agent_prefix_breaks"] for r in rows] == [1.0, 1.0, 1.0]
+    assert all(r["branch_rows"] >= 1 and r["reward_agent_failed"] < 1 for r in rows)
+    assert any(r["grad_norm"] > 0 for r in rows)
+    timeless = [{k: v for k, v in r.items() if "seconds" not in k and "per_s" not in k}
+                for r in (rows, _metrics(runs[1])) for r in r]  # fmt: skip
+    assert timeless[:3] == timeless[3:]
 
 
 def test_an_agent_that_returns_nothing_is_scored_by_the_runs_rewards(chat, tmp_path):

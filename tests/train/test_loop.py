@@ -351,6 +351,44 @@ def test_plan_minibatches_keeps_whole_groups_and_the_full_counts():
         plan.plan_minibatches(three, rollout, advantages, mask)
 
 
+def test_branches_train_with_their_parents_advantage_in_their_parents_minibatch():
+    """An agent's split trajectory (`Branches`): the batch's rows as groups of one, then each
+    branch row, trained in its parent's minibatch with its parent's advantage."""
+    from grouprl.rollout.types import Branches
+
+    def rollout(b, g, lengths):
+        n, t = b * g, max(lengths)
+        mask = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
+        return Rollout(torch.ones(b, 2, dtype=torch.long), torch.ones(b, 2, dtype=torch.bool),
+                       torch.ones(n, t, dtype=torch.long), mask, torch.zeros(n, t),
+                       torch.zeros(n, dtype=torch.bool), [f"c{i}" for i in range(n)],
+                       [f"p{i}" for i in range(b)], g, 1.0)  # fmt: skip
+
+    branches = Branches(rollout(2, 1, [5, 2]), torch.tensor([3, 0]))
+    batch = Batch(rollout(2, 2, [1, 2, 3, 4]), [{}, {}], torch.tensor([0.0, 1.0, 1.0, 1.0]), {},
+                  branches=branches)  # fmt: skip
+    trained, parents = train_step.with_branches(batch)
+    assert trained.branches is None and trained.rollout.group_size == 1
+    assert trained.rollout.lengths.tolist() == [1, 2, 3, 4, 5, 2]  # own rows keep their places
+    assert trained.rollout.texts == ["c0", "c1", "c2", "c3", "c0", "c1"]
+    assert parents.tolist() == [3, 0]
+    cfg = resolve(TrainConfig(algo="grpo", prompts_per_step=2, minibatches=2, beta=0.0),
+                  task_max_new_tokens=5)  # fmt: skip
+    advantages = torch.tensor([-1.0, 1.0, 0.0, 0.0])  # group 1 teaches nothing
+    given = torch.cat([advantages, advantages[parents]])
+    first, second = plan.plan_minibatches(cfg, trained.rollout, given, trained.rollout.mask,
+                                          parents=parents)  # fmt: skip
+    assert first.rows.tolist() == [0, 1, 5]  # row 0's branch with it
+    assert (int(first.num_tokens), int(first.num_seqs), first.num_rows) == (5, 3, 3)
+    assert second.rollout is None  # skipped whole, its branch (advantage 0) too
+    assert (int(second.num_tokens), int(second.num_seqs), second.num_rows) == (12, 3, 3)
+    # the batch of a select keeps its rows' branches, renumbered; a concat offsets them
+    assert batch.select_groups([1]).branches.parents.tolist() == [1]
+    assert batch.select_groups([0]).branches.parents.tolist() == [0]
+    joined = Batch.concat([batch, batch])
+    assert joined.branches.parents.tolist() == [3, 0, 7, 4]
+
+
 @pytest.mark.numerics
 def test_entropy_metric_is_the_samplers_and_absent_without_it():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)

@@ -26,10 +26,17 @@ seed). Exactness:
   for token ids, every id so far): only what it adds is rendered (after the model's end-of-turn
   token, up to the next assistant header) and fed into the row's running cache. Nothing sampled
   is encoded again: the ids trained on are the ids sampled and fed.
-- A request that rewrites an earlier turn ends the episode's trajectory where it is (the
-  request is refused with HTTP 409, and counted: `agent_prefix_breaks`).
-- The budget (`--max-new-tokens`) counts the whole trajectory: the turn it cuts is answered with
-  `finish_reason` "length", and a request after it is refused (HTTP 400).
+- A request that rewrites an earlier turn (its rendering does not extend the ids so far: a
+  template that drops earlier reasoning, an agent that edits its history) splits the
+  trajectory: its row ends where it is, and the episode goes on in a row of its own whose prompt
+  is the request as rendered, sampled after the batch's rows (a branch, counted:
+  `agent_prefix_breaks`). Each row is exact; a branch is trained with the advantage of the
+  episode (its reward, normalised in its group with the group's first rows) as a sequence of
+  its own, and never normalised or scored on its own. Where no branch can be sampled (a caller
+  that gives no `resample`), the request is refused with HTTP 409 and the trajectory ends.
+- The budget (`--max-new-tokens`) counts a row: the turn it cuts is answered with
+  `finish_reason` "length", and a request after it is refused (HTTP 400). A branch row has a
+  budget of its own; `--max-turns` counts the episode's turns over all its rows.
 
 An episode whose agent raises is scored as failed (reward 0, the traceback in the log once per
 run); one that neither asks nor finishes within `--agent-timeout` seconds is ended and scored as
@@ -49,10 +56,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
 from grouprl.endpoint.server import Endpoint, in_process_transport
 from grouprl.endpoint.wire import Answer, Request, Sampling, WireError, before_stop
 from grouprl.errors import UserError
 from grouprl.messages import Observation, ToolRequest
+from grouprl.rollout.types import Branches, Rollout
 from grouprl.tasks.live import is_live, live_object
 from grouprl.tasks.tools.rendering import Renderer, conversation_key, extension, message_dict
 from grouprl.tasks.tools.use import RolloutStart, ToolUse
@@ -131,7 +141,7 @@ METRICS = {
 }
 
 
-@dataclass
+@dataclass(eq=False)
 class _Episode:
     """One completion row's episode."""
 
@@ -147,6 +157,9 @@ class _Episode:
     context: list[int] | None = None  # tokens: every id so far
     ended: str | None = None  # why its trajectory ended (a request after it is refused)
     since: float = 0.0  # when it last asked or was answered (monotonic)
+    branch: list[int] | None = None  # a rewritten request's rendering, waiting for its row
+    carried: int = 0  # the turns its earlier rows made (--max-turns counts them all)
+    where: str = ""  # what its rewritten request rewrote
 
 
 @dataclass
@@ -187,7 +200,9 @@ class AgentRollout:
         tag = f"{AgentRollout.serial}"
         self.episodes = [_Episode(r, f"{tag}-{r}") for r in range(len(self.rows) * group_size)]
         self.by_key = {e.key: e for e in self.episodes}
-        self.environments = [e.result for e in self.episodes]
+        self.results = [e.result for e in self.episodes]
+        self.live = list(self.episodes)  # the episode of each row the sampler samples now
+        self.environments = self.results  # the rows' (a branch rollout's: its episodes')
         self.loop = asyncio.new_event_loop()
         self.endpoint = Endpoint(self, settings.port)
         self._renderer: Renderer | None = None
@@ -273,7 +288,7 @@ class AgentRollout:
             ep.since = time.monotonic()
             ep.task = self.loop.create_task(self._play(ep, self._client(ep)))
         try:
-            self._settle(range(len(self.episodes)))
+            self._settle(self.episodes)
             return self._prompts()
         except BaseException:
             self.close()
@@ -331,28 +346,29 @@ class AgentRollout:
     def respond(self, requests: Sequence[ToolRequest]) -> list[Observation]:
         resumed = []
         for q in requests:
-            ep = self.episodes[q.row]
+            ep = self.live[q.row]
             if ep.pending is None:  # done with its model (it will not ask again)
                 continue
             request, future = ep.pending
             ep.pending = None
             future.set_result(self._answer(ep, request, q.ids, q.logps, q.text, "stop"))
-            resumed.append(q.row)
+            resumed.append(ep)
         self._settle(resumed)
         out = []
         for q in requests:
-            ep = self.episodes[q.row]
-            if q.row not in resumed or ep.pending is None:
+            ep = self.live[q.row]
+            if ep not in resumed or ep.pending is None:
                 ep.ended = ep.ended or "the episode's trajectory has ended"
                 out.append(Observation(end=True))
                 continue
-            if q.calls_made >= self.s.max_calls:
+            if q.calls_made + ep.carried >= self.s.max_calls:
                 ep.ended = (f"the episode made as many turns as a trajectory may "
                             f"(--max-turns {self.s.max_calls}); end the episode")  # fmt: skip
                 out.append(Observation(end=True, over_limit=True))
                 continue
             fed = self._feed(ep, ep.pending[0])
-            if fed is None:
+            if fed is None:  # a branch: the row ends, the episode goes on in a row of its own
+                ep.carried += q.calls_made
                 out.append(Observation(end=True))
                 continue
             ids, messages, calls = fed
@@ -391,61 +407,103 @@ class AgentRollout:
             tail = extension(ep.messages, new)
             same_tools = (request.tools or []) == ep.renderer.schemas
             if tail is None or not same_tools:
-                return self._broken(ep, _where(ep.messages, new) if same_tools else "its tools")
+                renderer = self.renderer().with_tools(request.tools)
+                where = _where(ep.messages, new) if same_tools else "its tools"
+                return self._broken(ep, where, renderer.prompt_ids(new), renderer)
             calls = len(ep.messages[-1].get("tool_calls") or [])
             ids = ep.renderer.tail(ep.messages[-1], tail)
             ep.context.extend(ids)
             return ids, tail, calls
         if ep.kind == "completion":
             if not request.prompt.startswith(ep.text):
-                return self._broken(ep, "the prompt so far")
+                return self._broken(
+                    ep, "the prompt so far", self.tokenizer(request.prompt)["input_ids"]
+                )
             added = request.prompt[len(ep.text) :]
             ids = self.tokenizer(added, add_special_tokens=False)["input_ids"]
             ep.context.extend(ids)
             return ids, [{"role": "user", "content": added}], 0
         given = list(request.token_ids)
         if given[: len(ep.context)] != ep.context:
-            return self._broken(ep, "the ids so far")
+            return self._broken(ep, "the ids so far", given)
         ids = given[len(ep.context) :]
         ep.context = given
         return ids, [{"role": "user", "content": self.tokenizer.decode(ids)}], 0
 
-    def _broken(self, ep: _Episode, where: str) -> None:
+    def _broken(self, ep: _Episode, where: str, ids: list[int],
+                renderer: Renderer | None = None) -> None:  # fmt: skip
+        """`ep`'s pending request rewrites its trajectory (`where`): its row ends; the request,
+        rendered as `ids`, waits for a row of its own (`branches`). Counted."""
         ep.result.prefix_breaks += 1
-        ep.ended = "the episode's trajectory ended at its rewritten request"
-        _, future = ep.pending
-        ep.pending = None
-        future.set_exception(WireError(409, (
-            f"this request rewrites {where} (not as sent and answered before): grouprl trains on "
-            "the ids it sampled and fed, turn by turn, so this episode's trajectory ends here; "
-            "send earlier turns back as the server returned them")))  # fmt: skip
+        ep.branch, ep.where = list(ids), where
+        if renderer is not None:
+            ep.renderer = renderer
         if "broken" not in self.warned:
             self.warned.add("broken")
-            _say(f"an agent rewrote an earlier turn ({where}); its trajectory ended there "
-                 "(counted: agent_prefix_breaks)")  # fmt: skip
+            _say(f"an agent rewrote an earlier turn ({where}); its trajectory goes on in a row "
+                 "of its own (counted: agent_prefix_breaks)")  # fmt: skip
         return None
 
-    def finish(self, cut: dict[int, tuple[list[int], list[float], str]]) -> list[AgentResult]:
-        """After sampling: the episodes waiting on a turn the budget cut get it (`cut`: row ->
-        its ids, log-probs and text) with finish_reason "length"; every episode runs to its end
-        (a further request is refused); the results."""
+    def branches(self) -> list[list[int]]:
+        """The rows the sampler samples next: the episodes whose request rewrote their
+        trajectory, each from that request's rendering (their prompts; [] when none)."""
+        todo = [ep for ep in self.episodes if ep.branch is not None and ep.pending is not None]
+        prompts = []
+        for ep in todo:
+            ep.context, ep.branch = ep.branch, None
+            prompts.append(list(ep.context))
+        if todo:
+            self.live = todo
+            self.environments = [ep.result for ep in todo]
+        return prompts
+
+    def refuse_branches(self) -> None:
+        """Where no branch can be sampled: the rewritten requests refused (HTTP 409), their
+        trajectories ended."""
+        for ep in self.episodes:
+            if ep.branch is None or ep.pending is None:
+                continue
+            ep.branch, ep.ended = None, "the episode's trajectory ended at its rewritten request"
+            _, future = ep.pending
+            ep.pending = None
+            future.set_exception(WireError(409, (
+                f"this request rewrites {ep.where} (not as sent and answered before): grouprl "
+                "trains on the ids it sampled and fed, turn by turn, so this episode's "
+                "trajectory ends here; send earlier turns back as the server returned them")))  # fmt: skip
+
+    def cut(self, cut: dict[int, tuple[list[int], list[float], str]]) -> None:
+        """After a sampling call: the episodes of its rows waiting on a turn the budget cut get
+        it (`cut`: row -> its ids, log-probs and text) with finish_reason "length"; their
+        trajectories end (a further request is refused, one that rewrote it waits for its
+        branch)."""
         spent = ("the episode's token budget (--max-new-tokens counts the whole trajectory) "
                  "is spent; end the episode")  # fmt: skip
-        for ep in self.episodes:
+        answered = []
+        for row, ep in enumerate(self.live):
+            if ep.branch is not None:
+                continue
             ep.ended = ep.ended or spent
             if ep.pending is not None:
                 request, future = ep.pending
                 ep.pending = None
-                ids, logps, text = cut.get(ep.row, ([], [], ""))
+                ids, logps, text = cut.get(row, ([], [], ""))
                 future.set_result(self._answer(ep, request, ids, logps, text, "length"))
-        self._settle(range(len(self.episodes)), to_end=True)
+                answered.append(ep)
+        self._settle(answered)
+
+    def finish(self) -> list[AgentResult]:
+        """Every episode to its end (a further request is refused); the results."""
+        self.refuse_branches()
+        for ep in self.episodes:
+            ep.ended = ep.ended or "the episode's trajectory has ended"
+        self._settle(self.episodes, to_end=True)
         for ep in self.episodes:
             ep.result.messages = ep.messages
         self.close()
-        failed = [r.failed for r in self.environments if r.failed is not None]
-        if len(failed) == len(self.environments):
+        failed = [r.failed for r in self.results if r.failed is not None]
+        if len(failed) == len(self.results):
             raise UserError(f"every agent episode of this batch failed; the first: {failed[0]}")
-        return self.environments
+        return self.results
 
     def close(self) -> None:
         """Cancel what still runs, stop the server, close the loop."""
@@ -475,10 +533,9 @@ class AgentRollout:
         finally:
             asyncio.set_event_loop(None)
 
-    def _settle(self, rows: Any, *, to_end: bool = False) -> None:
-        """Run the episodes until each of `rows` waits on the model or is done (`to_end`: is
+    def _settle(self, eps: Sequence[_Episode], *, to_end: bool = False) -> None:
+        """Run the episodes until each of `eps` waits on the model or is done (`to_end`: is
         done). One that does neither within the timeout is ended as failed, in one line."""
-        eps = [self.episodes[r] for r in rows]
 
         def waiting() -> list[_Episode]:
             return [ep for ep in eps if not ep.task.done()
@@ -552,23 +609,50 @@ class AgentUse(ToolUse):
         prompts = batch.start()
         return RolloutStart(prompts, batch, batch.environments, list(rows))
 
-    def sampled(self, rollout: Any, handler: Any) -> None:
-        """After sampling: the episodes waiting on a turn the budget cut get it; all end."""
+    def sampled(self, rollout: Any, handler: Any,
+                resample: Callable[[list[list[int]], int], Any] | None = None) -> Branches | None:  # fmt: skip
+        """After sampling: the episodes waiting on a turn the budget cut get it; the episodes
+        whose request rewrote their trajectory go on in rows of their own, sampled by
+        `resample(prompts, k)` (k: 0, 1, ... the branch round; a rollout of groups of one with
+        this handler), round after round while any does; then all end. Returns the branch rows
+        (None: none), each with the batch row of its episode."""
         if not isinstance(handler, AgentRollout):
-            return
-        cut = {}
-        sampled = rollout.loss_mask & rollout.mask  # (N, T)
-        for ep in handler.episodes:
-            if ep.pending is None:
-                continue
-            row = ep.row
-            fed = (~rollout.loss_mask[row] & rollout.mask[row]).nonzero()
-            start = int(fed[-1]) + 1 if len(fed) else 0
-            keep = sampled[row, start:]
-            ids = rollout.completion_ids[row, start:][keep].tolist()
-            logps = rollout.old_logp[row, start:][keep].tolist()
-            cut[row] = (ids, logps, self.settings.tokenizer.decode(ids, skip_special_tokens=True))
-        handler.finish(cut)
+            return None
+        tokenizer = self.settings.tokenizer
+        handler.cut(_cut_turns(rollout, handler, tokenizer))
+        parts, parents = [], []
+        while resample is not None and (prompts := handler.branches()):
+            rows = [ep.row for ep in handler.live]
+            try:
+                branch = resample(prompts, len(parts))
+            except BaseException:
+                handler.close()
+                raise
+            handler.cut(_cut_turns(branch, handler, tokenizer))
+            parts.append(branch)
+            parents += rows
+        handler.finish()
+        if not parts:
+            return None
+        return Branches(Rollout.concat(parts), torch.tensor(parents, dtype=torch.long))
+
+
+def _cut_turns(rollout: Any, handler: AgentRollout,
+               tokenizer: Any) -> dict[int, tuple[list[int], list[float], str]]:  # fmt: skip
+    """The turns the budget cut in `rollout`'s rows whose episode waits on its answer: row ->
+    the turn's ids, log-probs and text."""
+    cut = {}
+    sampled = rollout.loss_mask & rollout.mask  # (N, T)
+    for row, ep in enumerate(handler.live):
+        if ep.pending is None or ep.branch is not None:
+            continue
+        fed = (~rollout.loss_mask[row] & rollout.mask[row]).nonzero()
+        start = int(fed[-1]) + 1 if len(fed) else 0
+        keep = sampled[row, start:]
+        ids = rollout.completion_ids[row, start:][keep].tolist()
+        logps = rollout.old_logp[row, start:][keep].tolist()
+        cut[row] = (ids, logps, tokenizer.decode(ids, skip_special_tokens=True))
+    return cut
 
 
 def agent_use(spec: str, tokenizer: Any, end_ids: Sequence[int], sampling: Sampling, *,

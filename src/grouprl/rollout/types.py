@@ -293,6 +293,54 @@ class Rollout:
         return self.old_logp if self.behaviour_logp is None else self.behaviour_logp
 
 
+@dataclass
+class Branches:
+    """The rows a batch's trajectories went on in after their prefix broke (an agent program
+    that sent an earlier turn back rewritten): each a row of its own, exact from its own prompt
+    (the rewritten conversation as rendered), trained with the advantage of the trajectory it
+    continues (`parents`); never scored or normalised on its own.
+
+    Fields:
+        rollout: the K rows as groups of one.
+        parents: (K,) long: the row of the batch's rollout (the episode's first row) each one
+            continues.
+    """
+
+    rollout: Rollout
+    parents: torch.Tensor  # (K,)
+
+    def __post_init__(self) -> None:
+        if self.rollout.group_size != 1 or self.parents.shape != (self.rollout.num_prompts,):
+            raise ValueError("branches are groups of one, each with its parent row")
+
+    def select(self, rows: torch.Tensor) -> Branches | None:
+        """The branches of the batch rows `rows` (in that order: the selected batch's rows),
+        their parents renumbered; None when none is left."""
+        where = {int(r): i for i, r in enumerate(rows.tolist())}
+        keep = [k for k, p in enumerate(self.parents.tolist()) if p in where]
+        if not keep:
+            return None
+        parents = torch.tensor([where[int(self.parents[k])] for k in keep], dtype=torch.long)
+        return Branches(self.rollout.select_groups(keep), parents)
+
+    @staticmethod
+    def concat(parts: Sequence[tuple[Branches | None, int]]) -> Branches | None:
+        """The branches of batches joined in order, each part's (its branches, its batch's row
+        count)."""
+        kept, offset, out = [], 0, []
+        for branches, rows in parts:
+            if branches is not None:
+                kept.append(branches.rollout)
+                out.append(branches.parents + offset)
+            offset += rows
+        if not kept:
+            return None
+        return Branches(Rollout.concat(kept), torch.cat(out))
+
+    def to(self, device: torch.device | str) -> Branches:
+        return Branches(self.rollout.to(device), self.parents)
+
+
 class RolloutEngine(Protocol):
     """Anything that samples groups of completions: the HF engine today, others later. The one
     way grouprl samples: training, evaluation, `check` and `generate` all call `sample`, with

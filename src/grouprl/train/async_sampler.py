@@ -36,7 +36,7 @@ from torch import nn
 from grouprl.config.options import RunConfig
 from grouprl.config.training import AsyncOptions
 from grouprl.errors import UserError
-from grouprl.rollout import HFRolloutEngine
+from grouprl.rollout import HFRolloutEngine, Rollout
 from grouprl.train.batch import Batch
 from grouprl.train.collect import Collected, Sampler, collect_batch
 
@@ -69,16 +69,20 @@ def stamped(collected: Collected, version: int, step: int) -> Collected:
     """`collected` with every row's `version`; sampled by an older version than the trainer's
     (`step`), its sampled log-probs become the rows' `behaviour_logp`."""
 
-    def stamp(batch: Batch | None) -> Batch | None:
-        if batch is None:
-            return None
-        rollout = batch.rollout
+    def stamp_rows(rollout: Rollout) -> Rollout:
         versions = torch.full((rollout.completion_ids.shape[0],), version, dtype=torch.int64)
         behaviour = rollout.behaviour_logp
         if version != step and behaviour is None:
             behaviour = rollout.old_logp.clone()
-        rollout = dataclasses.replace(rollout, version=versions, behaviour_logp=behaviour)
-        return dataclasses.replace(batch, rollout=rollout)
+        return dataclasses.replace(rollout, version=versions, behaviour_logp=behaviour)
+
+    def stamp(batch: Batch | None) -> Batch | None:
+        if batch is None:
+            return None
+        branches = batch.branches
+        if branches is not None:  # an agent's split trajectories: sampled with the rest
+            branches = dataclasses.replace(branches, rollout=stamp_rows(branches.rollout))
+        return dataclasses.replace(batch, rollout=stamp_rows(batch.rollout), branches=branches)
 
     return dataclasses.replace(collected, kept=stamp(collected.kept),
                                sampled=stamp(collected.sampled))  # fmt: skip

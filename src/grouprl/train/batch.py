@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from grouprl.rollout import Rollout
+from grouprl.rollout.types import Branches
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Batch:
     passed: torch.Tensor | None = None  # (N,) bool: the pass reward's score >= 1
     extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns, (N,) each
     baselines: torch.Tensor | None = None  # (B,) ReMax: the reward of each prompt's greedy one
+    branches: Branches | None = None  # rows split trajectories went on in (agent programs)
 
     def select_groups(self, groups: list[int]) -> Batch:
         idx = self.rollout.group_rows(groups)  # (b·G,)
@@ -33,12 +35,14 @@ class Batch:
             None if self.passed is None else self.passed[idx],
             {name: [values[i] for i in keep] for name, values in self.extra.items()},
             None if self.baselines is None else self.baselines[groups],
+            None if self.branches is None else self.branches.select(idx),
         )
 
     def to(self, device: torch.device | str) -> Batch:
         """The batch with its rollout on `device` (rewards and scores stay on the CPU)."""
+        branches = None if self.branches is None else self.branches.to(device)
         return Batch(self.rollout.to(device), self.rows, self.rewards, self.by_function,
-                     self.passed, self.extra, self.baselines)  # fmt: skip
+                     self.passed, self.extra, self.baselines, branches)  # fmt: skip
 
     @staticmethod
     def concat(parts: list[Batch]) -> Batch:
@@ -61,4 +65,5 @@ class Batch:
             },
             (torch.cat([p.baselines for p in parts])
              if all(p.baselines is not None for p in parts) else None),
+            Branches.concat([(p.branches, len(p.rewards)) for p in parts]),
         )  # fmt: skip

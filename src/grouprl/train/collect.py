@@ -27,6 +27,7 @@ from grouprl.core import ADVANTAGE_ESTIMATORS, mixed_groups, overlong_penalty, z
 from grouprl.faults import fault
 from grouprl.models.precision import autocast
 from grouprl.rollout import Rollout, RolloutEngine
+from grouprl.rollout.types import Branches
 from grouprl.tasks.base import TrainerState
 from grouprl.tasks.data import PromptStream
 from grouprl.tasks.rewards.scoring import RewardSet
@@ -173,7 +174,7 @@ def sample_round(
 
     A user error in a reward function on any rank is raised on every rank (`Dist.agreed`)."""
     dist, G = sampler.dist, cfg.group_size
-    rollout, rows = _sample(cfg, sampler, step, round_, rows, ids, keys)
+    rollout, rows, branches = _sample(cfg, sampler, step, round_, rows, ids, keys)
     fault("sample")
     scores = dist.agreed(
         sampler.rewards.score,
@@ -197,7 +198,7 @@ def sample_round(
     greedy = "baselines" in ADVANTAGE_ESTIMATORS[cfg.adv_estimator].inputs()
     baselines = greedy_baselines(cfg, sampler, step, rows, ids) if greedy else None
     batch = Batch(rollout, rows, rewards, scores.by_function, scores.passed, scores.extra,
-                  baselines)  # fmt: skip
+                  baselines, branches)  # fmt: skip
     passed = scores.passed.view(-1, G)  # (b, G)
     zero = zero_variance_groups(rewards.view(-1, G)).cpu()  # (b,)
     mixed = mixed_groups(passed)  # (b,)
@@ -223,10 +224,13 @@ def _sample(
     rows: list[dict],
     ids: list[list[int]],
     keys: list[Any],
-) -> tuple[Rollout, list[dict]]:
+) -> tuple[Rollout, list[dict], Branches | None]:
     """This rank's groups sampled (environments reset first, each group from one seed, its
-    prompts then encoded with reset's text and budgeted), and the rows as rewards see them."""
+    prompts then encoded with reset's text and budgeted), the rows as rewards see them, and the
+    rows an agent's split trajectories went on in (`Branches`, or None)."""
     handler = None
+    # each rank its own stream (an odd 32-bit offset: CPU generators keep 32 bits)
+    seed = cfg.seed * 1_000_003 + step * 97 + round_ + sampler.dist.rank * 0x9E3779B1
     if sampler.tools is not None:
         start = sampler.tools.rollout(rows, cfg.group_size, cfg.seed, step, round_, keys=keys)
         handler, rows = start.handler, start.rows
@@ -241,13 +245,22 @@ def _sample(
             top_p=cfg.top_p,
             top_k=cfg.top_k,
             stop=sampler.stop,
-            # each rank its own stream (an odd 32-bit offset: CPU generators keep 32 bits)
-            seed=cfg.seed * 1_000_003 + step * 97 + round_ + sampler.dist.rank * 0x9E3779B1,
+            seed=seed,
             tools=handler,
         )
+    branches = None
     if sampler.tools is not None:
-        sampler.tools.sampled(rollout, handler)
-    return rollout, rows
+
+        def resample(prompts: list[list[int]], k: int) -> Rollout:
+            with autocast(sampler.device, sampler.dtype):
+                return sampler.engine.sample(
+                    prompts, group_size=1, max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                    stop=sampler.stop, seed=seed + 7919 * (k + 1), tools=handler,
+                )  # fmt: skip
+
+        branches = sampler.tools.sampled(rollout, handler, resample)
+    return rollout, rows, branches
 
 
 def greedy_baselines(

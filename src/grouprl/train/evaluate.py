@@ -303,8 +303,18 @@ class _Sampling:
                 ids = reset_prompt_ids(self.tokenizer, start.prompts, self.tools, self.budget)
         rollout = self.engine.sample(ids, max_new_tokens=self.settings.max_new_tokens,
                                      stop=self.settings.stop, tools=handler, **settings)  # fmt: skip
-        if self.tools is not None:
-            self.tools.sampled(rollout, handler)
+        if self.tools is not None:  # an agent's split trajectories run on (scored, not kept)
+
+            def resample(prompts: list[list[int]], k: int) -> Rollout:
+                seed = settings.get("seed")
+                return self.engine.sample(
+                    prompts, max_new_tokens=self.settings.max_new_tokens,
+                    stop=self.settings.stop, tools=handler,
+                    **{**settings, "group_size": 1,
+                       "seed": None if seed is None else seed + 7919 * (k + 1)},
+                )  # fmt: skip
+
+            self.tools.sampled(rollout, handler, resample)
         return rows, rollout
 
 

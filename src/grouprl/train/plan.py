@@ -315,6 +315,7 @@ def plan_minibatches(
     mask: torch.Tensor,
     overhead: int | None = None,
     model: Shape | None = None,
+    parents: torch.Tensor | None = None,
 ) -> list[Minibatch]:
     """`cfg.minibatches` minibatches of whole groups, in order, without the groups that have
     nothing to learn (all advantages 0) when `skip_zero_advantage` applies (beta = 0, and no
@@ -326,20 +327,25 @@ def plan_minibatches(
     completions. Raises ValueError unless B is divisible by `cfg.minibatches`. advantages: (N,);
     mask: (N, T), the loss mask; overhead: a pass's fixed cost in positions (`pass_overhead`),
     which lets a minibatch without a micro-batch size be cut by width (`width_chunks`).
+    parents: (K,) long, or None: the last K groups of `rollout` are branches (groups of one:
+    `grouprl.rollout.types.Branches`), each trained in the minibatch of its parent group.
     """
-    b, G = rollout.num_prompts, rollout.group_size
+    G = rollout.group_size
+    b = rollout.num_prompts - (0 if parents is None else len(parents))  # the batch's own groups
     if b % cfg.minibatches:
         raise ValueError(f"cannot split {b} prompts into {cfg.minibatches} equal minibatches")
     per = b // cfg.minibatches  # groups per minibatch
     skip = cfg.skip_zero_advantage and cfg.beta == 0 and not dense_gradients(cfg)
+    of = [] if parents is None else parents.tolist()
     plans = []
     for first in range(0, b, per):
         groups = list(range(first, first + per))
-        span = slice(first * G, (first + per) * G)  # the minibatch's rows
+        groups += [b + k for k, p in enumerate(of) if first <= p < first + per]  # branches
+        every = rollout.group_rows(groups)  # the minibatch's rows
         if skip:
-            live = (advantages[span].view(per, G) != 0).any(-1).tolist()  # (per,)
+            live = (advantages[every].view(-1, G) != 0).any(-1).tolist()
             groups = [g for g, keep in zip(groups, live) if keep]
-        m = mask[span]  # (per·G, T)
+        m = mask[every]  # (rows, T)
         trained = rollout.select_groups(groups) if groups else None
         rows = rollout.group_rows(groups)
         plans.append(
@@ -352,7 +358,7 @@ def plan_minibatches(
                 if trained is not None
                 else (),
                 first_group=first,
-                num_rows=per * G,
+                num_rows=len(every),
             )
         )
     return plans

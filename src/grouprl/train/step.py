@@ -60,6 +60,8 @@ def learn(run: Run, state: RunState, collected: Collected) -> tuple[RunState, St
         run.sampler.engine.policy_updated(state.step + 1)  # an engine's own copy follows
     lr = run.optimizer.param_groups[0]["lr"]  # the rate this step's updates used
     metrics = step_metrics(collected, trained, dist=dist, weights=weights, lr=lr)
+    if batch is not None and batch.branches is not None:  # an agent's split trajectories
+        (metrics["branch_rows"],) = dist.sum(int(batch.branches.parents.numel()))
     if cfg.max_staleness and batch is not None and batch.rollout.version is not None:
         # the trainer's version less the sampler's, over this rank's rows (one schedule: alike)
         metrics["staleness"] = float(state.step - batch.rollout.version.double().mean())
@@ -91,16 +93,18 @@ def train_on(
     `update` (with the adaptive entropy coefficient's state; `watch`: the viewer's rows, see
     `grouprl.train.groups`); returns the advantages and the update's diagnostics."""
     cfg, dist = run.cfg, run.dist
+    trained, parents = with_branches(batch)
     ref_logp = None
     if cfg.beta > 0:
         with base_model_context(run.policy):
             model = run.reference or run.policy
-            ref_logp = no_grad_logprobs(cfg, model, batch.rollout, run.sampler.dtype)
+            ref_logp = no_grad_logprobs(cfg, model, trained.rollout, run.sampler.dtype)
     old_logp = batch.rollout.old_logp  # the ratio's: the sampler's, or the trainer's below
     own = cfg.kl_in_reward and recomputes_old_logp(cfg, batch.rollout, run.sampler.dtype)
     if own and ref_logp is not None:
         old_logp = no_grad_logprobs(cfg, run.policy, batch.rollout, run.sampler.dtype)
-    scored, kl_reward = _shaped(cfg, batch, ref_logp, old_logp)
+    mine = None if ref_logp is None else _own_rows(batch, ref_logp)
+    scored, kl_reward = _shaped(cfg, batch, mine, old_logp)
     advantages = batch_advantages(cfg, scored, dist, run.sampler.rewards.weights)  # (N,)
     if kl_reward is not None:  # the KL is in the reward, not the loss
         ref_logp = None
@@ -108,16 +112,37 @@ def train_on(
     if run.teacher is not None and cfg.teacher_loss == "jsd":  # it runs with each pass
         jsd_teacher = run.teacher
     elif run.teacher is not None:  # on-policy distillation: the teacher scores the samples
-        teacher_logp = no_grad_logprobs(cfg, run.teacher, batch.rollout, run.sampler.dtype)
-    diagnostics = update(cfg, run.policy, run.optimizer, batch, advantages, ref_logp,
+        teacher_logp = no_grad_logprobs(cfg, run.teacher, trained.rollout, run.sampler.dtype)
+    given = advantages if parents is None else torch.cat([advantages, advantages[parents]])
+    diagnostics = update(cfg, run.policy, run.optimizer, trained, given, ref_logp,
                          teacher_logp=teacher_logp, teacher=jsd_teacher,
                          dtype=run.sampler.dtype, scaler=run.scaler, dist=dist,
                          lockstep=run.lockstep, entropy_state=entropy_state,
-                         step=step, watch=watch)  # fmt: skip
+                         step=step, watch=watch, parents=parents)  # fmt: skip
     if kl_reward is not None:  # per token, over every rank's trained tokens (TRL's "kl")
         total, tokens = dist.sum(float(kl_reward.sum()), int(batch.rollout.loss_mask.sum()))
         diagnostics["kl"] = total / max(tokens, 1)
     return advantages, diagnostics
+
+
+def with_branches(batch: Batch) -> tuple[Batch, torch.Tensor | None]:
+    """The batch the update trains on, and its branches' parent rows (K,) or None: with
+    branches (`Branches`: an agent's trajectory that went on in rows of its own after its prefix
+    broke), the batch's rows as groups of one (its rows keep their places) followed by the
+    branch rows, each trained with its parent's advantage, as a sequence of its own. The
+    advantages are the batch's own rows', computed before (branches are never normalised).
+    Otherwise the batch itself."""
+    if batch.branches is None:
+        return batch, None
+    joined = Rollout.concat([batch.rollout.regroup(1), batch.branches.rollout])
+    parents = batch.branches.parents.to(batch.rewards.device)
+    return dataclasses.replace(batch, rollout=joined, branches=None), parents
+
+
+def _own_rows(batch: Batch, logp: torch.Tensor) -> torch.Tensor:
+    """(N, T): the batch's own rows of `logp`, computed on its rows and branches together."""
+    n, t = batch.rollout.completion_ids.shape
+    return logp[:n, :t]
 
 
 def _shaped(

@@ -72,6 +72,7 @@ def update(
     teacher_logp: torch.Tensor | None = None,
     teacher: nn.Module | None = None,
     watch: TokenWatch | None = None,
+    parents: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
 
@@ -79,6 +80,8 @@ def update(
     holds them, and the step (Clip-Cov's draw's seed): see `EntropyTerms`. teacher_logp (N, T)
     / teacher: the teacher's log-probs of the samples, or itself (`grouprl.train.teacher`).
     watch: rows whose loss terms each pass records (`grouprl.train.groups`), or None.
+    parents: (K,) or None: the batch's last K rows are branches (groups of one) of these rows,
+    each trained in its parent's minibatch (`train_on`).
     advantages: (N,); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
     run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of fp16 forwards (see
     `grad_scaler`). Returns the update's diagnostics (`UpdateSums.metrics`).
@@ -106,7 +109,7 @@ def update(
     # the root module is unsharded (after a forward), the optimizer's the sharded DTensors
     params = [p for group in optimizer.param_groups for p in group["params"]]
     plans, mismatch = _plans(cfg, policy, rollout, advantages, mask, dtype, dist,
-                             lockstep or Lockstep(dist))  # fmt: skip
+                             lockstep or Lockstep(dist), parents)  # fmt: skip
     inputs = _loss_inputs(cfg, rollout, advantages, mask, ref_logp, dtype, dist, teacher_logp,
                           teacher)  # fmt: skip
     sums = UpdateSums(has_kl=ref_logp is not None)
@@ -240,6 +243,7 @@ def _plans(
     dtype: torch.dtype | None,
     dist: Dist,
     lockstep: Lockstep,
+    parents: torch.Tensor | None = None,
 ) -> tuple[list[Minibatch], MismatchSums | None]:
     """The update's minibatches and passes (`grouprl.train.plan`), with the global counts, the
     lockstep's fillers, and where the sampler is not the trainer's forward (autocast, or
@@ -252,7 +256,7 @@ def _plans(
     by_width = model_device(policy).type == "cpu" and not dist.fsdp
     shape = Shape.of(policy)
     plans = plan_minibatches(cfg, rollout, advantages, mask,
-                             shape.overhead if by_width else None, shape)  # fmt: skip
+                             shape.overhead if by_width else None, shape, parents)  # fmt: skip
     plans = with_global_counts(plans, dist)
     plans = pad_passes(plans, rollout, lockstep, packs_every_pass(cfg, shape))
     if not recomputes_old_logp(cfg, rollout, dtype):

@@ -70,3 +70,29 @@ async def raises(client, row, model):
 
 def not_async(client, row):
     return 1.0
+
+
+async def rewrites_and_goes_on(client, row, model):
+    """Sends its history back rewritten (a prefix break), then goes on from the rewritten
+    conversation: its trajectory splits, the rest a row of its own."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    await client.chat.completions.create(model=model, messages=messages)
+    messages += [{"role": "assistant", "content": "something else entirely"},
+                 {"role": "user", "content": "and again?"}]  # fmt: skip
+    reply = await client.chat.completions.create(model=model, messages=messages)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "user", "content": "once more?"}]  # fmt: skip
+    last = await client.chat.completions.create(model=model, messages=messages)
+    return 1.0 if last.choices[0].finish_reason in ("stop", "length") else 0.0
+
+
+async def rewrites_completions(client, row, model):
+    """On the completions route: after the first answer, asks again with its prompt edited (a
+    prefix break), so the rest of its trajectory is a row of its own."""
+    stop = list("abcdefghijklmnopqrstuvwxyz")  # turns end soon, even a random model's
+    first = await client.completions.create(model=model, prompt=row["prompt"], stop=stop)
+    if first.choices[0].finish_reason != "stop":  # the budget ended it: no turn after it
+        return 0.0
+    second = await client.completions.create(model=model, prompt=row["prompt"] + " (edited)\n",
+                                             stop=stop)  # fmt: skip
+    return float(len(second.choices[0].text) % 2)  # a reward that varies

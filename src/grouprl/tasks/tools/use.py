@@ -79,9 +79,12 @@ class ToolUse:
         )
         return RolloutStart(episodes.prompts, handler, episodes.instances, episodes.rows)
 
-    def sampled(self, rollout: Any, handler: Any) -> None:
+    def sampled(self, rollout: Any, handler: Any, resample: Any = None) -> Any:
         """After a rollout is sampled with `handler` (its `RolloutStart.handler`), before it
-        is scored: nothing here (an environment that drives its own rollouts finishes them)."""
+        is scored: nothing here (an environment that drives its own rollouts finishes them; an
+        agent program's split trajectories are sampled by `resample` and returned as
+        `Branches`). Returns None: no branches."""
+        return None
 
     def scored(self, environments: Sequence[Any] | None) -> None:
         """A rollout's environments once its rewards are computed: back to the environment's
