@@ -26,7 +26,7 @@ demo: $(STAMP)
 # torch on one thread, so on 2 cores two files at once take about two thirds of the time. A
 # worker that dies ends the run at once, naming its test (pytest-xdist replacing it under
 # --dist loadfile can wait forever).
-test: $(STAMP) browser
+test: $(STAMP) browser $(VF04_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) docs
@@ -70,6 +70,18 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm_engine -p no:cacheprovider --durations=10
+
+# verifiers 0.4 (tests/verifiers_v04), in an environment of its own: it pins openai < 3, the main
+# environment has openai 3 (verifiers 0.3's openai-agents). grouprl runs it as a program of that
+# environment (GROUPRL_VERIFIERS_PYTHON); its harnesses are uv scripts (uv from this environment,
+# their packages from PyPI at their first start, then from uv's cache).
+VF04_VENV  := .venv-vf04
+VF04_STAMP := $(VF04_VENV)/.installed
+$(VF04_STAMP): Makefile
+	$(PYTHON) -m venv $(VF04_VENV)
+	$(VF04_VENV)/bin/pip install --quiet --upgrade pip
+	$(VF04_VENV)/bin/pip install --quiet verifiers==0.4.0 renderers==0.1.12 uv
+	touch $(VF04_STAMP)
 
 # Tests run COUNT times each, by two workers, beside two busy processes: a loaded 2-core machine,
 # as CI's can be. How a test that waits on anything is shown not to fail at random

@@ -57,7 +57,11 @@ class Scripted(nn.Module):
                 row.extend(ids)
         logits = torch.zeros(input_ids.shape[0], 1, self.vocab)
         for i, (row, p) in enumerate(zip(cache.rows, cache.prompt)):
-            script = self.scripts[tuple(row[:p])]
-            done = len(row) - p
-            logits[i, 0, script[done] if done < len(script) else self.eos] = 2.0
+            logits[i, 0, self.next_token(row, p)] = 2.0
         return SimpleNamespace(logits=logits)
+
+    def next_token(self, row: list[int], prompt: int) -> int:
+        """The token a row whose first `prompt` ids are its prompt writes next."""
+        script = self.scripts[tuple(row[:prompt])]
+        done = len(row) - prompt
+        return script[done] if done < len(script) else self.eos

@@ -368,7 +368,7 @@ class AgentRollout:
                 continue
             fed = self._feed(ep, ep.pending[0])
             if fed is None:  # a branch: the row ends, the episode goes on in a row of its own
-                ep.carried += q.calls_made
+                ep.carried += q.calls_made + 1  # the turn this request answers counts
                 out.append(Observation(end=True))
                 continue
             ids, messages, calls = fed
@@ -655,14 +655,39 @@ def _cut_turns(rollout: Any, handler: AgentRollout,
     return cut
 
 
-def agent_use(spec: str, tokenizer: Any, end_ids: Sequence[int], sampling: Sampling, *,
-              served: str, timeout: float = AGENT_TIMEOUT, port: int = 0, max_calls: int = 10,
+def agent_use(spec: str | Callable, tokenizer: Any, end_ids: Sequence[int], sampling: Sampling,
+              *, served: str, timeout: float = AGENT_TIMEOUT, port: int = 0, max_calls: int = 10,
               max_model_len: int | None = None, model: str = "the model") -> AgentUse:  # fmt: skip
-    """The tool use of `--agent SPEC` (see the module docstring)."""
-    settings = AgentSettings(load_agent(spec), tokenizer, tuple(int(i) for i in end_ids),
+    """The tool use of `--agent SPEC` (see the module docstring), or of an agent function."""
+    agent = spec if callable(spec) else load_agent(spec)
+    settings = AgentSettings(agent, tokenizer, tuple(int(i) for i in end_ids),
                              sampling, served, timeout, port, max_calls, max_model_len, model)  # fmt: skip
     chat = bool(getattr(tokenizer, "chat_template", None))
     return AgentUse(handler=None, environment=None, chat=chat, settings=settings)
+
+
+def _run_sampling(opts: Any) -> Sampling:
+    return Sampling(getattr(opts, "temperature", 1.0), getattr(opts, "top_p", 1.0),
+                    getattr(opts, "top_k", 0) or 0)  # fmt: skip
+
+
+def v1_agent_use(opts: Any, driver: Any, tokenizer: Any, end_ids: Sequence[int]) -> AgentUse:
+    """A verifiers 0.4 run's tool use: its episodes are the driver's
+    (`grouprl.tasks.ecosystems.verifiers_v1`), asking the run's endpoint."""
+    from grouprl.tasks.ecosystems.verifiers_v1 import V1Episodes
+
+    sampling = _run_sampling(opts)
+    model = getattr(opts, "model", None)
+    if not model:
+        raise UserError(f"{driver.spec}: verifiers 0.4 renders with the model's tokenizer; "
+                        "give --model")  # fmt: skip
+    asked = {"temperature": sampling.temperature, "top_p": sampling.top_p}
+    if sampling.top_k:
+        asked["top_k"] = sampling.top_k
+    episodes = V1Episodes(driver, str(model), asked)
+    return agent_use(episodes.episode, tokenizer, end_ids, sampling, served=str(model),
+                     timeout=opts.agent_timeout, port=opts.agent_port,
+                     max_calls=opts.max_turns, model=str(model))  # fmt: skip
 
 
 def run_agent_use(opts: Any, tokenizer: Any, end_ids: Sequence[int]) -> AgentUse:
@@ -673,8 +698,7 @@ def run_agent_use(opts: Any, tokenizer: Any, end_ids: Sequence[int]) -> AgentUse
     if getattr(opts, "engine", "hf") != "hf":
         raise UserError("--agent runs on grouprl's own sampler (its turns answer the agent's "
                         "requests): drop --engine vllm")  # fmt: skip
-    sampling = Sampling(getattr(opts, "temperature", 1.0), getattr(opts, "top_p", 1.0),
-                        getattr(opts, "top_k", 0) or 0)  # fmt: skip
+    sampling = _run_sampling(opts)
     model = getattr(opts, "model", None)
     return agent_use(opts.agent, tokenizer, end_ids, sampling, served=model or "grouprl",
                      timeout=opts.agent_timeout, port=opts.agent_port, max_calls=opts.max_turns,

@@ -13,6 +13,8 @@ two EOS ids in its generation config. It says nothing useful, but a pipeline tha
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,9 +132,11 @@ def save_tiny_chat_model(
     template: str = CHATML,
     hidden_size: int = 32,
     intermediate_size: int = 64,
+    added_tokens: Sequence[str] = (),
 ):
     """Save a random 2-layer Qwen2 (hidden 32, 2 heads, 1 KV head) with a byte-level BPE
-    tokenizer (300 tokens), a ChatML template (or `template`, e.g. `QWEN25_TOOLS`), and EOS ids
+    tokenizer (300 tokens, and `added_tokens` after them, each one token, e.g. Qwen3's
+    `<tool_call>`), a ChatML template (or `template`, e.g. `QWEN25_TOOLS`), and EOS ids
     `<|im_end|>` and `<|endoftext|>`; returns (model, tokenizer). `hidden_size` 128 gives heads
     of 64, which vLLM's CPU attention runs (it has no kernel for 16)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -151,6 +155,8 @@ def save_tiny_chat_model(
         tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
     tokenizer.chat_template = template
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
     torch.manual_seed(seed)
     ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     config = Qwen2Config(
@@ -170,4 +176,9 @@ def save_tiny_chat_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    if added_tokens:  # no unknown token, as Qwen3's own config says (Qwen2's class default
+        # would make <|endoftext|> the unknown token, which renderers' Qwen3 renderer refuses)
+        config_file = Path(directory) / "tokenizer_config.json"
+        values = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**values, "unk_token": None}, indent=2))
     return model.eval(), tokenizer

@@ -20,7 +20,7 @@ from grouprl.config.training import AdvantageOptions
 from grouprl.config.validation import TASK_CONFIG_ALONE
 from grouprl.core.registry import ADVANTAGE_ESTIMATORS
 from grouprl.endpoint.agents import METRICS as AGENT_METRICS
-from grouprl.endpoint.agents import AgentUse, agent_reward, run_agent_use
+from grouprl.endpoint.agents import AgentUse, agent_reward, run_agent_use, v1_agent_use
 from grouprl.errors import UserError, remedy
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models import load_model, load_tokenizer
@@ -32,6 +32,7 @@ from grouprl.tasks.data import DEFAULT_MAX_NEW_TOKENS, RowFormat, dataset_task, 
 from grouprl.tasks.ecosystems.reasoning_gym import PREFIX as RG_PREFIX
 from grouprl.tasks.ecosystems.verifiers import PREFIX as VF_PREFIX
 from grouprl.tasks.ecosystems.verifiers import verifiers_use
+from grouprl.tasks.ecosystems.verifiers_v1 import V1Driver
 from grouprl.tasks.live import is_live, live_object, live_tokenizer
 from grouprl.tasks.rewards.scoring import RewardSet, build_reward_set
 from grouprl.tasks.tools.calls import PlainTurns, TagTools, ToolHandler, load_tools
@@ -76,6 +77,8 @@ def build_tools(
         if getattr(opts, "engine", "hf") != "hf":
             raise UserError(f"{task.name} runs on grouprl's own sampler (its turns answer the "
                             "environment's requests): drop --engine vllm")  # fmt: skip
+        if isinstance(task.driver, V1Driver):  # verifiers 0.4: through the endpoint
+            return v1_agent_use(opts, task.driver, tokenizer, end_ids)
         return verifiers_use(task, tokenizer, end_ids, opts.max_turns,
                              getattr(opts, "model", None) or "the model")  # fmt: skip
     if getattr(opts, "agent", None):

@@ -105,7 +105,11 @@ def load_vf_environment(spec: str, args: dict[str, Any]) -> Any:
 def verifiers_task(spec: str, config: dict[str, Any] | None = None, seed: int = 0) -> Task:
     """The task `verifiers:SPEC` (see the module docstring)."""
     from grouprl.tasks.ecosystems.reasoning_gym import config_values
+    from grouprl.tasks.ecosystems.verifiers_v1 import v1_python, verifiers_v1_task
 
+    python = v1_python()
+    if python is not None:  # verifiers 0.4, in its own environment or this one
+        return verifiers_v1_task(spec, config_values(config), python)
     env = load_vf_environment(spec, config_values(config))
     dataset = env.get_dataset()
     rows = [_row(dict(r), i) for i, r in enumerate(dataset)]
@@ -446,11 +450,12 @@ class VerifiersUse(ToolUse):
         firsts = [prompts[g * group_size] for g in range(len(rows))]
         return RolloutStart(firsts, batch, batch.environments, list(rows))
 
-    def sampled(self, rollout: Any, handler: Any) -> None:
+    def sampled(self, rollout: Any, handler: Any, resample: Any = None) -> None:
         """After sampling: the rows the budget stopped mid-turn answer with their last turn's
-        text, the environments finish and the groups are scored."""
+        text, the environments finish and the groups are scored (no branches: a rewritten
+        history is one line)."""
         if not isinstance(handler, VerifiersRollout):
-            return
+            return None
         cut = {}
         sampled = rollout.loss_mask & rollout.mask  # (N, T)
         for row in handler.pending:
@@ -459,6 +464,7 @@ class VerifiersUse(ToolUse):
             ids = rollout.completion_ids[row, start:][sampled[row, start:]].tolist()
             cut[row] = self.renderer.tokenizer.decode(ids, skip_special_tokens=True)
         handler.finish(cut)
+        return None
 
 
 def verifiers_use(task: Task, tokenizer: Any, end_ids: Sequence[int], max_calls: int,
