@@ -69,6 +69,10 @@ class V1Driver:
     def __init__(self, python: str, spec: str, config: dict[str, Any]) -> None:
         self.spec = spec
         self.own = {k: config[k] for k in OWN_KEYS if k in config}
+        if self.own.get("harness", "null") != "null":
+            raise UserError(f"--task-config harness {self.own['harness']}: verifiers' harnesses "
+                            "other than the null one run the model's commands as host "
+                            "processes; grouprl runs the null harness only (drop harness)")  # fmt: skip
         self.args = {k: v for k, v in config.items() if k not in OWN_KEYS}
         env = {
             **os.environ,
