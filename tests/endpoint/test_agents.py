@@ -19,7 +19,7 @@ import openai
 import torch
 
 from grouprl.cli import main
-from grouprl.endpoint.agents import agent_use
+from grouprl.endpoint.use import agent_use
 from grouprl.endpoint.wire import Sampling
 from grouprl.errors import UserError
 from grouprl.models.tiny import QWEN25_TOOLS, save_tiny_chat_model
@@ -193,13 +193,12 @@ def test_agents_train_three_steps_and_two_runs_are_identical(chat, tmp_path, pro
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.parametrize("minibatches", ["1", "2"])
-def test_split_trajectories_train_and_two_runs_are_identical(chat, tmp_path, minibatches):
+def test_split_trajectories_train_and_two_runs_are_identical(chat, tmp_path):
     """An agent that asks again with its prompt edited: each episode splits (counted), its
-    second row trains with the episode's advantage, in its parent's minibatch."""
+    second row trains with the episode's advantage, in its parent's minibatch (of two)."""
     runs = [tmp_path / "a", tmp_path / "b"]
     for out in runs:
-        assert _train(chat, out, "rewrites_completions", "--minibatches", minibatches) == 0
+        assert _train(chat, out, "rewrites_completions", "--minibatches", "2") == 0
     rows = _metrics(runs[0])
     assert [r["reward_agent_prefix_breaks"] for r in rows] == [1.0, 1.0, 1.0]
     assert all(r["branch_rows"] >= 1 and r["reward_agent_failed"] < 1 for r in rows)

@@ -16,7 +16,7 @@ pytest.importorskip("aiohttp", reason="pip install -e '.[agents]' (make test doe
 pytest.importorskip("openai", reason="pip install -e '.[agents]' (make test does)")
 
 from grouprl.cli import main
-from grouprl.endpoint.agents import v1_agent_use
+from grouprl.endpoint.use import v1_agent_use
 from grouprl.errors import UserError
 from grouprl.models.tiny import QWEN25_TOOLS, save_tiny_chat_model
 from grouprl.rollout import sample_groups

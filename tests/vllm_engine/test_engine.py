@@ -319,3 +319,34 @@ def test_a_sliding_window_model_samples_what_the_trainer_computes(model, tokeniz
     trainer = teacher_forced(windowed, rollout)
     stats = logp_mismatch(rollout.behaviour_logp, trainer, rollout.loss_mask)
     assert stats.abs_max <= forward_bound(config, logit_magnitude(windowed)), stats
+
+
+def test_an_agent_programs_turns_and_branches_are_vllms_samples(tokenizer, engine):
+    """`--agent` on the vLLM engine: the endpoint's turns are vLLM's samples (a stop string of
+    the agent's ends each), their log-probs the rollout's behaviour log-probs; an episode that
+    asks again with its prompt edited splits, and vLLM samples its branch too."""
+    from pathlib import Path
+
+    from grouprl.endpoint.use import agent_use
+    from grouprl.endpoint.wire import Sampling
+
+    programs = Path(__file__).parents[1] / "endpoint" / "agents" / "programs.py"
+    end = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    use = agent_use(f"{programs}:rewrites_completions", tokenizer, end, Sampling(1.0),
+                    served="grouprl", max_calls=4)  # fmt: skip
+    start = use.rollout([{"prompt": "What is 7 plus 5?"}] * 2, 2)
+    kw = dict(max_new_tokens=24, tools=start.handler)
+    r = engine.sample(start.prompts, group_size=2, seed=7, **kw)
+    branches = use.sampled(r, start.handler,
+                           lambda prompts, k: engine.sample(prompts, group_size=1, seed=8 + k,
+                                                            **kw))  # fmt: skip
+    results = start.handler.results
+    assert all(x.failed is None for x in results)
+    split = [row for row, x in enumerate(results) if x.prefix_breaks == 1]
+    assert split and branches.parents.tolist() == split
+    assert not r.truncated[split].any()  # a stop string ended their first rows
+    b = branches.rollout
+    for k in range(len(split)):
+        assert tokenizer.decode(b.prompt_ids[k][b.prompt_mask[k]]) == "What is 7 plus 5? (edited)\n"
+        sampled = b.loss_mask[k]
+        assert sampled.any() and (b.behaviour_logp[k][sampled] < 0).all()  # vLLM's log-probs

@@ -20,7 +20,8 @@ from grouprl.config.training import AdvantageOptions
 from grouprl.config.validation import TASK_CONFIG_ALONE
 from grouprl.core.registry import ADVANTAGE_ESTIMATORS
 from grouprl.endpoint.agents import METRICS as AGENT_METRICS
-from grouprl.endpoint.agents import AgentUse, agent_reward, run_agent_use, v1_agent_use
+from grouprl.endpoint.agents import agent_reward
+from grouprl.endpoint.use import AgentUse, run_agent_use, v1_agent_use
 from grouprl.errors import UserError, remedy
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models import load_model, load_tokenizer
@@ -74,11 +75,11 @@ def build_tools(
         if opts.tools or opts.environment:
             raise UserError(f"{task.name} brings its own tools and loop: drop --tools and "
                             "--environment")  # fmt: skip
+        if isinstance(task.driver, V1Driver):  # verifiers 0.4: through the endpoint
+            return v1_agent_use(opts, task.driver, tokenizer, end_ids)
         if getattr(opts, "engine", "hf") != "hf":
             raise UserError(f"{task.name} runs on grouprl's own sampler (its turns answer the "
                             "environment's requests): drop --engine vllm")  # fmt: skip
-        if isinstance(task.driver, V1Driver):  # verifiers 0.4: through the endpoint
-            return v1_agent_use(opts, task.driver, tokenizer, end_ids)
         return verifiers_use(task, tokenizer, end_ids, opts.max_turns,
                              getattr(opts, "model", None) or "the model")  # fmt: skip
     if getattr(opts, "agent", None):

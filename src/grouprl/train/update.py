@@ -72,7 +72,7 @@ def update(
     teacher_logp: torch.Tensor | None = None,
     teacher: nn.Module | None = None,
     watch: TokenWatch | None = None,
-    parents: torch.Tensor | None = None,
+    parents: torch.Tensor | None = None,  # (K,): the last K rows are their branches (train_on)
 ) -> dict[str, float]:
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
 
@@ -80,8 +80,6 @@ def update(
     holds them, and the step (Clip-Cov's draw's seed): see `EntropyTerms`. teacher_logp (N, T)
     / teacher: the teacher's log-probs of the samples, or itself (`grouprl.train.teacher`).
     watch: rows whose loss terms each pass records (`grouprl.train.groups`), or None.
-    parents: (K,) or None: the batch's last K rows are branches (groups of one) of these rows,
-    each trained in its parent's minibatch (`train_on`).
     advantages: (N,); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
     run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of fp16 forwards (see
     `grad_scaler`). Returns the update's diagnostics (`UpdateSums.metrics`).

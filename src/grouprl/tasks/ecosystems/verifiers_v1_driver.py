@@ -174,7 +174,7 @@ async def serve(driver: Driver, lines: asyncio.Queue) -> None:
             await serving.__aexit__(None, None, None)
 
 
-def main() -> None:
+def _main() -> None:
     # this file's directory is grouprl's (its verifiers.py would shadow verifiers itself)
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
@@ -205,4 +205,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    _main()
