@@ -203,6 +203,9 @@ def test_split_trajectories_train_and_two_runs_are_identical(chat, tmp_path):
     assert [r["reward_agent_prefix_breaks"] for r in rows] == [1.0, 1.0, 1.0]
     assert all(r["branch_rows"] >= 1 and r["reward_agent_failed"] < 1 for r in rows)
     assert any(r["grad_norm"] > 0 for r in rows)
+    samples = [json.loads(line) for line in (runs[0] / "samples.jsonl").open()]
+    assert any("branches" in s for s in samples)  # the rows after the first are shown
+    assert all(len(s["branches"]) == 1 for s in samples if s["reward"] > 0)
     timeless = [{k: v for k, v in r.items() if "seconds" not in k and "per_s" not in k}
                 for r in (rows, _metrics(runs[1])) for r in r]  # fmt: skip
     assert timeless[:3] == timeless[3:]

@@ -275,6 +275,11 @@ def _samples(batch: Batch, advantages: torch.Tensor, k: int) -> list[dict[str, A
         )
         if batch.rollout.turns is not None:  # the whole transcript, tool turns marked
             out[-1]["transcript"] = batch.rollout.turns.transcripts[row]
+        if batch.branches is not None:  # the rows its split trajectory went on in
+            parents = batch.branches.parents.tolist()
+            texts = [batch.branches.rollout.texts[k] for k, p in enumerate(parents) if p == row]
+            if texts:
+                out[-1]["branches"] = texts
     return out
 
 
