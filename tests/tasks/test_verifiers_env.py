@@ -29,6 +29,12 @@ LOOKUP, SUMS, REWRITES = (f"verifiers:{ENVS / n}" for n in ("lookup.py", "sums.p
                                                             "rewrites.py"))  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def verifiers_03(monkeypatch):
+    """These tests run verifiers 0.3, this environment's own, whatever names a 0.4 Python."""
+    monkeypatch.delenv("GROUPRL_VERIFIERS_PYTHON", raising=False)
+
+
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
     """A tiny random chat model with a Qwen2.5-style tool template, and its tokenizer."""
@@ -122,6 +128,11 @@ def test_mistakes_are_one_line(tmp_path, capsys):
         get_task(f"verifiers:{tmp_path / 'nothing.py'}")
     with pytest.raises(UserError, match=r"did not load \(TypeError"):
         get_task(SUMS, config={"no_such_arg": "1"})
+    # a verifiers 0.4 taskset where verifiers is 0.3 names the Python that runs 0.4
+    (tmp_path / "taskset.py").write_text("class Taskset:\n    pass\n\n\nclass Mine(Taskset):\n"
+                                         "    pass\n")  # fmt: skip
+    with pytest.raises(UserError, match=r"verifiers 0\.4 taskset.*GROUPRL_VERIFIERS_PYTHON"):
+        get_task(f"verifiers:{tmp_path / 'taskset.py'}")
 
 
 FLAGS = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--algo", "grpo",

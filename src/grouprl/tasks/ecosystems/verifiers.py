@@ -83,7 +83,13 @@ def load_vf_environment(spec: str, args: dict[str, Any]) -> Any:
             path = Path(spec).expanduser()
             if not path.is_file():
                 raise UserError(f"verifiers environment file {path} does not exist")
-            make = getattr(import_file(path, "environment"), "load_environment", None)
+            module = import_file(path, "environment")
+            make = getattr(module, "load_environment", None)
+            if make is None and _defines_taskset(module):
+                raise UserError(f"{path} is a verifiers 0.4 taskset, which this Python's "
+                                f"verifiers {vf.__version__} cannot run: set "
+                                "GROUPRL_VERIFIERS_PYTHON to the python of an environment with "
+                                "verifiers 0.4 (make test builds .venv-vf04)")  # fmt: skip
             if make is None:
                 raise UserError(f"{path} defines no load_environment(**args)")
             env = make(**args)
@@ -100,6 +106,12 @@ def load_vf_environment(spec: str, args: dict[str, Any]) -> Any:
         raise UserError(f"{spec}: load_environment returned a {type(env).__name__}, not a "
                         "verifiers Environment")  # fmt: skip
     return env
+
+
+def _defines_taskset(module: Any) -> bool:
+    """Whether `module` defines a verifiers 0.4 `Taskset` (a class with one among its bases)."""
+    return any(isinstance(v, type) and any(b.__name__ == "Taskset" for b in v.__mro__[1:])
+               for v in vars(module).values())  # fmt: skip
 
 
 def verifiers_task(spec: str, config: dict[str, Any] | None = None, seed: int = 0) -> Task:

@@ -86,8 +86,12 @@ class Driver:
             self.out.flush()
 
     def load(self, cmd: dict) -> None:
-        import verifiers.v1 as vf
-        from verifiers.v1.harnesses.null import NullHarnessConfig
+        try:
+            import verifiers.v1 as vf
+            from verifiers.v1.harnesses.null import NullHarnessConfig
+        except ImportError as err:
+            raise ValueError(f"{sys.executable} has no verifiers 0.4 ({err}): pip install "
+                             "verifiers==0.4.0 renderers==0.1.12 uv into its environment") from None  # fmt: skip
 
         harness = cmd.get("harness") or "null"
         if harness != "null":
