@@ -173,6 +173,7 @@ def setup_run(
     )
     dtype = forward_dtype(cfg)  # every forward's autocast dtype: the run's one source
     rewards = build_rewards(cfg, task, device, tools)
+    rewards.keep_in(run_dir)  # a judge's cache: a resumed run asks it nothing twice
     budget = prompt_budget(cfg, policy, cfg.max_new_tokens)
     check_packing(cfg, policy, budget, warn)
     sampler = Sampler(

@@ -79,6 +79,12 @@ def load_reward(
         fn = load_attribute(import_file(path), attr, str(path))
         return getattr(fn, "__name__", attr), fn
     path = Path(spec).expanduser()
+    from grouprl.tasks.rewards.judge import is_judge_spec, load_judge
+
+    if is_judge_spec(spec):  # an LLM judge's YAML
+        judge = load_judge(spec)
+        judge.check()
+        return judge.__name__, judge
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(
@@ -161,6 +167,12 @@ class RewardSet:
     @property
     def weights(self) -> dict[str, float]:
         return {r.name: r.weight for r in self.rewards}
+
+    def keep_in(self, directory: Path) -> None:
+        """Rewards that keep something across a run (a judge's cache) keep it in `directory`."""
+        for r in self.rewards:
+            if hasattr(r.fn, "bind"):
+                r.fn.bind(directory)
 
     def check_columns(self, row: dict, where: str) -> None:
         """UserError when a reward function needs a column `row` lacks (checked before a run
