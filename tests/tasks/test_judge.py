@@ -42,9 +42,16 @@ class JudgeServer:
         async def chat(request):
             body = await request.json()
             message = body["messages"][0]["content"]
+            self.asked[message] += 1
+            if "Answers:" in message:  # a group judge: "k: score" a line, by length
+                listed = re.findall(r"^(\d+)\. (.*)$", message, re.M)
+                lines = [f"{k}: {len(t)}" for k, t in listed]
+                if any("SHORT" in t for _, t in listed):
+                    lines = lines[:1]  # scores for fewer answers than it was shown
+                return web.json_response({"choices": [{"message": {
+                    "role": "assistant", "content": "Scores:\n" + "\n".join(lines)}}]})  # fmt: skip
             answer = re.search(r"A: (.*)\nRef", message, re.S).group(1)
             self.calls[answer] += 1
-            self.asked[message] += 1
             if "FLAKY" in answer and self.calls[answer] <= 2:
                 return web.json_response({"error": "busy"}, status=503)
             if "SLOW" in answer:
@@ -121,6 +128,25 @@ def test_a_choice_parser_takes_the_first_choice_named(server, tmp_path):
     judge = load_judge(str(_judge_file(tmp_path, server.url, parse="choice",
                                        choices={"Score": 1.0, "cannot": 0.0})))  # fmt: skip
     assert judge(["abcd", "GARBLE"], prompts=["q", "q"], answer=["r", "r"]) == [1.0, 0.0]
+
+
+def test_a_group_judge_scores_each_group_at_once(server, tmp_path):
+    """A group judge (RULER's way) sees a prompt's G answers together and gives G scores; an
+    answer that does not give one for each leaves the whole group unscored."""
+    path = _judge_file(tmp_path, server.url, group=True,
+                       template="Q: {prompt}\nAnswers:\n{completions}\nRef: {answer}\n")  # fmt: skip
+    judge = load_judge(str(path))
+    server.asked.clear()
+    answers = ["ab", "abcd", "SHORT", "abcdef"]
+    metrics = {}
+    scores = judge(answers, prompts=["p", "p", "q", "q"], answer=["r"] * 4, group_size=2,
+                   log_metric=metrics.__setitem__)  # fmt: skip
+    assert scores == [0.2, 0.4, None, None] and metrics["judge_unscored"] == 0.5
+    assert sum(server.asked.values()) == 2  # one call a group
+    shown = next(m for m in server.asked if "Q: p" in m)
+    assert "1. ab\n2. abcd" in shown
+    with pytest.raises(UserError, match=r"put \{completions\} in it"):
+        load_judge(str(_judge_file(tmp_path, server.url, group=True)))
 
 
 def test_mistakes_are_one_line(server, tmp_path):

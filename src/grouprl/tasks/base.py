@@ -253,12 +253,15 @@ def reward_kwargs(
 ) -> dict[str, Any]:
     """The keyword arguments of a reward call (TRL's convention): ``completions``, ``prompts``,
     every other column of the rows repeated once per completion, and `extra` (TRL passes
-    ``completion_ids``, ``trainer_state``, ``log_metric`` and ``log_extra``)."""
+    ``completion_ids``, ``trainer_state``, ``log_metric`` and ``log_extra``); and grouprl's
+    ``group_size``: the completions come as groups of that many consecutive ones of one prompt
+    (a group reward, such as a group judge, scores each group at once)."""
     columns = {key: [row[key] for row in rows for _ in range(repeats)] for key in rows[0]}
     prompts = columns.pop("prompt")
     for name in ("completion", "completion_ids"):
         columns.pop(name, None)
-    return {**columns, "completions": list(completions), "prompts": prompts, **extra}
+    return {**columns, "completions": list(completions), "prompts": prompts,
+            "group_size": repeats, **extra}  # fmt: skip
 
 
 def _check_values(name: str, values: Any, n: int) -> list[float]:

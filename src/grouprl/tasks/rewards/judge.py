@@ -67,6 +67,7 @@ class JudgeConfig:
     temperature: float = 0.0
     max_tokens: int = 64
     api_key_env: str | None = None
+    group: bool = False
 
     def key(self, prompt: str, completion: str) -> str:
         """The cache key of one judgement: the judge as it judges (not where it runs)."""
@@ -104,6 +105,12 @@ def load_judge(spec: str) -> Judge:
     config = JudgeConfig(**values)
     if config.parse not in ("number", "choice"):
         raise UserError(f"judge {path}: parse {config.parse!r}; use number or choice")
+    if config.group and config.parse != "number":
+        raise UserError(f"judge {path}: a group judge scores with numbers (parse: number)")
+    fields = {f for _, f, _, _ in Formatter().parse(config.template) if f}
+    if config.group and "completions" not in fields:
+        raise UserError(f"judge {path}: a group judge's template shows the group's answers: "
+                        "put {completions} in it")  # fmt: skip
     if config.parse == "choice" and not config.choices:
         raise UserError(f"judge {path}: parse choice needs choices (a word -> its score)")
     if config.parse == "number" and not config.scale[0] < config.scale[1]:
@@ -121,7 +128,7 @@ class Judge:
         self.calls = 0  # requests sent, retries included
         fields = [f for _, f, _, _ in Formatter().parse(config.template) if f]
         self.columns = sorted({f.split(".")[0].split("[")[0] for f in fields}
-                              - {"prompt", "completion"})  # fmt: skip
+                              - {"prompt", "completion", "completions"})  # fmt: skip
         # the template's columns are required: a dataset without one is one line at set-up
         params = [inspect.Parameter("completions", inspect.Parameter.POSITIONAL_OR_KEYWORD),
                   *(inspect.Parameter(c, inspect.Parameter.KEYWORD_ONLY) for c in self.columns),
@@ -154,24 +161,35 @@ class Judge:
                 self.cache[entry["key"]] = entry
 
     def __call__(self, completions: Sequence[Any], prompts: Sequence[Any] | None = None,
-                 log_extra: Any = None, log_metric: Any = None, **columns: Any) -> list[float | None]:  # fmt: skip
+                 log_extra: Any = None, log_metric: Any = None, group_size: int = 1,
+                 **columns: Any) -> list[float | None]:  # fmt: skip
         n = len(completions)
         prompts = list(prompts) if prompts is not None else [""] * n
         texts = [_text(c) for c in completions]
-        asks = []
-        for i in range(n):
-            values = {c: columns[c][i] for c in self.columns}
-            asks.append((self.config.key(_text(prompts[i]), texts[i]),
-                         self.config.template.format(prompt=_text(prompts[i]),
-                                                     completion=texts[i], **values)))  # fmt: skip
-        missing = {key: message for key, message in asks if key not in self.cache}
+        size = group_size if self.config.group else 1  # completions judged together
+        units = []  # (cache key, the judge's message, the completions it scores)
+        for first in range(0, n, size):
+            rows = list(range(first, min(first + size, n)))
+            values = {c: columns[c][first] for c in self.columns}
+            prompt = _text(prompts[first])
+            shown = [texts[i] for i in rows]
+            listed = "\n".join(f"{k + 1}. {t}" for k, t in enumerate(shown))
+            message = self.config.template.format(prompt=prompt, completion=shown[0],
+                                                  completions=listed, **values)  # fmt: skip
+            units.append((self.config.key(prompt, json.dumps(shown)), message, rows))
+        missing = {key: (message, len(rows)) for key, message, rows in units
+                   if key not in self.cache}  # fmt: skip
         if missing:
-            found = _run(self._ask_all(missing))
-            self._store(found)
-        entries = [self.cache.get(key) or {"score": None, "answer": None} for key, _ in asks]
+            self._store(_run(self._ask_all(missing)))
+        scores: list[float | None] = [None] * n
+        answers: list[str | None] = [None] * n
+        for key, _, rows in units:
+            entry = self.cache.get(key) or {"scores": None, "answer": None}
+            for k, i in enumerate(rows):
+                answers[i] = entry["answer"]
+                scores[i] = None if entry["scores"] is None else entry["scores"][k]
         if log_extra is not None:
-            log_extra(f"{self.__name__}_answer", [e["answer"] for e in entries])
-        scores = [e["score"] for e in entries]
+            log_extra(f"{self.__name__}_answer", answers)
         if log_metric is not None:
             log_metric(f"{self.__name__}_unscored", sum(s is None for s in scores) / max(n, 1))
         return scores
@@ -182,21 +200,21 @@ class Judge:
         key = os.environ.get(env) if env else None
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    async def _ask_all(self, asks: dict[str, str]) -> dict[str, dict]:
+    async def _ask_all(self, asks: dict[str, tuple[str, int]]) -> dict[str, dict]:
         import httpx
 
         gate = asyncio.Semaphore(self.config.concurrency)
         async with httpx.AsyncClient(timeout=self.config.timeout, trust_env=False,
                                      headers=self._headers()) as client:  # fmt: skip
 
-            async def one(key: str, message: str) -> tuple[str, dict | None]:
+            async def one(key: str, message: str, count: int) -> tuple[str, dict | None]:
                 async with gate:
                     answer = await self._ask(client, message)
                 if answer is None:
                     return key, None  # no answer: not cached, asked again next time
-                return key, {"key": key, "score": self._parse(answer), "answer": answer}
+                return key, {"key": key, "scores": self._parse(answer, count), "answer": answer}
 
-            done = await asyncio.gather(*(one(k, m) for k, m in asks.items()))
+            done = await asyncio.gather(*(one(k, m, c) for k, (m, c) in asks.items()))
         return {k: v for k, v in done if v is not None}
 
     async def _ask(self, client: Any, message: str) -> str | None:
@@ -223,17 +241,26 @@ class Judge:
                 return None
         return None
 
-    def _parse(self, answer: str) -> float | None:
+    def _parse(self, answer: str, count: int) -> list[float | None] | None:
+        """The scores of `count` completions the answer gives, or None (it gives none)."""
         c = self.config
+        if c.group:  # one "k: score" line per completion, k = 1 ... count
+            lines = re.findall(r"^\s*(\d+)\s*[:.)]\s*(-?\d+(?:\.\d+)?)", answer, re.M)
+            given = {int(k): self._number(v) for k, v in lines}
+            if sorted(given) != list(range(1, count + 1)):
+                return None
+            return [given[k] for k in range(1, count + 1)]
         if c.parse == "choice":
             found = [(m.start(), word) for word in c.choices
                      for m in [re.search(rf"\b{re.escape(word)}\b", answer)] if m]  # fmt: skip
-            return float(c.choices[min(found)[1]]) if found else None
+            return [float(c.choices[min(found)[1]]) if found else None]
         numbers = NUMBER.findall(answer)
-        if not numbers:
-            return None
-        low, high = c.scale
-        value = float(numbers[-1])
+        return [self._number(numbers[-1]) if numbers else None]
+
+    def _number(self, text: str) -> float | None:
+        """A number from the judge's scale onto [0, 1]; None outside it."""
+        low, high = self.config.scale
+        value = float(text)
         return (value - low) / (high - low) if low <= value <= high else None
 
     def _store(self, found: dict[str, dict]) -> None:

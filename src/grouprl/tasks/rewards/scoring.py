@@ -118,6 +118,7 @@ CALL_ARGUMENTS = frozenset(
         "log_metric",
         "log_extra",
         "environments",
+        "group_size",
     }
 )
 #: Columns the built-in rewards read from their keyword arguments.
