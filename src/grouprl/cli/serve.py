@@ -16,7 +16,9 @@ class ServeArgs:
     """Serve a model (a run directory's final/, a checkpoint, a model directory or hub id) on
     127.0.0.1 with OpenAI's routes: /v1/models, /v1/chat/completions (messages and tools; calls
     in the answer parsed into tool_calls), /v1/completions and the token route
-    /inference/v1/generate. Requests are sampled one at a time, as they ask; Ctrl-C stops it."""
+    /inference/v1/generate. Requests are sampled one at a time, as they ask; Ctrl-C stops it.
+    A sequence-classification reward model is served as OpenRLHF's POST /get_reward instead
+    ({"query": [...]} -> {"rewards": [...]}), for --rewards http://HOST:PORT/get_reward."""
 
     model: Annotated[str, tyro.conf.Positional]
     """A run directory (its final/ is served), a checkpoint or model directory, or a hub id."""

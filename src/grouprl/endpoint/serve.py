@@ -110,6 +110,11 @@ def serve_model(spec: str, *, port: int = 8000, served: str | None = None, seed:
     """Serve `spec` until interrupted (or `stop` is set); `ready(url)` is called once the port
     is bound."""
     source = model_of(spec)
+    from grouprl.endpoint.rewards import is_reward_model, serve_reward_model
+
+    if is_reward_model(source):  # OpenRLHF's /get_reward, for `--rewards URL`
+        serve_reward_model(source, port=port, device=device, ready=ready, stop=stop)
+        return
     model = load_model(source, device=device)
     tokenizer = load_tokenizer(source)
     backend = ModelBackend(model, tokenizer, served or spec, seed, max_new_tokens)

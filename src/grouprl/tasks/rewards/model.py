@@ -54,7 +54,23 @@ class RewardModel:
         return [p + c for p, c in zip(prompts, completions)]
 
     def __call__(self, completions: Sequence[Any], prompts: Sequence[Any], **kwargs: Any):
-        texts = self.texts(prompts, completions)
+        return self.score_texts(self.texts(prompts, completions))
+
+    def score_queries(self, queries: Sequence[Any]) -> list[float]:
+        """Scores of whole queries (prompt and completion together: `grouprl serve`'s
+        /get_reward): strings as they are, message lists rendered by the model's template."""
+        texts = []
+        for q in queries:
+            if isinstance(q, str):
+                texts.append(q)
+            elif isinstance(q, list) and getattr(self.tokenizer, "chat_template", None):
+                texts.append(self.tokenizer.apply_chat_template(q, tokenize=False))
+            else:
+                raise ValueError("a query is a string, or a list of messages for a reward "
+                                 "model with a chat template")  # fmt: skip
+        return self.score_texts(texts)
+
+    def score_texts(self, texts: Sequence[str]) -> list[float]:
         device = next(self.model.parameters()).device
         scores: list[float] = []
         with torch.inference_mode():

@@ -80,7 +80,12 @@ def load_reward(
         return getattr(fn, "__name__", attr), fn
     path = Path(spec).expanduser()
     from grouprl.tasks.rewards.judge import is_judge_spec, load_judge
+    from grouprl.tasks.rewards.remote import RemoteReward, is_remote_spec
 
+    if is_remote_spec(spec):  # a reward model behind a server
+        remote = RemoteReward(spec)
+        remote.check()
+        return remote.__name__, remote
     if is_judge_spec(spec):  # an LLM judge's YAML
         judge = load_judge(spec)
         judge.check()
