@@ -196,3 +196,59 @@ def test_a_run_with_a_judge_trains_and_a_resumed_run_asks_nothing_twice(server, 
     assert sum(server.asked.values()) == before and all(x is not None for x in scores)
     # the run's rewards are float32: equal within its rounding of numbers at most 1
     assert scores == pytest.approx([s["reward"] for s in samples], abs=2**-24)
+
+
+def test_a_judge_fine_tuned_by_grouprl_sft_and_served_scores_a_run(tmp_path):
+    """A real judge: a tiny chat model fine-tuned with `grouprl sft` to answer the template as
+    "Score: N", served by `grouprl serve`, scores a 3-step run (a random policy's completions),
+    with at least 90% of its answers parsed."""
+    import random
+    import threading
+
+    from grouprl.cli import main
+    from grouprl.endpoint.serve import serve_model
+    from grouprl.models.tiny import save_tiny_chat_model
+
+    save_tiny_chat_model(tmp_path / "base")
+    template = "Q: {prompt}\nA: {completion}\nScore 0-9."
+    rng = random.Random(0)
+    with (tmp_path / "judging.jsonl").open("w") as f:
+        for _ in range(512):
+            answer = "".join(rng.choice("abcdefgh 0123456789") for _ in range(rng.randint(1, 12)))
+            asked = template.format(prompt=f"Say {rng.randint(0, 99)} twice.", completion=answer)
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": asked},
+                {"role": "assistant", "content": f"Score: {len(answer) % 10}"}]}) + "\n")  # fmt: skip
+    assert main(["sft", "--data", str(tmp_path / "judging.jsonl"), "--model",
+                 str(tmp_path / "base"), "--steps", "150", "--batch-size", "32", "--lr", "0.01",
+                 "--warmup-steps", "10", "--output-dir", str(tmp_path / "judge")]) == 0  # fmt: skip
+    urls, stop = [], threading.Event()
+    thread = threading.Thread(target=serve_model, args=(str(tmp_path / "judge"),),
+                              kwargs=dict(port=0, served="judge", ready=urls.append, stop=stop),
+                              daemon=True)  # fmt: skip
+    thread.start()
+    for _ in range(400):
+        if urls:
+            break
+        thread.join(0.05)
+    try:
+        settings = {"url": urls[0], "model": "judge", "template": template, "scale": [0, 9],
+                    "max_tokens": 8, "timeout": 30}  # fmt: skip
+        (tmp_path / "judge.yaml").write_text(json.dumps({"judge": settings}))
+        rows = [{"prompt": f"Say {i} twice.", "answer": f"{i} {i}"} for i in range(40)]
+        (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out = tmp_path / "run"
+        assert main(["train", "--model", str(tmp_path / "base"), "--dataset",
+                     str(tmp_path / "data.jsonl"), "--rewards", str(tmp_path / "judge.yaml"),
+                     "1.0", "--steps", "3", "--prompts-per-step", "4", "--group-size", "4",
+                     "--minibatches", "1", "--max-new-tokens", "12", "--eval-size", "4",
+                     "--eval-samples", "1", "--no-progress", "--threads", "1",
+                     "--output-dir", str(out)]) == 0  # fmt: skip
+    finally:
+        stop.set()
+        thread.join(10)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    parsed = [1 - m["judge_unscored"] for m in metrics]
+    assert len(parsed) == 3 and sum(parsed) / 3 >= 0.9
+    samples = [json.loads(line) for line in (out / "samples.jsonl").open()]
+    assert all(re.fullmatch(r"Score: \d", s["judge_answer"]) for s in samples)
