@@ -130,6 +130,20 @@ def test_a_choice_parser_takes_the_first_choice_named(server, tmp_path):
     assert judge(["abcd", "GARBLE"], prompts=["q", "q"], answer=["r", "r"]) == [1.0, 0.0]
 
 
+def test_a_rubric_is_the_weighted_mean_of_its_criteria(tmp_path):
+    from grouprl.tasks.rewards.judge import Judge, JudgeConfig
+
+    config = JudgeConfig(url="-", model="-", template="{completion}", parse="rubric",
+                         rubric={"correct": 3.0, "clear": 1.0})  # fmt: skip
+    judge = Judge("judge", config)
+    # 8/10 and 4/10, weighted 3:1
+    assert judge._parse("Correct: 8\n**clear**: 4", 1) == [pytest.approx((3 * 0.8 + 0.4) / 4)]
+    assert judge._parse("correct: 8", 1) == [None]  # a criterion missing
+    assert judge._parse("correct: 8\nclear: 11", 1) == [None]  # off the scale
+    with pytest.raises(UserError, match="needs rubric"):
+        load_judge(str(_judge_file(tmp_path, "-", parse="rubric")))
+
+
 def test_a_group_judge_scores_each_group_at_once(server, tmp_path):
     """A group judge (RULER's way) sees a prompt's G answers together and gives G scores; an
     answer that does not give one for each leaves the whole group unscored."""

@@ -12,7 +12,9 @@ stem):
         Reference: {answer}
         Score the answer from 0 to 10. Reply "Score: N".
       parse: number                   # number: the answer's last number, mapped from `scale`
-      scale: [0, 10]                  #   onto [0, 1]; choice: the first of `choices` it names
+      scale: [0, 10]                  #   onto [0, 1]; choice: the first of `choices` it names;
+                                      #   rubric: a "criterion: N" line for each of `rubric`
+                                      #   (criterion -> weight), their weighted mean
       concurrency: 8                  # calls at once
       retries: 2                      # after the first try, on no answer, a timeout, 429, 5xx
       backoff: 0.5                    # seconds before the first retry, doubled after each
@@ -60,6 +62,7 @@ class JudgeConfig:
     parse: str = "number"
     scale: tuple[float, float] = (0.0, 10.0)
     choices: dict[str, float] = field(default_factory=dict)
+    rubric: dict[str, float] = field(default_factory=dict)
     concurrency: int = 8
     retries: int = 2
     backoff: float = 0.5
@@ -103,8 +106,12 @@ def load_judge(spec: str) -> Judge:
     if "scale" in values:
         values["scale"] = tuple(float(v) for v in values["scale"])
     config = JudgeConfig(**values)
-    if config.parse not in ("number", "choice"):
-        raise UserError(f"judge {path}: parse {config.parse!r}; use number or choice")
+    if config.parse not in ("number", "choice", "rubric"):
+        raise UserError(f"judge {path}: parse {config.parse!r}; use number, choice or rubric")
+    if config.parse == "rubric" and not (
+        config.rubric and all(w > 0 for w in config.rubric.values())
+    ):
+        raise UserError(f"judge {path}: parse rubric needs rubric (a criterion -> its weight > 0)")
     if config.group and config.parse != "number":
         raise UserError(f"judge {path}: a group judge scores with numbers (parse: number)")
     fields = {f for _, f, _, _ in Formatter().parse(config.template) if f}
@@ -250,6 +257,16 @@ class Judge:
             if sorted(given) != list(range(1, count + 1)):
                 return None
             return [given[k] for k in range(1, count + 1)]
+        if c.parse == "rubric":  # "criterion: N" for each, their weighted mean
+            given = {}
+            for name in c.rubric:
+                m = re.search(rf"^\W*{re.escape(name)}\W*[:=]\s*(-?\d+(?:\.\d+)?)", answer,
+                              re.M | re.I)  # fmt: skip
+                given[name] = None if m is None else self._number(m.group(1))
+            if any(v is None for v in given.values()):
+                return [None]
+            total = sum(c.rubric.values())
+            return [sum(w * given[k] for k, w in c.rubric.items()) / total]
         if c.parse == "choice":
             found = [(m.start(), word) for word in c.choices
                      for m in [re.search(rf"\b{re.escape(word)}\b", answer)] if m]  # fmt: skip
