@@ -86,3 +86,21 @@ def test_a_server_that_does_not_answer(served, monkeypatch):
     with pytest.raises(UserError, match="answered 1 rewards for 2 queries"):
         rm(["1", "2"], ["a", "b"])
     assert remote.is_remote_spec(url) and not remote.is_remote_spec("rewards.py:fn")
+
+
+def test_a_reward_model_yaml_names_its_device_and_batch_size(served, tmp_path):
+    import json
+
+    path, _ = served
+    spec = tmp_path / "scorer.yaml"
+    spec.write_text(json.dumps({"reward_model": {"model": str(path), "device": "cpu",
+                                                 "batch_size": 1}}))  # fmt: skip
+    name, rm = load_reward(str(spec), device="meta")  # its own device, not the run's
+    _, default = load_reward(str(path))
+    assert name == "scorer" and rm.batch_size == 1
+    assert next(rm.model.parameters()).device.type == "cpu"
+    # one text at a time on both sides (no padding): the same computation
+    assert rm(["12", "345"], ["1+", "2+"]) == default(["12"], ["1+"]) + default(["345"], ["2+"])
+    spec.write_text(json.dumps({"reward_model": {"device": "cpu"}}))
+    with pytest.raises(UserError, match="give `reward_model:` with model"):
+        load_reward(str(spec))

@@ -83,6 +83,25 @@ def is_judge_spec(spec: str) -> bool:
     return spec.endswith((".yaml", ".yml")) and Path(spec).expanduser().is_file()
 
 
+def reward_model_settings(spec: str) -> dict[str, Any] | None:
+    """A reward YAML's `reward_model:` settings (a sequence-classification model on a device
+    of its own: `model`, a directory or hub id; `device`; `batch_size`), or None (a judge's)."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(Path(spec).expanduser().read_text()) or {}
+    except yaml.YAMLError:
+        return None
+    settings = values.get("reward_model") if isinstance(values, dict) else None
+    if settings is None:
+        return None
+    known = {"model", "device", "batch_size"}
+    if not isinstance(settings, dict) or not settings.get("model") or set(settings) - known:
+        raise UserError(f"reward model {spec}: give `reward_model:` with model (a directory or "
+                        "hub id), and optionally device and batch_size")  # fmt: skip
+    return settings
+
+
 def load_judge(spec: str) -> Judge:
     """The judge a YAML file describes (see the module docstring); UserError naming the file."""
     import yaml

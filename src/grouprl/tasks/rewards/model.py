@@ -20,14 +20,16 @@ from grouprl.messages import is_conversational
 class RewardModel:
     """Callable with TRL's reward signature; runs without gradients in batches of `batch_size`."""
 
-    def __init__(self, path: Path, *, device: Any = "cpu", batch_size: int = 16) -> None:
+    def __init__(self, path: Path | str, *, device: Any = "cpu", batch_size: int = 16) -> None:
+        """`path`: a directory, or a hub id (from the hub's cache, or downloaded)."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        local = Path(path).expanduser().is_dir()
         try:
             self.model = AutoModelForSequenceClassification.from_pretrained(
-                path, local_files_only=True
+                path, local_files_only=local
             )
-            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
         except Exception as err:
             raise UserError(
                 f"cannot load a sequence-classification reward model from {path}: {one_line(err)}"

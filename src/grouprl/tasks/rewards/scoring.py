@@ -79,13 +79,20 @@ def load_reward(
         fn = load_attribute(import_file(path), attr, str(path))
         return getattr(fn, "__name__", attr), fn
     path = Path(spec).expanduser()
-    from grouprl.tasks.rewards.judge import is_judge_spec, load_judge
+    from grouprl.tasks.rewards.judge import is_judge_spec, load_judge, reward_model_settings
     from grouprl.tasks.rewards.remote import RemoteReward, is_remote_spec
 
     if is_remote_spec(spec):  # a reward model behind a server
         remote = RemoteReward(spec)
         remote.check()
         return remote.__name__, remote
+    if is_judge_spec(spec) and reward_model_settings(spec) is not None:  # a reward model's
+        from grouprl.tasks.rewards.model import RewardModel
+
+        settings = reward_model_settings(spec)
+        model = RewardModel(settings["model"], device=settings.get("device", device),
+                            batch_size=int(settings.get("batch_size", 16)))  # fmt: skip
+        return Path(spec).stem, model
     if is_judge_spec(spec):  # an LLM judge's YAML
         judge = load_judge(spec)
         judge.check()
