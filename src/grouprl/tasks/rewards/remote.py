@@ -38,8 +38,10 @@ class RemoteReward:
         try:
             rewards = self._post({"query": [], "prompts": [], "labels": []}, retries=0)
         except Exception as err:  # any failure is the same line
+            route = "" if self.url.rstrip("/").endswith("/get_reward") else (
+                "; the url names the route too, e.g. http://127.0.0.1:5000/get_reward")  # fmt: skip
             raise UserError(f"reward server {self.url} does not answer ({one_line(err)}); "
-                            "start it (grouprl serve REWARD_MODEL) or fix the url") from None  # fmt: skip
+                            f"start it (grouprl serve REWARD_MODEL) or fix the url{route}") from None  # fmt: skip
         if rewards != []:
             raise UserError(f"reward server {self.url} answered {rewards!r} for no queries; it "
                             'must answer {"rewards": [...]}, one per query')  # fmt: skip
