@@ -18,7 +18,7 @@ class ServeArgs:
     in the answer parsed into tool_calls), /v1/completions and the token route
     /inference/v1/generate. Requests are sampled one at a time, as they ask; Ctrl-C stops it.
     A sequence-classification reward model is served as OpenRLHF's POST /get_reward instead
-    ({"query": [...]} -> {"rewards": [...]}), for --rewards http://HOST:PORT/get_reward."""
+    ({"query": [...]} -> {"rewards": [...]}): a run scores with it by that URL."""
 
     model: Annotated[str, tyro.conf.Positional]
     """A run directory (its final/ is served), a checkpoint or model directory, or a hub id."""
