@@ -22,6 +22,7 @@ _HOMES = {
     "gdpo_advantages": "advantages",
     "group_advantages": "advantages",
     "mixed_groups": "advantages",
+    "process_advantages": "advantages",
     "zero_variance_groups": "advantages",
     "distillation_advantages": "distill",
     "generalized_jsd": "distill",

@@ -157,6 +157,37 @@ def group_advantages(
     return torch.where(silent, 0.0, advantages)  # (B, G)
 
 
+def process_advantages(
+    step_rewards: Tensor,  # (B, G, K)
+    *,
+    eps: float = 1e-4,
+    unbiased_std: bool = False,
+) -> Tensor:
+    """Process supervision (DeepSeekMath, arXiv 2402.03300, §4.1.3): step rewards (B, G, K), NaN
+    where a completion has no step k, are normalised over every valid step of their group,
+
+        r̃ = (r − mean(R)) / (std(R) + eps),   R = the group's step rewards,
+
+    and a step's advantage is the sum of the normalised rewards of the steps at or after it,
+    Â_k = Σ_{k' ≥ k} r̃_{k'} (each token of step k gets Â_k). Returns (B, G, K), 0 where there is
+    no step; a group whose step rewards are all equal gets exact zeros. With one step each (K = 1)
+    it is `group_advantages` (outcome supervision's GRPO), bit for bit: the same operations on
+    the same values. The std is the population std, or the sample std with ``unbiased_std``."""
+    rewards = _checked(step_rewards, "(B, G, K)", eps)
+    b, g, k = rewards.shape
+    flat = rewards.reshape(b, g * k)  # the group's steps, completion by completion
+    valid = ~flat.isnan()
+    count = valid.sum(-1, keepdim=True)  # (B, 1)
+    r = torch.where(valid, flat, 0.0)
+    mean = r.sum(-1, keepdim=True) / count.clamp(min=1)
+    silent = zero_variance_groups(flat)[:, None] | ~valid  # as group_advantages: exact zeros
+    centred = torch.where(silent, 0.0, r - mean)
+    normed = centred / (_std(centred.square().sum(-1, keepdim=True), count, unbiased_std) + eps)
+    normed = torch.where(silent, 0.0, normed).reshape(b, g, k)
+    to_go = normed.flip(-1).cumsum(-1).flip(-1)  # Σ over the steps at or after each
+    return torch.where(valid.reshape(b, g, k), to_go, 0.0)
+
+
 def gdpo_advantages(
     components: Tensor,  # (B, G, K): K rewards' raw scores, NaN = not scored
     weights: Tensor | list[float],  # (K,)
