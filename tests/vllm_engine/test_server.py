@@ -230,3 +230,26 @@ def test_torchrun_cli_trains_three_steps_through_the_servers(servers, vllm_model
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["groups"] == 4 and r["logp_mismatch_max"] < 1e-4 for r in records)
     assert [Server(u).get("/weight_info")["weight_version"] for u in servers] == ["3", "3"]
+
+
+def test_a_judge_asks_a_vllm_server(servers, vllm_model_dir, tmp_path):
+    """An LLM judge (`--rewards judge.yaml`) against a vLLM server's chat route: every call is
+    answered (the random model's answers rarely parse: those scores are None, counted, never
+    0), and a second call is answered from the cache."""
+    from grouprl.tasks.rewards.judge import load_judge
+
+    settings = {"url": f"{servers[0]}/v1", "model": str(vllm_model_dir), "template":
+                "Q: {prompt}\nA: {completion}\nScore 0-9.", "scale": [0, 9], "max_tokens": 8,
+                "timeout": 60}  # fmt: skip
+    (tmp_path / "judge.yaml").write_text(json.dumps({"judge": settings}))
+    judge = load_judge(str(tmp_path / "judge.yaml"))
+    judge.check()
+    extra, logged = {}, {}
+    kw = dict(prompts=["1+1?", "2+2?", "3+3?"], log_extra=extra.__setitem__,
+              log_metric=logged.__setitem__)  # fmt: skip
+    scores = judge(["2", "4", "6"], **kw)
+    assert all(isinstance(a, str) for a in extra["judge_answer"])  # answered, every one
+    assert logged["judge_unscored"] == sum(s is None for s in scores) / 3
+    assert all(s is None or 0 <= s <= 1 for s in scores)
+    calls = judge.calls
+    assert judge(["2", "4", "6"], **kw) == scores and judge.calls == calls  # from the cache
