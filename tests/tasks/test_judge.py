@@ -115,6 +115,13 @@ def test_parsing_retries_timeouts_and_the_cache_exactly(server, tmp_path):
     again = load_judge(str(_judge_file(tmp_path, server.url)))
     again.bind(tmp_path)
     assert again(answers, **kw) == scores and sum(server.calls.values()) == 15
+    # a resumed run whose judge runs elsewhere, more patiently: the same judgements
+    moved = load_judge(str(_judge_file(tmp_path, "http://127.0.0.1:1/v1", timeout=5)))
+    moved.bind(tmp_path)
+    ok = [0, 1, 2, 4]  # all but SLOW, which no cache holds
+    assert moved([answers[i] for i in ok], **{k: v[:4] if isinstance(v, list) else v
+                                             for k, v in kw.items()}) == [scores[i] for i in ok]  # fmt: skip
+    assert moved.calls == 0
     # another judge (another template) asks anew
     other = load_judge(str(_judge_file(tmp_path, server.url, max_tokens=32)))
     other.bind(tmp_path)
@@ -137,7 +144,8 @@ def test_a_rubric_is_the_weighted_mean_of_its_criteria(tmp_path):
                          rubric={"correct": 3.0, "clear": 1.0})  # fmt: skip
     judge = Judge("judge", config)
     # 8/10 and 4/10, weighted 3:1
-    assert judge._parse("Correct: 8\n**clear**: 4", 1) == [pytest.approx((3 * 0.8 + 0.4) / 4)]
+    # float64, three operations on O(1) numbers: within 1e-15 of the exact 0.7
+    assert judge._parse("Correct: 8\n**clear**: 4", 1) == [pytest.approx(0.7, rel=0, abs=1e-15)]
     assert judge._parse("correct: 8", 1) == [None]  # a criterion missing
     assert judge._parse("correct: 8\nclear: 11", 1) == [None]  # off the scale
     with pytest.raises(UserError, match="needs rubric"):

@@ -23,10 +23,10 @@ stem):
       max_tokens: 64
       api_key_env: null               # an environment variable holding the key, if it needs one
 
-Every completion's score is first looked up in a cache keyed by the judge (everything above but
-its url and concurrency), the prompt and the completion; in a run the cache is written through to
-`judge-NAME.jsonl` in the run directory, so a completion scored again, or a resumed run, asks
-nothing. A judge that does not answer (after its retries) or answers what the parser cannot read
+Every completion's score is first looked up in a cache keyed by the judge (its model, template,
+parser and sampling: not its url, concurrency, retries or timeout), the prompt and the
+completion; in a run the cache is written through to `judge-NAME.jsonl` in the run directory, so
+a completion scored again, or a resumed run, asks nothing. A judge that does not answer (after its retries) or answers what the parser cannot read
 scores None for that completion (TRL's "does not apply": the other rewards score it), counted in
 `NAME_unscored` and never turned into 0. Answers the parser could not read are cached (asking
 again at temperature 0 gives the same); calls that got no answer are not. The judge's answers go
@@ -73,10 +73,16 @@ class JudgeConfig:
     group: bool = False
 
     def key(self, prompt: str, completion: str) -> str:
-        """The cache key of one judgement: the judge as it judges (not where it runs)."""
-        judge = {k: v for k, v in asdict(self).items() if k not in ("url", "concurrency")}
+        """The cache key of one judgement: what decides the judge's answer and its score (not
+        where or how patiently it is asked)."""
+        judge = {k: v for k, v in asdict(self).items() if k in JUDGING}
         text = json.dumps([judge, prompt, completion], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+#: The settings a cached judgement depends on.
+JUDGING = ("model", "template", "parse", "scale", "choices", "rubric", "temperature",
+           "max_tokens", "group")  # fmt: skip
 
 
 def is_judge_spec(spec: str) -> bool:

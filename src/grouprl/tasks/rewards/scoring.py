@@ -86,10 +86,13 @@ def load_reward(
         remote = RemoteReward(spec)
         remote.check()
         return remote.__name__, remote
-    if is_judge_spec(spec) and reward_model_settings(spec) is not None:  # a reward model's
+    if spec.endswith((".yaml", ".yml")) and not path.is_file():
+        raise UserError(f"reward file {path} does not exist (from --rewards {spec}; a judge's or "
+                        "a reward model's YAML)")  # fmt: skip
+    settings = reward_model_settings(spec) if is_judge_spec(spec) else None
+    if settings is not None:  # a reward model on a device of its own
         from grouprl.tasks.rewards.model import RewardModel
 
-        settings = reward_model_settings(spec)
         model = RewardModel(settings["model"], device=settings.get("device", device),
                             batch_size=int(settings.get("batch_size", 16)))  # fmt: skip
         return Path(spec).stem, model
@@ -116,7 +119,7 @@ def load_reward(
     raise UserError(
         f"unknown reward {spec!r}; {hint} a built-in reward ({', '.join(known)}), a file and "
         "function (path/to/rewards.py:my_reward), a module and function (package.module:fn), "
-        "or a reward model directory"
+        "a reward model directory, a judge's or reward model's YAML, or a reward server's URL"
     )
 
 
