@@ -25,6 +25,7 @@ from grouprl.errors import UserError
 from grouprl.models.tiny import QWEN25_TOOLS, save_tiny_chat_model
 from grouprl.rollout import sample_groups
 from scripted import Scripted
+from serving import served
 
 PROGRAMS = Path(__file__).with_name("agents") / "programs.py"
 ROW = {"prompt": "What is lookup(4) doubled?", "answer": 62}
@@ -240,22 +241,9 @@ def test_mistakes_are_one_line(chat, tmp_path, capsys):
 
 
 def test_serve_answers_the_openai_client_over_a_runs_final(chat, tmp_path):
-    import threading
-
-    from grouprl.endpoint.serve import serve_model
-
     assert _train(chat, tmp_path / "run", "single_turn", "--steps", "1") == 0
-    urls, stop = [], threading.Event()
-    server = threading.Thread(target=serve_model, args=(str(tmp_path / "run"),), daemon=True,
-                              kwargs={"port": 0, "served": "tiny", "ready": urls.append,
-                                      "stop": stop})  # fmt: skip
-    server.start()
-    try:
-        for _ in range(600):  # the model loads, then the port is bound
-            if urls or not server.is_alive():
-                break
-            server.join(0.05)
-        client = openai.OpenAI(base_url=urls[0], api_key="x", max_retries=0)
+    with served(tmp_path / "run", served="tiny") as url:
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         asked = {"model": "tiny", "messages": [{"role": "user", "content": "1 plus 1?"}],
                  "max_tokens": 5, "temperature": 0.0, "logprobs": True}  # fmt: skip
@@ -268,9 +256,6 @@ def test_serve_answers_the_openai_client_over_a_runs_final(chat, tmp_path):
         assert text.usage.completion_tokens <= 3
         with pytest.raises(openai.NotFoundError, match="serves the model 'tiny'"):
             client.chat.completions.create(**{**asked, "model": "gpt-4o"})
-    finally:
-        stop.set()
-        server.join(10)
 
 
 def test_the_lookup_agent_program_samples_what_the_native_tool_loop_samples():

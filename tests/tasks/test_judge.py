@@ -225,11 +225,10 @@ def test_a_judge_fine_tuned_by_grouprl_sft_and_served_scores_a_run(tmp_path):
     "Score: N", served by `grouprl serve`, scores a 3-step run (a random policy's completions),
     with at least 90% of its answers parsed."""
     import random
-    import threading
 
     from grouprl.cli import main
-    from grouprl.endpoint.serve import serve_model
     from grouprl.models.tiny import save_tiny_chat_model
+    from serving import served
 
     save_tiny_chat_model(tmp_path / "base")
     template = "Q: {prompt}\nA: {completion}\nScore 0-9."
@@ -244,17 +243,8 @@ def test_a_judge_fine_tuned_by_grouprl_sft_and_served_scores_a_run(tmp_path):
     assert main(["sft", "--data", str(tmp_path / "judging.jsonl"), "--model",
                  str(tmp_path / "base"), "--steps", "150", "--batch-size", "32", "--lr", "0.01",
                  "--warmup-steps", "10", "--output-dir", str(tmp_path / "judge")]) == 0  # fmt: skip
-    urls, stop = [], threading.Event()
-    thread = threading.Thread(target=serve_model, args=(str(tmp_path / "judge"),),
-                              kwargs=dict(port=0, served="judge", ready=urls.append, stop=stop),
-                              daemon=True)  # fmt: skip
-    thread.start()
-    for _ in range(400):
-        if urls:
-            break
-        thread.join(0.05)
-    try:
-        settings = {"url": urls[0], "model": "judge", "template": template, "scale": [0, 9],
+    with served(tmp_path / "judge", served="judge") as url:
+        settings = {"url": url, "model": "judge", "template": template, "scale": [0, 9],
                     "max_tokens": 8, "timeout": 30}  # fmt: skip
         (tmp_path / "judge.yaml").write_text(json.dumps({"judge": settings}))
         rows = [{"prompt": f"Say {i} twice.", "answer": f"{i} {i}"} for i in range(40)]
@@ -266,9 +256,6 @@ def test_a_judge_fine_tuned_by_grouprl_sft_and_served_scores_a_run(tmp_path):
                      "--minibatches", "1", "--max-new-tokens", "12", "--eval-size", "4",
                      "--eval-samples", "1", "--no-progress", "--threads", "1",
                      "--output-dir", str(out)]) == 0  # fmt: skip
-    finally:
-        stop.set()
-        thread.join(10)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     parsed = [1 - m["judge_unscored"] for m in metrics]
     assert len(parsed) == 3 and sum(parsed) / 3 >= 0.9

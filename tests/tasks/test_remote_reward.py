@@ -5,8 +5,6 @@ the model scores in-process; a server that does not answer is one line at set-up
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 pytest.importorskip("aiohttp", reason="pip install -e '.[agents]' (make test does)")
@@ -17,15 +15,15 @@ import torch
 from grouprl.errors import UserError
 from grouprl.tasks.rewards import remote
 from grouprl.tasks.rewards.scoring import load_reward
+from serving import served
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def reward_server(tmp_path_factory):
     """A tiny Llama reward model (one label) saved with a character tokenizer and a chat
     template, served by `grouprl serve` on a free port; its directory and URL."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from grouprl.endpoint.serve import serve_model
     from grouprl.models import build_char_tokenizer
 
     path = tmp_path_factory.mktemp("rm") / "rm"
@@ -39,21 +37,12 @@ def served(tmp_path_factory):
                          num_labels=1, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     LlamaForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    urls, stop = [], threading.Event()
-    thread = threading.Thread(target=serve_model, args=(str(path),),
-                              kwargs=dict(port=0, ready=urls.append, stop=stop), daemon=True)  # fmt: skip
-    thread.start()
-    for _ in range(400):
-        if urls:
-            break
-        thread.join(0.05)
-    yield path, urls[0]
-    stop.set()
-    thread.join(10)
+    with served(path) as url:
+        yield path, url
 
 
-def test_the_server_scores_what_the_model_scores_in_process(served):
-    path, url = served
+def test_the_server_scores_what_the_model_scores_in_process(reward_server):
+    path, url = reward_server
     name, rm = load_reward(url)
     _, local = load_reward(str(path))
     assert name == "reward_model"
@@ -67,10 +56,10 @@ def test_the_server_scores_what_the_model_scores_in_process(served):
     assert rm(reply, chat) == local(reply, chat)  # messages, rendered by its template
 
 
-def test_a_server_that_does_not_answer(served, monkeypatch):
+def test_a_server_that_does_not_answer(reward_server, monkeypatch):
     with pytest.raises(UserError, match="does not answer"):
         load_reward("http://127.0.0.1:9/get_reward")
-    _, url = served
+    _, url = reward_server
     _, rm = load_reward(url)
 
     def down(body, retries):
@@ -88,10 +77,10 @@ def test_a_server_that_does_not_answer(served, monkeypatch):
     assert remote.is_remote_spec(url) and not remote.is_remote_spec("rewards.py:fn")
 
 
-def test_a_reward_model_yaml_names_its_device_and_batch_size(served, tmp_path):
+def test_a_reward_model_yaml_names_its_device_and_batch_size(reward_server, tmp_path):
     import json
 
-    path, _ = served
+    path, _ = reward_server
     spec = tmp_path / "scorer.yaml"
     spec.write_text(json.dumps({"reward_model": {"model": str(path), "device": "cpu",
                                                  "batch_size": 1}}))  # fmt: skip

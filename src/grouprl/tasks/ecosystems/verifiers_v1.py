@@ -28,6 +28,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ DRIVER = Path(__file__).with_name("verifiers_v1_driver.py")
 LOAD_SECONDS = 300.0
 #: Rows held out: a tenth, at least one, at most 500 (as for verifiers 0.3).
 HELDOUT_SHARE, HELDOUT_MAX = 0.1, 500
+#: Ended episodes whose results the driver keeps (a batch's, and more).
+KEPT_RESULTS = 4096
 #: Task-config keys that are grouprl's, not the taskset's.
 OWN_KEYS = ("renderer", "harness", "max_turns")
 
@@ -90,7 +93,9 @@ class V1Driver:
         self.replies: queue.Queue = queue.Queue()
         self.waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.lock = threading.Lock()
-        self.results: dict[str, dict] = {}  # each ended episode's, by key (branches included)
+        # the latest ended episodes' results, by key (branches included): what verifiers
+        # recorded, beside what grouprl trains on (bounded: a run ends many batches)
+        self.results: OrderedDict[str, dict] = OrderedDict()
         threading.Thread(target=self._read, daemon=True).start()
         atexit.register(self.close)
         self.tasks = self._load()
@@ -114,6 +119,8 @@ class V1Driver:
                 continue
             with self.lock:
                 self.results[obj["done"]] = obj
+                while len(self.results) > KEPT_RESULTS:
+                    self.results.popitem(last=False)
                 loop, future = self.waiting.pop(obj["done"], (None, None))
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(_resolve, future, obj)
