@@ -53,7 +53,7 @@ def test_registries_hold_the_documented_names():
     assert set(BASELINES) == {"grpo", "rloo"}
     assert list(ADVANTAGE_ESTIMATORS) == ["grpo", "rloo", "gdpo", "reinforce_pp",
                                           "reinforce_pp_baseline", "opo", "gpg", "grpo_passk",
-                                          "remax"]  # fmt: skip
+                                          "remax", "process"]  # fmt: skip
     assert list(OBJECTIVES) == ["clip", "cispo", "sapo", "gmpo", "vespo", "gpg", "clip_cov",
                                 "kl_cov"]  # fmt: skip
     assert set(ADVANTAGE_SCALES) == {"group", "batch", "none", "whiten"}

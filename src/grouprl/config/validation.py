@@ -209,6 +209,12 @@ def _estimator_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
             f"{name}'s baseline is optimal only exactly on-policy: one update per batch "
             "(--minibatches 1 --epochs 1), no KL term (--beta 0) and --max-staleness 0",
         ),
+        (
+            not estimator.per_turn or not OBJECTIVES[cfg.objective].sequence_weighted,
+            f"{name} gives each turn its own advantage; --objective {cfg.objective} weighs "
+            "whole sequences by one: use one that weighs tokens, "
+            + ", ".join(n for n, o in OBJECTIVES.items() if not o.sequence_weighted),
+        ),
     ]
 
 

@@ -23,6 +23,7 @@ _HOMES = {
     "group_advantages": "advantages",
     "mixed_groups": "advantages",
     "process_advantages": "advantages",
+    "over_tokens": "advantages",
     "zero_variance_groups": "advantages",
     "distillation_advantages": "distill",
     "generalized_jsd": "distill",

@@ -95,6 +95,12 @@ def _checked(rewards: Tensor, shape: str, eps: float) -> Tensor:
     return rewards if rewards.is_floating_point() else rewards.to(torch.get_default_dtype())
 
 
+def over_tokens(advantages: Tensor) -> Tensor:
+    """Advantages that broadcast over (N, T): one per sequence (N,) as (N, 1), one per token
+    (N, T) as they are."""
+    return advantages[:, None] if advantages.dim() == 1 else advantages
+
+
 def zero_variance_groups(rewards: Tensor) -> Tensor:
     """(B,) True where a group's scored rewards (B, G) all agree, or fewer than two were scored.
 
@@ -158,7 +164,7 @@ def group_advantages(
 
 
 def process_advantages(
-    step_rewards: Tensor,  # (B, G, K)
+    turn_rewards: Tensor,  # (B, G, K) each completion's step (turn) rewards, NaN: none
     *,
     eps: float = 1e-4,
     unbiased_std: bool = False,
@@ -169,11 +175,13 @@ def process_advantages(
         r̃ = (r − mean(R)) / (std(R) + eps),   R = the group's step rewards,
 
     and a step's advantage is the sum of the normalised rewards of the steps at or after it,
-    Â_k = Σ_{k' ≥ k} r̃_{k'} (each token of step k gets Â_k). Returns (B, G, K), 0 where there is
-    no step; a group whose step rewards are all equal gets exact zeros. With one step each (K = 1)
+    Â_k = Σ_{k' ≥ k} r̃_{k'} (each token of step k gets Â_k). Returns (B, G, K). A step without a
+    reward of its own (NaN inside a completion) gets the sum of the steps after it; one past a
+    completion's last step, 0; a group whose step rewards are all equal, exact zeros (as does an
+    unscored completion). With one step each (K = 1)
     it is `group_advantages` (outcome supervision's GRPO), bit for bit: the same operations on
     the same values. The std is the population std, or the sample std with ``unbiased_std``."""
-    rewards = _checked(step_rewards, "(B, G, K)", eps)
+    rewards = _checked(turn_rewards, "(B, G, K)", eps)
     b, g, k = rewards.shape
     flat = rewards.reshape(b, g * k)  # the group's steps, completion by completion
     valid = ~flat.isnan()
@@ -184,8 +192,7 @@ def process_advantages(
     centred = torch.where(silent, 0.0, r - mean)
     normed = centred / (_std(centred.square().sum(-1, keepdim=True), count, unbiased_std) + eps)
     normed = torch.where(silent, 0.0, normed).reshape(b, g, k)
-    to_go = normed.flip(-1).cumsum(-1).flip(-1)  # Σ over the steps at or after each
-    return torch.where(valid.reshape(b, g, k), to_go, 0.0)
+    return normed.flip(-1).cumsum(-1).flip(-1)  # Σ over the steps at or after each
 
 
 def gdpo_advantages(

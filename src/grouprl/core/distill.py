@@ -23,11 +23,13 @@ import math
 
 import torch
 
+from .advantages import over_tokens
+
 Tensor = torch.Tensor
 
 
 def distillation_advantages(
-    advantages: Tensor,  # (N,) the task's
+    advantages: Tensor,  # (N,) the task's, or (N, T) per turn
     sampler_logp: Tensor,  # (N, T) log π_b of the sampled tokens
     teacher_logp: Tensor,  # (N, T) log π_T of the same tokens
     mask: Tensor,  # (N, T) the trained tokens
@@ -37,8 +39,8 @@ def distillation_advantages(
 ) -> Tensor:
     """(N, T) per-token advantages w·Â_i + c·(log π_T − log π_b), 0 off the mask (detached)."""
     gap = teacher_logp.detach().double() - sampler_logp.detach().double()
-    per_token = task_weight * advantages.detach().double()[:, None] + coef * gap
-    return torch.where(mask.bool(), per_token, 0.0).to(sampler_logp.dtype)
+    out = task_weight * over_tokens(advantages.detach().double()) + coef * gap
+    return torch.where(mask.bool(), out, 0.0).to(sampler_logp.dtype)
 
 
 def reverse_kl(sampler_logp: Tensor, teacher_logp: Tensor, mask: Tensor) -> tuple[float, int]:

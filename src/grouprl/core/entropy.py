@@ -32,6 +32,8 @@ covariance of log π and the advantage, so the few tokens of highest covariance 
 
 import torch
 
+from .advantages import over_tokens
+
 Tensor = torch.Tensor
 
 
@@ -72,8 +74,9 @@ def token_covariance(
     advantages: Tensor, logp: Tensor, mask: Tensor, mean_adv: float, mean_logp: float
 ) -> Tensor:
     """(N, T) float64 cov_t = (Â_i − mean_adv)(log π_t − mean_logp) on the trained tokens,
-    −inf elsewhere; the means are the caller's (over the whole minibatch, every rank)."""
-    centred = (advantages.detach().double() - mean_adv)[:, None] * (
+    −inf elsewhere (advantages (N,), or (N, T): Â_t); the means are the caller's (over the
+    whole minibatch, every rank)."""
+    centred = over_tokens(advantages.detach().double() - mean_adv) * (
         logp.detach().double() - mean_logp
     )
     return torch.where(mask.bool(), centred, -torch.inf)

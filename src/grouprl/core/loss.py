@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ._registry import choose
+from .advantages import over_tokens
 from .objectives import MAX_LOG_RATIO
 from .registry import OBJECTIVES
 
@@ -482,8 +483,7 @@ def policy_loss(
         raise ValueError(f"beta > 0 needs ref_logp; got beta={opts.beta}")
     mask = mask.bool()  # (N, T)
     old_logp = torch.where(mask, old_logp.detach(), 0.0)  # (N, T)
-    per_row = advantages.detach()[:, None] if advantages.dim() == 1 else advantages.detach()
-    adv = torch.where(mask, per_row, 0.0)  # (N, T)
+    adv = torch.where(mask, over_tokens(advantages.detach()), 0.0)  # (N, T)
     ratio = importance_ratio(logp, old_logp, mask, level=opts.level)  # (N, T)
     term = OBJECTIVES[opts.objective].load_term()
     per_token = -term(opts, ratio, logp, old_logp, adv, mask)  # (N, T)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .advantages import over_tokens
+
 Tensor = torch.Tensor
 
 
@@ -216,7 +218,10 @@ def correction_weights(
             raise ValueError("the off-policy sequence mask needs the current logp and advantages")
         drift = torch.where(mask, behaviour_logp.detach().double() - logp.detach().double(), 0.0)
         mean_drift = drift.sum(-1) / mask.sum(-1).clamp(min=1)  # (N,)
-        keep &= ((advantages.detach() >= 0) | (mean_drift <= correction.opsm_delta))[:, None]
+        # a sequence (or, with per-token advantages, a token) that is punished and has drifted
+        keep &= (
+            over_tokens(advantages.detach() >= 0) | (mean_drift <= correction.opsm_delta)[:, None]
+        )
     truncated &= keep  # a masked token was not truncated: it was dropped
     weight = torch.where(keep, log_w.exp(), 0.0)  # (N, T) float64
     kept = torch.cat([weight[keep], weight.new_full((1,), math.nan)])  # NaN: never a min or max

@@ -12,8 +12,9 @@ An estimator's function maps the rewards (B, G) of the whole job's batch to adva
 and says by its parameter names what else it needs, which the trainer then gathers and passes:
 `lengths` (B, G) trained tokens, `baselines` (B,) the reward of each prompt's greedy completion
 (sampled only for an estimator that takes them), `components` (B, G, K) each reward function's
-own scores with their `weights` (instead of `rewards`), and the run's `scale`, `eps`,
-`unbiased_std`. An objective's `term(opts, ratio, logp, old_logp, adv, mask)` is the per-token
+own scores with their `weights` (instead of `rewards`), `turn_rewards` (B, G, K) each
+completion's rewards per turn (instead of `rewards`; it then returns (B, G, K), each turn's
+advantage, `grouprl.train.turn_rewards`), and the run's `scale`, `eps`, `unbiased_std`. An objective's `term(opts, ratio, logp, old_logp, adv, mask)` is the per-token
 quantity maximised (see `grouprl.core.loss`), and its `bound(opts, ratio, adv)` the tokens its
 bound acted on, (below, above), for the clip fractions.
 """
@@ -28,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: What an estimator's function may take besides the rewards (each by this parameter name).
-ESTIMATOR_INPUTS = ("lengths", "baselines", "components", "weights", "scale", "eps",
-                    "unbiased_std")  # fmt: skip
+ESTIMATOR_INPUTS = ("lengths", "baselines", "components", "weights", "turn_rewards", "scale",
+                    "eps", "unbiased_std")  # fmt: skip
 #: --adv-scale's values (`grouprl.core.advantages.ADVANTAGE_SCALES`).
 SCALES = ("group", "batch", "none", "whiten")
 
@@ -78,6 +79,11 @@ class Estimator:
                     f"not give; it gives rewards, {', '.join(ESTIMATOR_INPUTS)}"
                 )
         return fn(**args)
+
+    @property
+    def per_turn(self) -> bool:
+        """It gives each turn of a completion its own advantage (it takes `turn_rewards`)."""
+        return "turn_rewards" in self.inputs()
 
     @property
     def self_scaled(self) -> bool:
@@ -164,6 +170,12 @@ register_estimator(
 register_estimator(
     "remax", "estimators:remax_advantages",
     "reward − the reward of one more, greedy, completion of the prompt", scales=(),
+)  # fmt: skip
+
+register_estimator(
+    "process", "advantages:process_advantages",
+    "per turn: turn rewards − the group's mean turn reward, summed from each turn on "
+    "(DeepSeekMath's process supervision)", scales=(),
 )  # fmt: skip
 
 # --- the built-in objectives -------------------------------------------------------------------

@@ -60,12 +60,15 @@ class TurnRecord:
     failures: torch.Tensor  # (N,) long: calls that gave an error observation
     ended_by_turns: torch.Tensor  # (N,) bool: ended by a call past the limit of calls
     environments: list[Any] | None = None  # each row's environment instance, if any
+    starts: list[list[int]] | None = None  # where each row's model turns start (0 first)
 
     def select(self, rows: list[int]) -> TurnRecord:
         index = torch.as_tensor(rows, dtype=torch.long)
         envs = None if self.environments is None else [self.environments[i] for i in rows]
+        starts = None if self.starts is None else [self.starts[i] for i in rows]
         return TurnRecord([self.transcripts[i] for i in rows], self.calls[index],
-                          self.failures[index], self.ended_by_turns[index], envs)  # fmt: skip
+                          self.failures[index], self.ended_by_turns[index], envs,
+                          starts)  # fmt: skip
 
     @staticmethod
     def concat(parts: Sequence[TurnRecord]) -> TurnRecord:
@@ -77,6 +80,7 @@ class TurnRecord:
             None
             if any(p.environments is None for p in parts)
             else [e for p in parts for e in p.environments],
+            None if any(p.starts is None for p in parts) else [s for p in parts for s in p.starts],
         )
 
 
@@ -217,6 +221,8 @@ class Turns:
             torch.tensor(self.failures, dtype=torch.long),
             torch.tensor(self.ended_by_turns, dtype=torch.bool),
             getattr(self.handler, "environments", None),
+            # a model turn starts where an observation ends (one the budget cut short included)
+            [[0, *(end for _, end, _ in turns)] for turns in self.tool_turns],
         )
 
 

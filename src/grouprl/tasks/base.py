@@ -264,26 +264,55 @@ def reward_kwargs(
             "group_size": repeats, **extra}  # fmt: skip
 
 
-def _check_values(name: str, values: Any, n: int) -> list[float]:
+def _check_values(
+    name: str, values: Any, n: int, turns: Sequence[int] | None = None
+) -> list[float | list[float]]:
+    """A reward function's values as floats (NaN for None); with `turns` (each completion's
+    model turns), a completion's value may be a list of per-turn rewards, at most one per turn
+    (a list of floats, NaN for None)."""
     if not isinstance(values, (list, tuple)) or len(values) != n:
         got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
         raise UserError(
             f"reward function '{name}' returned {got} values for {n} "
             "completions; it must return a list with one float or None per completion"
         )
+    out: list[float | list[float]] = []
+    for i, value in enumerate(values):
+        if not isinstance(value, (list, tuple)):
+            out.append(_finite(name, value))
+            continue
+        if turns is None:
+            raise UserError(
+                f"reward function '{name}' gave completion {i} a list: per-turn rewards are for "
+                "multi-turn rollouts (tools, an environment, an agent); return one float or "
+                "None per completion"
+            )
+        if len(value) > turns[i]:
+            raise UserError(
+                f"reward function '{name}' gave completion {i} {len(value)} per-turn rewards; "
+                f"it has {turns[i]} turns (the num_turns argument): give at most one per turn "
+                "(turn k's at k)"
+            )
+        out.append([_finite(name, v) for v in value])
+    return out
+
+
+def _finite(name: str, value: Any) -> float:
+    """A reward as a float, NaN for None; UserError for anything else that is not finite."""
+    if value is None:
+        return math.nan
     try:
-        scores = [float(v) for v in values if v is not None]
+        score = float(value)
     except (TypeError, ValueError):
         raise UserError(
             f"reward function '{name}' returned a value that is neither a number nor None"
         ) from None
-    bad = next((v for v in scores if not math.isfinite(v)), None)
-    if bad is not None:  # NaN would silently read as "unscored", inf would poison the advantages
+    if not math.isfinite(score):  # NaN would silently read as "unscored", inf would poison
         raise UserError(
-            f"reward function '{name}' returned {bad}; return a finite number, or None for a "
+            f"reward function '{name}' returned {score}; return a finite number, or None for a "
             "completion the function does not apply to"
         )
-    return [math.nan if v is None else float(v) for v in values]
+    return score
 
 
 def _raised(name: str, err: BaseException) -> UserError:
@@ -300,9 +329,11 @@ def call_rewards(
     kwargs: dict[str, Any],
     *,
     timeout: float | None = REWARD_TIMEOUT,
-) -> dict[str, list[float]]:
+    turns: Sequence[int] | None = None,
+) -> dict[str, list[float | list[float]]]:
     """Call every reward function with `kwargs` (see `reward_kwargs`); scores by name, NaN
-    where a function returned None.
+    where a function returned None. With `turns` (each completion's model turns), a function
+    may give a completion a list of per-turn rewards (`_check_values`).
 
     Plain functions run one after the other, each within `timeout` seconds; `async def`
     functions run concurrently in one event loop, together within `timeout`. A function that
@@ -322,7 +353,7 @@ def call_rewards(
             raise _timed_out([name], timeout, n) from None
         except Exception as err:  # a user's reward function: report it, don't crash opaquely
             raise _raised(name, err) from None
-        out[name] = _check_values(name, values, n)
+        out[name] = _check_values(name, values, n, turns)
     if waiting:
         results = _run_concurrently(waiting, kwargs, timeout)
         late = [name for name, value in results.items() if isinstance(value, TimeLimitExceeded)]
@@ -331,7 +362,7 @@ def call_rewards(
         for name, values in results.items():
             if isinstance(values, BaseException):
                 raise _raised(name, values)
-            out[name] = _check_values(name, values, n)
+            out[name] = _check_values(name, values, n, turns)
     return {name: out[name] for name in funcs}
 
 
@@ -386,6 +417,16 @@ def call_reward(
     **extra: Any,
 ) -> list[float]:
     """Score `completions` (`repeats` consecutive ones per row) with one reward function; see
-    `call_rewards`. `extra` adds keyword arguments (``completion_ids``, ``trainer_state``, ...)."""
+    `call_rewards`. `extra` adds keyword arguments (``completion_ids``, ``trainer_state``, ...;
+    with ``num_turns``, per-turn rewards are taken, each completion's summed)."""
     kwargs = reward_kwargs(completions, rows, repeats, **extra)
-    return call_rewards({name: fn}, kwargs, timeout=timeout)[name]
+    values = call_rewards({name: fn}, kwargs, timeout=timeout, turns=extra.get("num_turns"))
+    return [summed(v) for v in values[name]]
+
+
+def summed(value: float | list[float]) -> float:
+    """A completion's score: its per-turn rewards' sum (NaN when it gave none), or the score."""
+    if not isinstance(value, list):
+        return value
+    given = [v for v in value if not math.isnan(v)]
+    return math.fsum(given) if given else math.nan

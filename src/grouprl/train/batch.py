@@ -23,6 +23,7 @@ class Batch:
     extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns, (N,) each
     baselines: torch.Tensor | None = None  # (B,) ReMax: the reward of each prompt's greedy one
     branches: Branches | None = None  # rows split trajectories went on in (agent programs)
+    turn_rewards: torch.Tensor | None = None  # (N, K) weighted per-turn rewards, NaN: none
 
     def select_groups(self, groups: list[int]) -> Batch:
         idx = self.rollout.group_rows(groups)  # (b·G,)
@@ -36,13 +37,15 @@ class Batch:
             {name: [values[i] for i in keep] for name, values in self.extra.items()},
             None if self.baselines is None else self.baselines[groups],
             None if self.branches is None else self.branches.select(idx),
+            None if self.turn_rewards is None else self.turn_rewards[idx],
         )
 
     def to(self, device: torch.device | str) -> Batch:
         """The batch with its rollout on `device` (rewards and scores stay on the CPU)."""
         branches = None if self.branches is None else self.branches.to(device)
         return Batch(self.rollout.to(device), self.rows, self.rewards, self.by_function,
-                     self.passed, self.extra, self.baselines, branches)  # fmt: skip
+                     self.passed, self.extra, self.baselines, branches,
+                     self.turn_rewards)  # fmt: skip
 
     @staticmethod
     def concat(parts: list[Batch]) -> Batch:
@@ -66,4 +69,17 @@ class Batch:
             (torch.cat([p.baselines for p in parts])
              if all(p.baselines is not None for p in parts) else None),
             Branches.concat([(p.branches, len(p.rewards)) for p in parts]),
+            _turns([(p.turn_rewards, len(p.rewards)) for p in parts]),
         )  # fmt: skip
+
+
+def _turns(parts: list[tuple[torch.Tensor | None, int]]) -> torch.Tensor | None:
+    """The parts' per-turn rewards as one (N, K), NaN-padded (a part without any: all NaN)."""
+    if all(t is None for t, _ in parts):
+        return None
+    k = max(t.shape[1] for t, _ in parts if t is not None)
+    out = [torch.full((n, k), torch.nan, dtype=torch.float64) for _, n in parts]
+    for o, (t, _) in zip(out, parts, strict=True):
+        if t is not None:
+            o[:, : t.shape[1]] = t
+    return torch.cat(out)

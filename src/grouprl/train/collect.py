@@ -35,6 +35,7 @@ from grouprl.tasks.tools.use import Episode
 from grouprl.train.batch import Batch
 from grouprl.train.parallel.distributed import SINGLE, Dist
 from grouprl.train.prompts import fits, no_prompt_fits, prompt_ids, reset_prompt_ids
+from grouprl.train.turn_rewards import episode_turns
 
 
 @dataclass
@@ -186,6 +187,7 @@ def sample_round(
         timeout=cfg.reward_timeout,
         transcripts=None if rollout.turns is None else rollout.turns.transcripts,
         environments=None if rollout.turns is None else rollout.turns.environments,
+        num_turns=None if rollout.turns is None else episode_turns(rollout, branches),
     )
     if sampler.tools is not None and rollout.turns is not None:
         sampler.tools.scored(rollout.turns.environments)  # kept for the next rollouts
@@ -198,7 +200,7 @@ def sample_round(
     greedy = "baselines" in ADVANTAGE_ESTIMATORS[cfg.adv_estimator].inputs()
     baselines = greedy_baselines(cfg, sampler, step, rows, ids) if greedy else None
     batch = Batch(rollout, rows, rewards, scores.by_function, scores.passed, scores.extra,
-                  baselines, branches)  # fmt: skip
+                  baselines, branches, scores.turns)  # fmt: skip
     passed = scores.passed.view(-1, G)  # (b, G)
     zero = zero_variance_groups(rewards.view(-1, G)).cpu()  # (b,)
     mixed = mixed_groups(passed)  # (b,)

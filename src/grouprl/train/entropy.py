@@ -23,7 +23,7 @@ import torch
 from grouprl.config.options import RunConfig
 from grouprl.config.training import EntropyOptions, ObjectiveOptions
 from grouprl.config.validation import entropy_bonus
-from grouprl.core import OBJECTIVES, mean_over
+from grouprl.core import OBJECTIVES, mean_over, over_tokens
 from grouprl.core.entropy import (
     adapted_coefficient,
     applied_coefficient,
@@ -54,7 +54,7 @@ def covariance_selection(
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for c in chunks:
         m = mask[c.rows]
-        total[0] += (advantages[c.rows].double()[:, None] * m).sum()
+        total[0] += (over_tokens(advantages[c.rows].double()) * m).sum()
         total[1] += torch.where(m, c.rollout.old_logp.double(), 0.0).sum()
     if dist.enabled:
         dist.all_reduce(total)

@@ -53,6 +53,7 @@ from grouprl.train.build import (
 from grouprl.train.collect import Sampler
 from grouprl.train.parallel.fsdp import Lockstep
 from grouprl.train.prompts import HeldOut, held_out, prompt_ids, reset_prompt_ids
+from grouprl.train.turn_rewards import episode_turns
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def reward_judge(reward_fn: RewardFn, timeout: float | None = REWARD_TIMEOUT) ->
             trainer_state=TrainerState(),
             log_metric=lambda *args: None,
             log_extra=lambda *args: None,
-            **_environments(rollout),
+            **_multi_turn(rollout),
         )
         return [v >= 1.0 for v in values]  # NaN: False
 
@@ -130,17 +131,21 @@ def pass_judge(rewards: RewardSet, *, state: TrainerState, timeout: float | None
             timeout=timeout,
             only_pass=True,
             transcripts=None if rollout.turns is None else rollout.turns.transcripts,
-            **_environments(rollout),
+            **_multi_turn(rollout),
         )
         return scores.passed.tolist()
 
     return judge
 
 
-def _environments(rollout: Rollout) -> dict[str, Any]:
-    """`environments=` for a reward call, when the rollout played environments."""
-    envs = None if rollout.turns is None else rollout.turns.environments
-    return {} if envs is None else {"environments": envs}
+def _multi_turn(rollout: Rollout) -> dict[str, Any]:
+    """A multi-turn rollout's keywords for a reward call: `num_turns`, and `environments=`
+    where it played environments."""
+    if rollout.turns is None:
+        return {}
+    envs = rollout.turns.environments
+    return {"num_turns": episode_turns(rollout, None),
+            **({} if envs is None else {"environments": envs})}  # fmt: skip
 
 
 #: Problems an evaluation samples together (each with its k samples), unless told.

@@ -16,7 +16,7 @@ its loss saw, so the last epoch's pass is what stays) and then written whole (`g
   level: GSPO's is the sequence's, on every token), whether the objective's bound acted (1:
   below, 2: above; `grouprl.core.bounded_tokens`), the objective's token weight where one
   applies (top-entropy selection, Clip-Cov, a correction), KL-Cov's penalised tokens, per-token
-  advantages (a teacher's), and the log-prob after the step: one extra no-grad forward on these
+  advantages (a teacher's, or each turn's), and the log-prob after the step: one extra no-grad forward on these
   completions (k·G), as `ratios.jsonl` takes for its probe.
 
 Under data parallelism each rank watches its share of the groups and the records are gathered
@@ -36,6 +36,7 @@ from grouprl.config.options import RunConfig
 from grouprl.core import LossOptions, bounded_tokens, importance_ratio
 from grouprl.train.batch import Batch
 from grouprl.train.parallel.distributed import Dist
+from grouprl.train.turn_rewards import episode_turns, turn_reward_matrix
 
 #: Significant digits kept for a float: log-probs near 0 keep their relative precision, and
 #: GSPO's ratios (1 ± 4e-4) keep 2 digits past the clip range's.
@@ -119,12 +120,21 @@ def group_records(
     rollout, G = batch.rollout, batch.rollout.group_size
     groups = []
     offset = dist.rank * len(batch.rows)  # the group's index in the job's batch
+    turns = episode_turns(rollout, batch.branches)
+    per_turn = None
+    if batch.turn_rewards is not None:
+        per_turn = turn_reward_matrix(batch.turn_rewards, batch.rewards, turns)
     for j, g in enumerate(watch.groups):
         rows = range(g * G, (g + 1) * G)
         prompt_ids = rollout.prompt_ids[g][rollout.prompt_mask[g]].tolist()
         after = after_logp[j * G : (j + 1) * G]  # (G, T)
         completions = [_completion(batch, row, advantages, watch, after[i])
                        for i, row in enumerate(rows)]  # fmt: skip
+        if per_turn is not None:  # each turn's reward and advantage (its first is `advantage`)
+            for c, row in zip(completions, rows, strict=True):
+                c["turn_rewards"] = _floats(per_turn[row, : turns[row]])
+                if advantages.dim() == 2:
+                    c["turn_advantages"] = _floats(advantages[row, : turns[row]])
         rewards = [_number(batch.rewards[row]) for row in rows]
         groups.append({
             "index": offset + g,
@@ -183,7 +193,7 @@ def _completion(
         "reward": _number(batch.rewards[row]),
         "scores": {name: _number(values[row]) for name, values in batch.by_function.items()},
         "passed": None if batch.passed is None else bool(batch.passed[row]),
-        "advantage": _number(advantages[row]),
+        "advantage": _number(advantages[row] if advantages.dim() == 1 else advantages[row, 0]),
         "truncated": bool(rollout.truncated[row]),
         "ids": rollout.completion_ids[row, cut].tolist(),
         "trained_mask": rollout.loss_mask[row, cut].to(torch.int8).tolist(),

@@ -324,7 +324,8 @@ def plan_minibatches(
     `overhead`, into passes by width (`width_chunks`).
 
     A group is never cut across minibatches: its advantages are normalised over all G of its
-    completions. Raises ValueError unless B is divisible by `cfg.minibatches`. advantages: (N,);
+    completions. Raises ValueError unless B is divisible by `cfg.minibatches`. advantages: (N,)
+    or (N, T);
     mask: (N, T), the loss mask; overhead: a pass's fixed cost in positions (`pass_overhead`),
     which lets a minibatch without a micro-batch size be cut by width (`width_chunks`).
     parents: (K,) long, or None: the last K groups of `rollout` are branches (groups of one:
@@ -343,7 +344,8 @@ def plan_minibatches(
         groups += [b + k for k, p in enumerate(of) if first <= p < first + per]  # branches
         every = rollout.group_rows(groups)  # the minibatch's rows
         if skip:
-            live = (advantages[every].view(-1, G) != 0).any(-1).tolist()
+            given = advantages[every]  # (rows,) or per token (rows, T)
+            live = (given.reshape(len(groups), -1) != 0).any(-1).tolist()
             groups = [g for g, keep in zip(groups, live) if keep]
         m = mask[every]  # (rows, T)
         trained = rollout.select_groups(groups) if groups else None

@@ -25,6 +25,12 @@ from grouprl.train.metrics import step_metrics
 from grouprl.train.nograd import no_grad_logprobs
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.run import Run, RunState
+from grouprl.train.turn_rewards import (
+    episode_turns,
+    row_starts,
+    spread_over_tokens,
+    turn_reward_matrix,
+)
 from grouprl.train.update import recomputes_old_logp, update
 
 
@@ -88,7 +94,8 @@ def train_on(
     step: int = 0,
     watch: TokenWatch | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One update on `batch`: its advantages (N,) over the whole job's batch, the reference
+    """One update on `batch`: its advantages (N,) over the whole job's batch ((N, K) per turn
+    with an estimator that takes turn rewards, each token trained with its turn's), the reference
     log-probs when beta > 0 (the initial policy: a frozen copy, or LoRA's base model), then
     `update` (with the adaptive entropy coefficient's state; `watch`: the viewer's rows, see
     `grouprl.train.groups`); returns the advantages and the update's diagnostics."""
@@ -105,7 +112,7 @@ def train_on(
         old_logp = no_grad_logprobs(cfg, run.policy, batch.rollout, run.sampler.dtype)
     mine = None if ref_logp is None else _own_rows(batch, ref_logp)
     scored, kl_reward = _shaped(cfg, batch, mine, old_logp)
-    advantages = batch_advantages(cfg, scored, dist, run.sampler.rewards.weights)  # (N,)
+    advantages = batch_advantages(cfg, scored, dist, run.sampler.rewards.weights)  # (N,) or (N, K)
     if kl_reward is not None:  # the KL is in the reward, not the loss
         ref_logp = None
     teacher_logp, jsd_teacher = None, None
@@ -113,7 +120,14 @@ def train_on(
         jsd_teacher = run.teacher
     elif run.teacher is not None:  # on-policy distillation: the teacher scores the samples
         teacher_logp = no_grad_logprobs(cfg, run.teacher, trained.rollout, run.sampler.dtype)
-    given = advantages if parents is None else torch.cat([advantages, advantages[parents]])
+    if advantages.dim() == 2:  # per turn: each token its turn's
+        width = trained.rollout.completion_ids.shape[1]
+        given = spread_over_tokens(advantages, row_starts(trained.rollout), parents, width)
+        given = torch.where(trained.rollout.loss_mask.cpu(), given, 0.0)  # 0 where not trained
+    elif parents is not None:
+        given = torch.cat([advantages, advantages[parents]])
+    else:
+        given = advantages
     diagnostics = update(cfg, run.policy, run.optimizer, trained, given, ref_logp,
                          teacher_logp=teacher_logp, teacher=jsd_teacher,
                          dtype=run.sampler.dtype, scaler=run.scaler, dist=dist,
@@ -169,7 +183,9 @@ def batch_advantages(
     """This rank's advantages (N,) from the run's estimator (`grouprl.core.registry`),
     computed over the whole job's batch (so a batch-level statistic is the global batch's):
     the rewards and whatever else the estimator takes (trained-token counts, greedy baselines,
-    each reward's own scores with `weights`, the reward functions'), gathered from every rank."""
+    each reward's own scores with `weights`, the reward functions'; the rewards per turn,
+    `grouprl.train.turn_rewards`), gathered from every rank. Per turn: (N, K), each episode's
+    turn advantages, K the job's most turns."""
     G, per = cfg.group_size, len(batch.rows)
     estimator = ADVANTAGE_ESTIMATORS[cfg.adv_estimator]
     needs = estimator.inputs()
@@ -181,17 +197,32 @@ def batch_advantages(
     w: list[float] = []
     if "components" in needs:
         local["components"], w = gdpo_components(cfg, batch, weights or {})
-    whole = {k: torch.cat(dist.gather(v)) if dist.enabled else v for k, v in local.items()}
+    if estimator.per_turn:
+        turns = episode_turns(batch.rollout, batch.branches)
+        local["turn_rewards"] = turn_reward_matrix(batch.turn_rewards, batch.rewards, turns)
+    whole = {k: _joined(dist.gather(v)) if dist.enabled else v for k, v in local.items()}
+    K = whole["turn_rewards"].shape[1] if "turn_rewards" in whole else None
     given = {
         "rewards": whole["rewards"].view(-1, G),  # (B, G)
         "lengths": whole["lengths"].view(-1, G) if "lengths" in whole else None,  # (B, G)
         "baselines": whole.get("baselines"),  # (B,)
         "components": whole["components"].view(-1, G, len(w)) if w else None,  # (B, G, K)
+        "turn_rewards": whole["turn_rewards"].view(-1, G, K) if K else None,  # (B, G, K)
         "weights": w, "scale": cfg.adv_scale, "eps": cfg.adv_eps,
         "unbiased_std": cfg.unbiased_std,
     }  # fmt: skip
-    advantages = estimator.call(given).to(batch.rewards.dtype).reshape(-1)  # (N_global,)
+    advantages = estimator.call(given).to(batch.rewards.dtype)
+    advantages = advantages.reshape(-1, K) if K else advantages.reshape(-1)  # (N_global, ...)
     return advantages[dist.rank * per * G : (dist.rank + 1) * per * G]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Every rank's rows as one tensor; (n, K) parts NaN-padded to the most columns."""
+    if parts[0].dim() < 2 or len({p.shape[1] for p in parts}) == 1:
+        return torch.cat(parts)
+    k = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, k - p.shape[1]), value=torch.nan)
+                      for p in parts])  # fmt: skip
 
 
 def gdpo_components(
@@ -261,6 +292,10 @@ def _samples(batch: Batch, advantages: torch.Tensor, k: int) -> list[dict[str, A
     """The first completion of the first k groups: enough to read what the policy writes (with
     any columns the reward functions added through `log_extra`)."""
     G, out = batch.rollout.group_size, []
+    turns = episode_turns(batch.rollout, batch.branches)
+    per_turn = None
+    if batch.turn_rewards is not None:
+        per_turn = turn_reward_matrix(batch.turn_rewards, batch.rewards, turns)
     for g in range(min(k, len(batch.rows))):
         row = g * G
         out.append(
@@ -268,11 +303,18 @@ def _samples(batch: Batch, advantages: torch.Tensor, k: int) -> list[dict[str, A
                 "prompt": batch.rows[g]["prompt"],
                 "completion": batch.rollout.texts[row],
                 "reward": float(batch.rewards[row]),
-                "advantage": float(advantages[row]),
+                "advantage": float(
+                    advantages[row] if advantages.dim() == 1 else advantages[row, 0]
+                ),
                 "answer": batch.rows[g].get("answer"),
                 **{name: values[row] for name, values in batch.extra.items()},
             }
         )
+        if per_turn is not None:  # each turn's reward (NaN: none of its own) and advantage
+            n = turns[row]
+            out[-1]["turn_rewards"] = [None if x != x else x for x in per_turn[row, :n].tolist()]
+            if advantages.dim() == 2:
+                out[-1]["turn_advantages"] = advantages[row, :n].tolist()
         if batch.rollout.turns is not None:  # the whole transcript, tool turns marked
             out[-1]["transcript"] = batch.rollout.turns.transcripts[row]
         if batch.branches is not None:  # the rows its split trajectory went on in

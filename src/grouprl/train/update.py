@@ -80,7 +80,7 @@ def update(
     holds them, and the step (Clip-Cov's draw's seed): see `EntropyTerms`. teacher_logp (N, T)
     / teacher: the teacher's log-probs of the samples, or itself (`grouprl.train.teacher`).
     watch: rows whose loss terms each pass records (`grouprl.train.groups`), or None.
-    advantages: (N,); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
+    advantages: (N,), or (N, T) per token (each turn's); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
     run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of fp16 forwards (see
     `grad_scaler`). Returns the update's diagnostics (`UpdateSums.metrics`).
 
@@ -99,7 +99,7 @@ def update(
     diagnostic are the global minibatch's. Under FSDP `lockstep` pads the passes.
     """
     rollout = batch.rollout
-    advantages = advantages.to(model_device(policy))  # (N,)
+    advantages = advantages.to(model_device(policy))  # (N,) or (N, T)
     mask = rollout.loss_mask  # (N, T) the tokens the loss trains
     if cfg.mask_truncated:
         mask = mask & ~rollout.truncated[:, None]
@@ -308,7 +308,7 @@ class _LossInputs:
     """What every pass's loss reads besides the model: the objective and the step's tensors."""
 
     options: LossOptions
-    advantages: torch.Tensor  # (N,) on the model's device
+    advantages: torch.Tensor  # (N,) or (N, T) on the model's device
     mask: torch.Tensor  # (N, T) the loss mask
     ref_logp: torch.Tensor | None  # (N, T)
     dtype: torch.dtype | None  # the forwards' autocast dtype

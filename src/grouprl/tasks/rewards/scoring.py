@@ -39,6 +39,7 @@ from grouprl.tasks.base import (
     call_rewards,
     completion_objects,
     reward_kwargs,
+    summed,
 )
 from grouprl.tasks.live import is_live, live_name, live_object
 from grouprl.tasks.loading import import_file, import_function, load_attribute
@@ -134,6 +135,7 @@ CALL_ARGUMENTS = frozenset(
         "log_extra",
         "environments",
         "group_size",
+        "num_turns",
     }
 )
 #: Columns the built-in rewards read from their keyword arguments.
@@ -168,6 +170,7 @@ class Scores:
     passed: torch.Tensor  # (N,) bool, the pass reward's raw score >= 1
     logged: dict[str, float] = field(default_factory=dict)  # log_metric(name, value) calls
     extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra(column, values)
+    turns: torch.Tensor | None = None  # (N, K) weighted per-turn rewards, NaN: none; or None
 
 
 class RewardSet:
@@ -228,12 +231,18 @@ class RewardSet:
         only_pass: bool = False,
         transcripts: Sequence[list[dict]] | None = None,
         environments: Sequence[Any] | None = None,
+        num_turns: Sequence[int] | None = None,
     ) -> Scores:
         """Score `texts` (`repeats` consecutive completions per row) with every function (or
         only the pass reward), through TRL's calling convention. With tools, `transcripts` are
         what the functions receive as completions: each completion's role-tagged assistant and
         tool turns, whatever the prompt's format; with an environment, `environments` (one
-        instance per completion) reach them as TRL passes them."""
+        instance per completion) reach them as TRL passes them.
+
+        With `num_turns` (a multi-turn rollout: each completion's model turns, which the
+        functions receive as `num_turns`), a function may give a completion a list, one reward
+        per turn (turn k's at k, None for none, at most one per turn): its score is their sum,
+        and `Scores.turns` holds the weighted sum of every function's per-turn rewards."""
         logged: dict[str, list[float]] = {}
         extra: dict[str, list[Any]] = {}
 
@@ -258,11 +267,15 @@ class RewardSet:
             log_metric=log_metric,
             log_extra=log_extra,
             **({} if environments is None else {"environments": list(environments)}),
+            **({} if num_turns is None else {"num_turns": list(num_turns)}),
         )
         chosen = [r for r in self.rewards if not only_pass or r.name == self.pass_reward]
-        raw = call_rewards({r.name: r.fn for r in chosen}, kwargs, timeout=timeout)
-        by_function = {name: torch.tensor(v, dtype=torch.float32) for name, v in raw.items()}
+        raw = call_rewards({r.name: r.fn for r in chosen}, kwargs, timeout=timeout,
+                           turns=num_turns)  # fmt: skip
         n = len(texts)
+        turns = _placed(raw, self.weights, n, max(num_turns or [1]))
+        by_function = {name: torch.tensor([summed(x) for x in v], dtype=torch.float32)
+                       for name, v in raw.items()}  # fmt: skip
         total = torch.zeros(n)
         scored = torch.zeros(n, dtype=torch.bool)
         for r in chosen:
@@ -277,7 +290,25 @@ class RewardSet:
             passed=passed,
             logged={k: sum(v) / len(v) for k, v in logged.items()},
             extra={k: v for k, v in extra.items() if len(v) == n},
+            turns=turns,
         )
+
+
+def _placed(
+    raw: dict[str, list[float | list[float]]], weights: dict[str, float], n: int, k: int
+) -> torch.Tensor | None:
+    """(n, k) Σ weight × per-turn reward over the weighted functions that gave turns (NaN on a
+    turn none rewarded), or None when none did."""
+    lists = [(weights[name], i, value) for name, values in raw.items() if weights[name] != 0
+             for i, value in enumerate(values) if isinstance(value, list)]  # fmt: skip
+    if not lists:
+        return None
+    out = torch.full((n, k), math.nan, dtype=torch.float64)
+    for w, i, value in lists:
+        for t, v in enumerate(value):
+            if not math.isnan(v):
+                out[i, t] = out[i, t].nan_to_num(0.0) + w * v
+    return out
 
 
 def build_reward_set(
