@@ -212,6 +212,36 @@ def test_split_trajectories_train_and_two_runs_are_identical(chat, tmp_path):
     assert timeless[:3] == timeless[3:]
 
 
+def test_per_turn_rewards_credit_each_row_of_a_split_trajectory(chat, tmp_path, monkeypatch):
+    """An agent whose two turns are two rows (its second request rewrote its prompt) rewards
+    each turn: the second row trains with turn 2's advantage, the first with turn 1's."""
+    from grouprl.train import step
+
+    seen, original = [], step.update
+
+    def update(cfg, policy, optimizer, batch, advantages, *args, parents=None, **kw):
+        seen.append((batch.rollout.loss_mask.cpu(), advantages.cpu(), parents))
+        return original(cfg, policy, optimizer, batch, advantages, *args, parents=parents, **kw)
+
+    monkeypatch.setattr(step, "update", update)
+    out = tmp_path / "run"
+    assert _train(chat, out, "rewrites_per_turn", "--adv-estimator", "process") == 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").open()]  # 2 groups a step
+    split = [s for s in samples if "branches" in s]
+    assert split and all(len(s["turn_rewards"]) == 2 for s in split)
+    assert any(s["turn_advantages"][0] != s["turn_advantages"][1] for s in split)
+    assert len(seen) == 3 and len(samples) == 6
+    for i, (mask, given, parents) in enumerate(seen):
+        assert given.dim() == 2 and parents is not None
+        n = given.shape[0] - len(parents)  # the batch's own rows, then the branch rows
+        for k, parent in enumerate(parents.tolist()):
+            own, branch = given[parent][mask[parent]], given[n + k][mask[n + k]]
+            assert len(set(own.tolist())) == 1 and len(set(branch.tolist())) == 1  # one turn each
+            if parent % 2 == 0:  # a group's first completion: logged
+                want = samples[2 * i + parent // 2]["turn_advantages"]
+                assert [own[0].item(), branch[0].item()] == want
+
+
 def test_an_agent_that_returns_nothing_is_scored_by_the_runs_rewards(chat, tmp_path):
     rewards = tmp_path / "rewards.py"
     rewards.write_text("def short(completions, **_):\n"

@@ -1,8 +1,10 @@
 """Agent programs as rollouts: `--agent file.py:function` (`agent=` in the Python API).
 
 An agent program is an async function `agent(client, row)`: `client` an `openai.AsyncOpenAI`
-pointed at grouprl's endpoint, `row` the dataset row. It returns the episode's reward (a number),
-or None and the run's reward functions score its conversation (TRL's convention). A function
+pointed at grouprl's endpoint, `row` the dataset row. It returns the episode's reward (a number;
+or a list, one reward per turn, each request the model answered being a turn, which
+`--adv-estimator process` credits turn by turn), or None and the run's reward functions score
+its conversation (TRL's convention). A function
 that also takes `model=` is given the name the endpoint serves (requests for another model are
 refused).
 
@@ -109,15 +111,17 @@ class AgentResult:
     prefix_breaks: int = 0
 
     @property
-    def reward(self) -> float | None:
-        """The agent's reward: what it returned, 0 when it failed, None when it returned none."""
+    def reward(self) -> float | list[float | None] | None:
+        """The agent's reward: what it returned (a number, or a list: one per turn), 0 when it
+        failed, None when it returned none."""
         if self.failed is not None:
             return 0.0
-        return None if self.value is None else float(self.value)
+        return self.value
 
 
-def agent_reward(completions, environments, **_) -> list[float | None]:
-    """The reward each agent episode returned (0 for a failed one; None: it returned none)."""
+def agent_reward(completions, environments, **_) -> list[float | list[float | None] | None]:
+    """The reward each agent episode returned (0 for a failed one; None: it returned none; a
+    list: its rewards per turn)."""
     return [r.reward for r in environments]
 
 
@@ -575,10 +579,19 @@ def _takes_model(fn: Callable) -> bool:
         return False
 
 
-def _reward_value(value: Any) -> float | None:
+def _reward_value(value: Any) -> float | list[float | None] | None:
+    """What an agent returned as its reward: None, a finite number, or a list of them (or None),
+    one per turn; TypeError for anything else."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"the agent returned {value!r}; return a finite number (its reward) "
-                        "or None (the run's reward functions score it)")  # fmt: skip
+    if isinstance(value, (list, tuple)) and all(v is None or _finite(v) for v in value):
+        return [None if v is None else float(v) for v in value]
+    if not _finite(value):
+        raise TypeError(f"the agent returned {value!r}; return a finite number (its reward), "
+                        "a list of them (one per turn: each request answered is a turn), or "
+                        "None (the run's reward functions score it)")  # fmt: skip
     return float(value)
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)

@@ -61,14 +61,18 @@ class TurnRecord:
     ended_by_turns: torch.Tensor  # (N,) bool: ended by a call past the limit of calls
     environments: list[Any] | None = None  # each row's environment instance, if any
     starts: list[list[int]] | None = None  # where each row's model turns start (0 first)
+    # the turns each row's episode made in rows of its own after it, where those rows are not
+    # kept beside it (an evaluation's split trajectories); None: none, or kept as `Branches`
+    later: list[int] | None = None
 
     def select(self, rows: list[int]) -> TurnRecord:
         index = torch.as_tensor(rows, dtype=torch.long)
         envs = None if self.environments is None else [self.environments[i] for i in rows]
         starts = None if self.starts is None else [self.starts[i] for i in rows]
+        later = None if self.later is None else [self.later[i] for i in rows]
         return TurnRecord([self.transcripts[i] for i in rows], self.calls[index],
                           self.failures[index], self.ended_by_turns[index], envs,
-                          starts)  # fmt: skip
+                          starts, later)  # fmt: skip
 
     @staticmethod
     def concat(parts: Sequence[TurnRecord]) -> TurnRecord:
@@ -81,6 +85,9 @@ class TurnRecord:
             if any(p.environments is None for p in parts)
             else [e for p in parts for e in p.environments],
             None if any(p.starts is None for p in parts) else [s for p in parts for s in p.starts],
+            None
+            if all(p.later is None for p in parts)
+            else [n for p in parts for n in (p.later or [0] * len(p.transcripts))],
         )
 
 

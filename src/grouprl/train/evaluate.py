@@ -319,7 +319,15 @@ class _Sampling:
                        "seed": None if seed is None else seed + 7919 * (k + 1)},
                 )  # fmt: skip
 
-            self.tools.sampled(rollout, handler, resample)
+            branches = self.tools.sampled(rollout, handler, resample)
+            if branches is not None:  # their turns count in their episodes' (num_turns)
+                later = [0] * len(rollout.texts)
+                for k, n in zip(branches.parents.tolist(), episode_turns(branches.rollout, None),
+                                strict=True):  # fmt: skip
+                    later[k] += n
+                rollout = dataclasses.replace(
+                    rollout, turns=dataclasses.replace(rollout.turns, later=later)
+                )
         return rows, rollout
 
 

@@ -331,7 +331,6 @@ def plan_minibatches(
     parents: (K,) long, or None: the last K groups of `rollout` are branches (groups of one:
     `grouprl.rollout.types.Branches`), each trained in the minibatch of its parent group.
     """
-    G = rollout.group_size
     b = rollout.num_prompts - (0 if parents is None else len(parents))  # the batch's own groups
     if b % cfg.minibatches:
         raise ValueError(f"cannot split {b} prompts into {cfg.minibatches} equal minibatches")

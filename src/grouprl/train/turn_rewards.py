@@ -32,8 +32,11 @@ def row_starts(rollout: Rollout) -> list[list[int]]:
 
 
 def episode_turns(rollout: Rollout, branches: Branches | None) -> list[int]:
-    """(N,) each row's episode's model turns: its own and its branches'."""
+    """(N,) each row's episode's model turns: its own and its branches' (or, where those are
+    not kept, `TurnRecord.later`)."""
     counts = [len(s) for s in row_starts(rollout)]
+    if rollout.turns is not None and rollout.turns.later is not None:
+        counts = [n + m for n, m in zip(counts, rollout.turns.later, strict=True)]
     if branches is not None:
         more = row_starts(branches.rollout)
         for k, parent in enumerate(branches.parents.tolist()):

@@ -96,3 +96,14 @@ async def rewrites_completions(client, row, model):
     second = await client.completions.create(model=model, prompt=row["prompt"] + " (edited)\n",
                                              stop=stop)  # fmt: skip
     return float(len(second.choices[0].text) % 2)  # a reward that varies
+
+
+async def rewrites_per_turn(client, row, model):
+    """`rewrites_completions`, rewarding each of its two turns: the second is a row of its own."""
+    stop = list("abcdefghijklmnopqrstuvwxyz")
+    first = await client.completions.create(model=model, prompt=row["prompt"], stop=stop)
+    if first.choices[0].finish_reason != "stop":
+        return [0.0]
+    second = await client.completions.create(model=model, prompt=row["prompt"] + " (edited)\n",
+                                             stop=stop)  # fmt: skip
+    return [float(len(first.choices[0].text) % 3), float(len(second.choices[0].text) % 2)]
