@@ -25,8 +25,8 @@ from grouprl.tasks.ecosystems.verifiers import _message_dict, verifiers_use
 from scripted import Scripted
 
 ENVS = Path(__file__).with_name("verifiers_envs")
-LOOKUP, SUMS, REWRITES = (f"verifiers:{ENVS / n}" for n in ("lookup.py", "sums.py",
-                                                            "rewrites.py"))  # fmt: skip
+LOOKUP, SUMS, REWRITES, STEPS = (f"verifiers:{ENVS / n}" for n in ("lookup.py", "sums.py",
+                                                                   "rewrites.py", "steps.py"))  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +94,25 @@ def test_a_tool_rollout_trains_on_the_ids_sampled_and_fed_turn_by_turn(chat):
                                              .tool_schemas(), tokenize=False)  # fmt: skip
     decoded = tokenizer.decode(prompt + r.completion_ids[0, :n].tolist())
     assert rendered.rstrip() == decoded.rstrip()
+
+
+@pytest.mark.usefixtures("scripted_cache")
+def test_rewarded_steps_are_rewards_per_turn(chat):
+    """Steps verifiers rewarded (a trajectory step's `reward`) are the turns' rewards; what the
+    rubric gives beyond them lands on the last turn (their sum is the rubric's reward)."""
+    _, tokenizer = chat
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": 4}}\n</tool_call>'
+
+    def script(use):
+        turn = use.renderer.assistant(call)
+        observation = use.renderer.tail(turn, [{"role": "tool", "tool_call_id": "any",
+                                                "content": "31"}])  # fmt: skip
+        return [(_ids(tokenizer, call + "<|im_end|>"), True), (observation, False),
+                (_ids(tokenizer, "The value is 31.<|im_end|>"), True)]  # fmt: skip
+
+    r, results, _, _ = _rollout(STEPS, tokenizer, 3, script)
+    assert [x.reward for x in results] == [[0.5, 1.0], [0.5, 1.0]]  # the call's, the answer's
+    assert [len(s) for s in r.turns.starts] == [2, 2]
 
 
 @pytest.mark.usefixtures("scripted_cache")

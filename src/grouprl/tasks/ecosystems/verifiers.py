@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -50,6 +51,8 @@ from grouprl.tasks.tools.rendering import message_dict as _message_dict
 from grouprl.tasks.tools.use import RolloutStart, ToolUse
 
 PREFIX = "verifiers:"
+#: The state column a rollout's step rewards travel in (`VerifiersDriver`).
+STEP_REWARDS = "grouprl_step_rewards"
 EXTRA = "pip install 'grouprl[verifiers]'"
 #: The model name the environment's requests carry.
 MODEL = "grouprl"
@@ -157,8 +160,28 @@ class Result:
     state: Any = None
 
 
-def _rubric_reward(completions, environments, **_) -> list[float | None]:
-    """The rubric's reward of each rollout (its group scored by `run_group`)."""
+def _per_turn(output: dict[str, Any]) -> float | list[float | None] | None:
+    """A rollout's reward: the rubric's; or, where the environment rewarded its steps (a
+    trajectory step's `reward`, as GymEnv and OpenEnvEnv set them), one per turn, the steps',
+    with what the rubric gives beyond their sum on the last turn (so the turns sum to the
+    rubric's reward)."""
+    reward = output.get("reward")
+    steps = list(output.get(STEP_REWARDS) or [])
+    if reward is None or all(r is None for r in steps):
+        return reward
+    rest = reward - math.fsum(r for r in steps if r is not None)
+    if rest != 0 or steps[-1] is None:
+        steps[-1] = (steps[-1] or 0.0) + rest
+    return steps
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _rubric_reward(completions, environments, **_) -> list[float | list[float | None] | None]:
+    """The rubric's reward of each rollout (its group scored by `run_group`; a list where its
+    steps were rewarded: `_per_turn`)."""
     return [r.reward for r in environments]
 
 
@@ -229,6 +252,21 @@ class VerifiersDriver:
 
     env: Any
 
+    def __post_init__(self) -> None:
+        """Before the rubric scores a group (verifiers then gives every step the rollout's
+        reward), the step rewards the environment set are copied into each state
+        (`STEP_REWARDS`), which `run_group`'s outputs then carry (`_per_turn`)."""
+        rubric = self.env.rubric
+        score_group = rubric.score_group
+
+        async def scored(states: list[Any], *args: Any, **kwargs: Any) -> Any:
+            for state in states:
+                state[STEP_REWARDS] = [_float_or_none(step.get("reward"))
+                                       for step in state.get("trajectory") or []]  # fmt: skip
+            return await score_group(states, *args, **kwargs)
+
+        rubric.score_group = scored
+
     def tool_schemas(self) -> list[dict[str, Any]]:
         """The environment's tools as the chat template renders them (OpenAI's schema)."""
         defs = getattr(self.env, "tool_defs", None) or []
@@ -289,7 +327,8 @@ class VerifiersRollout:
         async def launch():
             for group in inputs:
                 self.groups.append(asyncio.ensure_future(
-                    self.driver.env.run_group(group, self.client, MODEL, {})))  # fmt: skip
+                    self.driver.env.run_group(group, self.client, MODEL, {},
+                                              state_columns=[STEP_REWARDS])))  # fmt: skip
 
         self._run(launch())
         self._settle(range(len(self.environments)))
@@ -358,7 +397,7 @@ class VerifiersRollout:
         for g, group in enumerate(outputs):
             for k, output in enumerate(group):
                 result = self.environments[g * self.G + k]
-                result.reward = output.get("reward")
+                result.reward = _per_turn(output)
                 result.metrics = dict(output.get("metrics") or {})
                 result.state = output
         self.loop.close()
