@@ -151,7 +151,8 @@ def test_a_tool_episode_is_the_branches_verifiers_recorded_id_for_id(v04, case):
                            lambda prompts, k: sample_groups(model, tokenizer, prompts,
                                                             group_size=1, **kw))  # fmt: skip
     results = start.handler.results
-    assert [x.reward for x in results] == [1.0, 1.0]  # the tool ran: its result was fed
+    # the tool ran (its result was fed); the task rewarded each turn (over the rows it split into)
+    assert [x.reward for x in results] == [[0.25, 0.75], [0.25, 0.75]]
     assert [x.requests for x in results] == [2, 2]
     assert [x.prefix_breaks for x in results] == ([0, 0] if case == "bridged" else [1, 1])
     for row, ep in enumerate(start.handler.episodes):

@@ -424,6 +424,21 @@ def call_reward(
     return [summed(v) for v in values[name]]
 
 
+def turns_summing_to(
+    reward: float | None, turns: Sequence[float | None] | None
+) -> float | list[float | None] | None:
+    """An episode's reward as rewards per turn, where an environment rewarded its turns: those
+    (None: a turn it did not reward), with what `reward` has beyond their sum on the last listed
+    one, so they sum to it. `reward` itself where there is none, or no turn was rewarded."""
+    if reward is None or not turns or all(t is None for t in turns):
+        return reward
+    out = [None if t is None else float(t) for t in turns]
+    rest = reward - math.fsum(t for t in out if t is not None)
+    if rest != 0 or out[-1] is None:
+        out[-1] = (out[-1] or 0.0) + rest
+    return out
+
+
 def summed(value: float | list[float]) -> float:
     """A completion's score: its per-turn rewards' sum (NaN when it gave none), or the score."""
     if not isinstance(value, list):

@@ -25,6 +25,9 @@ class AddTask(vf.Task[AddData, vf.State, vf.TaskConfig]):
 
     @vf.reward(weight=1.0)
     async def correct(self, trace) -> float:
+        # rewards per turn (prime-rl's trace.info["turn_rewards"]): the call's turn earns 0.25;
+        # the answer's turn, the rest of the reward
+        trace.info["turn_rewards"] = [0.25, None]
         return 1.0 if self.data.answer in (trace.last_reply or "") else 0.0
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -45,7 +44,7 @@ from typing import Any, ClassVar
 
 from grouprl.errors import UserError
 from grouprl.messages import Observation, ToolRequest
-from grouprl.tasks.base import Task
+from grouprl.tasks.base import Task, turns_summing_to
 from grouprl.tasks.tools.rendering import Renderer, conversation_key, extension
 from grouprl.tasks.tools.rendering import message_dict as _message_dict
 from grouprl.tasks.tools.use import RolloutStart, ToolUse
@@ -165,14 +164,7 @@ def _per_turn(output: dict[str, Any]) -> float | list[float | None] | None:
     trajectory step's `reward`, as GymEnv and OpenEnvEnv set them), one per turn, the steps',
     with what the rubric gives beyond their sum on the last turn (so the turns sum to the
     rubric's reward)."""
-    reward = output.get("reward")
-    steps = list(output.get(STEP_REWARDS) or [])
-    if reward is None or all(r is None for r in steps):
-        return reward
-    rest = reward - math.fsum(r for r in steps if r is not None)
-    if rest != 0 or steps[-1] is None:
-        steps[-1] = (steps[-1] or 0.0) + rest
-    return steps
+    return turns_summing_to(output.get("reward"), output.get(STEP_REWARDS))
 
 
 def _float_or_none(value: Any) -> float | None:

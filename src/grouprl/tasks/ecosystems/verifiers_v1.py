@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.errors import UserError
-from grouprl.tasks.base import Task
+from grouprl.tasks.base import Task, turns_summing_to
 
 #: The environment variable naming the Python that runs verifiers 0.4.
 PYTHON_VARIABLE = "GROUPRL_VERIFIERS_PYTHON"
@@ -181,7 +181,9 @@ class V1Episodes:
         result = await future
         if not result["ok"]:
             raise RuntimeError(f"the verifiers episode failed: {result['error']}")
-        return result["reward"]
+        # the task's `trace.info["turn_rewards"]` (prime-rl's convention): one per sampled turn,
+        # in order over the trace's branches
+        return turns_summing_to(result["reward"], result.get("turn_rewards"))
 
 
 def verifiers_v1_task(spec: str, config: dict[str, Any], python: str) -> Task:

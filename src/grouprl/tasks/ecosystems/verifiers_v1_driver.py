@@ -140,9 +140,13 @@ class Driver:
         branches = [] if trace is None else [
             {"token_ids": list(b.token_ids), "sampled_mask": [bool(m) for m in b.sampled_mask]}
             for b in trace.branches]  # fmt: skip
+        turns = None if trace is None else trace.info.get("turn_rewards")
+        if not (isinstance(turns, list) and all(t is None or isinstance(t, (int, float))
+                                                for t in turns)):  # fmt: skip
+            turns = None
         return {"done": key, "ok": ok, "reward": None if trace is None else trace.reward,
                 "rewards": rewards, "error": "; ".join(errors)[-2000:] or None,
-                "branches": branches}  # fmt: skip
+                "branches": branches, "turn_rewards": turns}  # fmt: skip
 
 
 async def serve(driver: Driver, lines: asyncio.Queue) -> None:
