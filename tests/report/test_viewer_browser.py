@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from viewer_runs import HOSTILE, hostile_copy, record, short_run
 
+from grouprl.report.sinks import group_file, write_json_gz
 from grouprl.report.viewer import ViewerServer, export_html
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -160,6 +161,21 @@ def test_model_text_is_shown_as_text(browser, runs, tmp_path):
         assert prompt_cell.text == HOSTILE
         pieces = [row[5] for row in browser.execute_script(TOKENS_JS)[0]]
         assert HOSTILE in pieces
+    finally:
+        with_server.close()
+
+
+def test_rewards_per_turn_are_shown_turn_by_turn(browser, runs, tmp_path):
+    run = shutil.copytree(runs[0], tmp_path / "turns")
+    rec = record(run, 1)
+    rec["groups"][0]["completions"][0].update(turn_rewards=[0.5, None, 0.25],
+                                              turn_advantages=[1.25, 0.75, 0.75])  # fmt: skip
+    write_json_gz(group_file(run, 1), rec)
+    with_server = ViewerServer([run]).start()
+    try:
+        open_page(browser, f"{with_server.url}#step=1&group=0&channel=advantage&runs=0")
+        (shown,) = browser.find_elements("css selector", "[data-testid=turn-rewards]")
+        assert shown.text == "turn 1 0.50 Â 1.250 · turn 2 – Â 0.750 · turn 3 0.25 Â 0.750"
     finally:
         with_server.close()
 

@@ -364,6 +364,14 @@
     head.appendChild(el("b", {}, "reward " + fmt(c.reward, 2)));
     const scores = Object.keys(c.scores || {}).map(function (n) { return n + " " + fmt(c.scores[n], 2); });
     if (scores.length) { head.appendChild(el("span", {}, "(" + scores.join(", ") + ")")); }
+    if (c.turn_rewards) {  // rewards per turn (–: a turn without one), with each turn's Â
+      const turns = c.turn_rewards.map(function (r, i) {
+        const a = c.turn_advantages ? " Â " + fmt(c.turn_advantages[i], 3) : "";
+        return "turn " + (i + 1) + " " + fmt(r, 2) + a;
+      });
+      head.appendChild(el("span", { dataset: { testid: "turn-rewards" },
+        title: "rewards per turn; each turn's tokens train with its advantage" }, turns.join(" · ")));
+    }
     const bar = el("span", { className: "adv-bar", title: "advantage " + fmt(c.advantage) });
     if (c.advantage !== null) {
       const w = 50 * Math.min(1, Math.abs(c.advantage) / (st.maxAdvantage || 1));
