@@ -255,8 +255,10 @@ class AdvantageOptions:
     length-weighted group mean, no std, exactly on-policy only: arXiv 2505.23585), gpg (the
     group mean, scaled by the share of non-zero rewards: arXiv 2504.02546), grpo_passk (only
     each group's best learns, by its margin over the second), remax (the reward of one more,
-    greedy, completion per prompt: arXiv 2310.10505). All but grpo, rloo and grpo_passk set
-    their own scaling, so no --adv-scale. None: the preset's."""
+    greedy, completion per prompt: arXiv 2310.10505), process (rewards per turn: each turn's
+    tokens get the group-normalised turn rewards summed from that turn on, DeepSeekMath's
+    process supervision, arXiv 2402.03300; grpo without them). All but grpo, rloo and
+    grpo_passk set their own scaling, so no --adv-scale. None: the preset's."""
     adv_scale: AdvScale | None = None
     """Advantage scaling: by the group std, the batch std, none (Dr. GRPO), or whiten (the
     baseline's advantages, then (Â − mean)/(std + eps) over the batch: TRL RLOOTrainer's

@@ -13,7 +13,8 @@ prompt), and used thus:
 - Every public method (not starting with `_`; not `reset`, `get_reward` or `step`) is a tool,
   bound to the rollout's instance, in the run's `--tool-format`.
 - `get_reward(self) -> float | None`, if defined, scores the finished rollout: a reward named
-  after the class (metric `reward_<Class>`), with weight 1 unless `--rewards` weights it.
+  after the class (metric `reward_<Class>`), with weight 1 unless `--rewards` weights it. A
+  list is a reward per turn (`grouprl.train.turn_rewards`).
 - `step(self, text) -> str | None`, if defined, plays games whose action is a whole turn: a
   model turn that ends (EOS or a stop string) without a tool call is passed to `step`, and what
   it returns is the next observation (None: the episode is over). Steps count against
