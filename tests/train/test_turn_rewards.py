@@ -179,13 +179,19 @@ def test_a_per_turn_run_gives_each_turn_its_advantage_and_resumes_bit_for_bit(
         assert len(s["turn_advantages"]) == len(s["turn_rewards"])
         assert s["advantage"] == s["turn_advantages"][0]
     # the viewer's groups: per-turn rewards, and token advantages that change at a turn
-    records = [json.loads(gzip.decompress(path.read_bytes()))
-               for path in sorted((tmp_path / "whole" / "groups").glob("step_*.json.gz"))]
+    records = [
+        json.loads(gzip.decompress(path.read_bytes()))
+        for path in sorted((tmp_path / "whole" / "groups").glob("step_*.json.gz"))
+    ]
     assert len(records) == 3
     completions = [c for r in records for g in r["groups"] for c in g["completions"]]
     assert all("turn_rewards" in c for c in completions)
-    changing = [c for c in completions if c.get("token_advantages") and
-                len({a for a, m in zip(c["token_advantages"], c["trained_mask"]) if m}) > 1]
+    changing = [
+        c
+        for c in completions
+        if c.get("token_advantages")
+        and len({a for a, m in zip(c["token_advantages"], c["trained_mask"]) if m}) > 1
+    ]
     assert changing, "some completion's turns were trained with different advantages"
     stop_at(2, signal.SIGINT)
     assert main(["train", *args, "--output-dir", str(tmp_path / "cut")]) == 130
