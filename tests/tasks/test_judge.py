@@ -167,6 +167,16 @@ def test_a_group_judge_scores_each_group_at_once(server, tmp_path):
     assert sum(server.asked.values()) == 2  # one call a group
     shown = next(m for m in server.asked if "Q: p" in m)
     assert "1. ab\n2. abcd" in shown
+    # kept in a run directory: a resumed run's judge reads each group's judgement (the
+    # unparseable one too) and asks nothing
+    (tmp_path / "run").mkdir()
+    kept = load_judge(str(path))
+    kept.bind(tmp_path / "run")
+    kw = dict(prompts=["p", "p", "q", "q"], answer=["r"] * 4, group_size=2)
+    assert kept(answers, **kw) == scores and sum(server.asked.values()) == 4
+    resumed = load_judge(str(path))
+    resumed.bind(tmp_path / "run")
+    assert resumed(answers, **kw) == scores and sum(server.asked.values()) == 4
     with pytest.raises(UserError, match=r"put \{completions\} in it"):
         load_judge(str(_judge_file(tmp_path, server.url, group=True)))
 
