@@ -46,6 +46,19 @@ def test_one_step_each_is_outcome_grpo_bit_for_bit():
         assert torch.equal(process[..., 0], outcome)
 
 
+def test_an_outcome_reward_on_any_step_is_grpo_bit_for_bit_up_to_that_step():
+    torch.manual_seed(1)
+    outcome = torch.rand(3, 4, dtype=torch.float64)
+    outcome[0, 1] = NAN  # unscored: 0 on every step
+    last = torch.tensor([[2, 0, 1, 2], [0, 0, 0, 0], [1, 2, 2, 1]])  # each reward's step
+    steps = torch.full((3, 4, 3), NAN, dtype=torch.float64)
+    steps.scatter_(-1, last[..., None], outcome[..., None])
+    got = process_advantages(steps, eps=1e-4)
+    want = group_advantages(outcome, eps=1e-4)
+    upto = torch.arange(3)[None, None, :] <= last[..., None]
+    assert torch.equal(got, torch.where(upto, want[..., None], 0.0))
+
+
 def test_steps_without_spread_give_exact_zeros_and_absent_steps_zero():
     rewards = torch.tensor([[[0.1, 0.1], [0.1, NAN]]], dtype=torch.float64)
     assert torch.equal(process_advantages(rewards), torch.zeros(1, 2, 2, dtype=torch.float64))

@@ -48,9 +48,13 @@ def test_what_the_turns_do_not_place_lands_on_the_last_turn():
     got = turn_reward_matrix(placed, rewards, [2, 3, 1])
     want = torch.tensor([[1.0, 1.0, NAN], [2.0, 0.0, -2.0], [0.5, NAN, NAN]])
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-    # an unscored completion stays unscored on every turn; without per-turn rewards, one column
+    # an unscored completion stays unscored on every turn; without per-turn rewards, each reward
+    # on its completion's last turn (one column when every completion has one turn)
     got = turn_reward_matrix(None, torch.tensor([NAN, 1.0]), [2, 1])
-    assert got.shape == (2, 1) and got[0, 0].isnan() and got[1, 0] == 1.0
+    want = torch.tensor([[NAN, NAN], [1.0, NAN]])
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(turn_reward_matrix(None, torch.tensor([0.5, 1.0]), [1, 1]),
+                       torch.tensor([[0.5], [1.0]]))  # fmt: skip
 
 
 def test_turn_advantages_spread_over_each_rows_tokens_branches_after_their_first_rows():
@@ -99,6 +103,71 @@ def test_per_turn_rewards_of_the_wrong_length_are_one_line():
         _score(rewards, [2, 3, 1])
     with pytest.raises(UserError, match=r"per-turn rewards .* multi-turn"):
         _score(rewards, None)
+
+
+def _batch(groups):
+    """A batch of groups of 2 rows; `groups`: each group's rows' turn starts and their placed
+    per-turn rewards (None: the group's functions placed none)."""
+    from grouprl.rollout import Rollout
+    from grouprl.rollout.turns import TurnRecord
+    from grouprl.train.batch import Batch
+
+    starts = [s for rows, _ in groups for s in rows]
+    n, b, t = len(starts), len(groups), 6
+    turns = TurnRecord([[] for _ in range(n)], torch.zeros(n, dtype=torch.long),
+                       torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.bool),
+                       None, starts)  # fmt: skip
+    rollout = Rollout(torch.ones(b, 2, dtype=torch.long), torch.ones(b, 2, dtype=torch.bool),
+                      torch.ones(n, t, dtype=torch.long), torch.ones(n, t, dtype=torch.bool),
+                      torch.zeros(n, t), torch.zeros(n, dtype=torch.bool), ["c"] * n, ["p"] * b,
+                      2, 1.0, turns=turns)  # fmt: skip
+    parts = [placed for _, placed in groups]
+    k = max((len(p[0]) for p in parts if p is not None), default=0)
+    placed = None if not k else torch.tensor(
+        [row + [NAN] * (k - len(row)) for p, (rows, _) in zip(parts, groups, strict=True)
+         for row in (p or [[NAN] * k] * len(rows))], dtype=torch.float64)  # fmt: skip
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25][:n])
+    return Batch(rollout, [{}] * b, rewards, {}, turn_rewards=placed)
+
+
+def test_ranks_with_different_turn_counts_get_the_single_process_advantages():
+    """Data parallel: each rank's turn matrix is as wide as its own most turns; gathered, they
+    are padded to the job's, and each rank's advantages are the single process's rows."""
+    import threading
+
+    from grouprl.config import TrainConfig
+    from grouprl.config.resolution import resolve
+    from grouprl.train.batch import Batch
+    from grouprl.train.parallel.distributed import SINGLE, Dist
+    from grouprl.train.step import batch_advantages
+
+    mine = [_batch([([[0, 2, 4], [0]], [[0.5, NAN, 1.0], [0.0, NAN, NAN]])]),
+            _batch([([[0], [0, 3]], None)])]  # fmt: skip
+    shared, barrier = {}, threading.Barrier(2)
+
+    class TwoRanks(Dist):
+        def gather(self, obj):
+            shared[self.rank] = obj
+            barrier.wait()
+            out = [shared[0], shared[1]]
+            barrier.wait()
+            return out
+
+    cfg = resolve(TrainConfig(algo="grpo", adv_estimator="process", prompts_per_step=2,
+                              group_size=2), task_max_new_tokens=6)  # fmt: skip
+    got = [None, None]
+
+    def rank(r):
+        got[r] = batch_advantages(cfg, mine[r], TwoRanks(rank=r, world_size=2))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    whole = batch_advantages(cfg, Batch.concat(mine), SINGLE)  # (4, 3)
+    assert whole.shape == (4, 3) and got[0].shape == got[1].shape == (2, 3)
+    assert torch.equal(torch.cat(got), whole)
 
 
 # --- runs ------------------------------------------------------------------------------------

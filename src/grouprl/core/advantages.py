@@ -178,10 +178,21 @@ def process_advantages(
     Â_k = Σ_{k' ≥ k} r̃_{k'} (each token of step k gets Â_k). Returns (B, G, K). A step without a
     reward of its own (NaN inside a completion) gets the sum of the steps after it; one past a
     completion's last step, 0; a group whose step rewards are all equal, exact zeros (as does an
-    unscored completion). With one step each (K = 1)
-    it is `group_advantages` (outcome supervision's GRPO), bit for bit: the same operations on
-    the same values. The std is the population std, or the sample std with ``unbiased_std``."""
+    unscored completion). With at most one rewarded step each (an outcome reward, on whichever
+    step) it is `group_advantages` (outcome supervision's GRPO) on every step up to that one, bit
+    for bit: the same operations on the same values. The std is the population std, or the sample std with ``unbiased_std``."""
     rewards = _checked(turn_rewards, "(B, G, K)", eps)
+    valid = ~rewards.isnan()
+    if bool((valid.sum(-1) <= 1).all()):  # one rewarded step at most: outcome supervision's
+        outcome = torch.where(valid, rewards, 0.0).sum(-1)  # the one reward, exactly
+        outcome = torch.where(valid.any(-1), outcome, torch.nan)[..., None]  # (B, G, 1)
+        upto = valid.flip(-1).cumsum(-1).flip(-1) > 0  # the steps at or before it
+        return torch.where(upto, _summed_to_go(outcome, eps, unbiased_std), 0.0)
+    return _summed_to_go(rewards, eps, unbiased_std)
+
+
+def _summed_to_go(rewards: Tensor, eps: float, unbiased_std: bool) -> Tensor:
+    """`process_advantages` of (B, G, K) step rewards (see there)."""
     b, g, k = rewards.shape
     flat = rewards.reshape(b, g * k)  # the group's steps, completion by completion
     valid = ~flat.isnan()

@@ -52,9 +52,12 @@ def turn_reward_matrix(
     """(N, K) turn rewards summing to `rewards` (in their dtype; summed in float64): the placed
     ones, with what they leave of each reward on the completion's last turn; NaN past a
     completion's turns, on a turn no function rewarded, and on every turn of an unscored
-    completion. K = 1 (the rewards themselves) without per-turn rewards."""
-    if placed is None:
+    completion. Without per-turn rewards, each reward on its completion's last turn (K = 1, the
+    rewards themselves, for single-turn completions)."""
+    if placed is None and max(turns, default=1) == 1:
         return rewards.detach().cpu()[:, None].clone()
+    if placed is None:  # outcome rewards only: every rank of a multi-turn job is as wide
+        placed = torch.full((len(turns), max(turns)), torch.nan, dtype=torch.float64)
     total = rewards.detach().double().cpu()
     out = placed.detach().double().cpu().clone()
     rest = total - out.nan_to_num(0.0).sum(-1)
