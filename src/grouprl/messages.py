@@ -39,3 +39,6 @@ class Observation:
     failures: int = 0  # of them, those that gave an error observation
     end: bool = False  # the trajectory ends here (a call past the limit, or the episode is over)
     over_limit: bool = False  # it ends because the row made as many calls as it may
+    # it ends with one more turn that holds no token (an agent's request past the limit,
+    # answered empty): a turn of the row, as the agent counts it
+    empty_turn: bool = False

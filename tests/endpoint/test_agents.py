@@ -47,16 +47,16 @@ def _ids(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _use(tokenizer, program, **kw):
+def _use(tokenizer, program, max_calls=4, **kw):
     end = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     return agent_use(f"{PROGRAMS}:{program}", tokenizer, end, Sampling(temperature=0.0),
-                     served="grouprl", max_calls=4, **kw)  # fmt: skip
+                     served="grouprl", max_calls=max_calls, **kw)  # fmt: skip
 
 
-def _rollout(tokenizer, program, script_of, row=ROW):
+def _rollout(tokenizer, program, script_of, row=ROW, max_calls=4):
     """One group of 2 episodes of `row`, sampled by a scripted model whose script
     `script_of(renderer)` returns as (ids, trained) pieces."""
-    use = _use(tokenizer, program)
+    use = _use(tokenizer, program, max_calls)
     start = use.rollout([row], 2)
     (prompt,) = start.prompts
     pieces = script_of(start.handler.episodes[0].renderer)
@@ -105,6 +105,31 @@ def test_a_tool_episode_trains_on_the_ids_sampled_and_fed_turn_by_turn(chat):
     assert r.old_logp[0, : len(pieces[0][0])].tolist() == pytest.approx(
         [float(torch.log_softmax(torch.tensor([2.0] + [0.0] * (len(tokenizer) - 1)), 0)[0])]
         * len(pieces[0][0]))  # fmt: skip
+
+
+@pytest.mark.usefixtures("scripted_cache")
+def test_a_request_past_max_turns_is_answered_by_an_empty_turn(chat):
+    """--max-turns 2: two turns get a reply (their calls' results); the model's third turn calls
+    again, and the agent's request after it is answered empty, finish_reason "length" (a turn
+    of no token: the row's fourth, as the agent counts them). Each turn is answered once (none
+    again as if the budget had cut it); a further request would be refused."""
+    _, tokenizer = chat
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": 4}}\n</tool_call>'
+
+    def script(renderer):
+        turn = renderer.assistant(call)
+        fed = renderer.tail(turn, [{"role": "tool", "tool_call_id": "x", "content": "31"}])
+        return [(_ids(tokenizer, call + "<|im_end|>"), True), (fed, False)] * 2 + [
+            (_ids(tokenizer, call + "<|im_end|>"), True)]  # fmt: skip
+
+    r, handler, pieces, _ = _rollout(tokenizer, "two_tools", script, max_calls=2)
+    results = handler.environments
+    assert [(x.requests, x.failed) for x in results] == [(4, None), (4, None)]
+    n = sum(len(ids) for ids, _ in pieces)
+    assert r.lengths.tolist() == [n, n] and bool(r.turns.ended_by_turns.all())
+    assert [s[-1] for s in r.turns.starts] == [n, n] and [len(s) for s in r.turns.starts] == [4, 4]
+    assert results[0].messages[-1] == {"role": "assistant", "content": ""}
+    assert [m["role"] for m in results[0].messages].count("tool") == 3  # all three calls run
 
 
 @pytest.mark.usefixtures("scripted_cache")

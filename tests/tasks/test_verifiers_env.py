@@ -47,12 +47,12 @@ def _ids(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _rollout(task_name, tokenizer, row, script_of):
+def _rollout(task_name, tokenizer, row, script_of, max_calls=4):
     """One group of 2 of `row`, sampled by a scripted model whose script `script_of(use)`
     returns as (ids, trained) pieces; the rollout, its results and the pieces."""
     task = get_task(task_name)
     end = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    use = verifiers_use(task, tokenizer, end, max_calls=4)
+    use = verifiers_use(task, tokenizer, end, max_calls=max_calls)
     start = use.rollout([task.train[row]], 2)
     (prompt,), _ = encode_prompts(tokenizer, start.prompts, tools=use.schemas)
     pieces = script_of(use)
@@ -113,6 +113,19 @@ def test_rewarded_steps_are_rewards_per_turn(chat):
     r, results, _, _ = _rollout(STEPS, tokenizer, 3, script)
     assert [x.reward for x in results] == [[0.5, 1.0], [0.5, 1.0]]  # the call's, the answer's
     assert [len(s) for s in r.turns.starts] == [2, 2]
+
+    def calls(use):  # a call each turn: with --max-turns 1 the second is the row's last
+        turn = use.renderer.assistant(call)
+        observation = use.renderer.tail(turn, [{"role": "tool", "tool_call_id": "any",
+                                                "content": "31"}])  # fmt: skip
+        return [(_ids(tokenizer, call + "<|im_end|>"), True), (observation, False),
+                (_ids(tokenizer, call + "<|im_end|>"), True)]  # fmt: skip
+
+    # the environment's request after the limit is refused, not answered by the last turn
+    # again: its steps are the row's two turns
+    r, results, _, _ = _rollout(STEPS, tokenizer, 3, calls, max_calls=1)
+    assert [len(s) for s in r.turns.starts] == [2, 2] and bool(r.turns.ended_by_turns.all())
+    assert [x.reward for x in results] == [[0.5, 0.5], [0.5, 0.5]]
 
 
 @pytest.mark.usefixtures("scripted_cache")

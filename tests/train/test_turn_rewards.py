@@ -55,6 +55,11 @@ def test_what_the_turns_do_not_place_lands_on_the_last_turn():
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(turn_reward_matrix(None, torch.tensor([0.5, 1.0]), [1, 1]),
                        torch.tensor([[0.5], [1.0]]))  # fmt: skip
+    # a batch joined from rounds where the per-turn rewards were narrower than an episode
+    got = turn_reward_matrix(torch.tensor([[0.5, NAN], [NAN, NAN]]), torch.tensor([1.0, 2.0]),
+                             [3, 1])  # fmt: skip
+    want = torch.tensor([[0.5, NAN, 0.5], [2.0, NAN, NAN]])
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_turn_advantages_spread_over_each_rows_tokens_branches_after_their_first_rows():

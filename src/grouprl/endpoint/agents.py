@@ -361,10 +361,13 @@ class AgentRollout:
                 ep.ended = ep.ended or "the episode's trajectory has ended"
                 out.append(Observation(end=True))
                 continue
-            if q.calls_made + ep.carried >= self.s.max_calls:
+            if q.calls_made + ep.carried >= self.s.max_calls:  # answered empty: "length"
                 ep.ended = (f"the episode made as many turns as a trajectory may "
                             f"(--max-turns {self.s.max_calls}); end the episode")  # fmt: skip
-                out.append(Observation(end=True, over_limit=True))
+                request, future = ep.pending
+                ep.pending = None
+                future.set_result(self._answer(ep, request, [], [], "", "length"))
+                out.append(Observation(end=True, over_limit=True, empty_turn=True))
                 continue
             fed = self._feed(ep, ep.pending[0])
             if fed is None:  # a branch: the row ends, the episode goes on in a row of its own

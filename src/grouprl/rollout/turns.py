@@ -177,6 +177,8 @@ class Turns:
             if answer.end:
                 hit[b] = True
                 self.ended_by_turns[r] = answer.over_limit
+                if answer.empty_turn:  # a turn of no token after this one: no observation
+                    self.tool_turns[r].append((end, end, None))
                 continue
             ids = list(answer.ids)[: self.max_new_tokens - end]  # what the budget leaves
             if answer.messages:
@@ -204,8 +206,9 @@ class Turns:
             for begin, end, message in self.tool_turns[row]:
                 spans.append((row, "assistant", None))
                 pieces.append(ids[start:begin])
-                spans.append((row, "tool", message))
-                pieces.append(ids[begin:end])
+                if message is not None:  # None: the turn after it holds no token, nothing fed
+                    spans.append((row, "tool", message))
+                    pieces.append(ids[begin:end])
                 start = end
             spans.append((row, "assistant", None))
             pieces.append(ids[start:])

@@ -59,7 +59,9 @@ def turn_reward_matrix(
     if placed is None:  # outcome rewards only: every rank of a multi-turn job is as wide
         placed = torch.full((len(turns), max(turns)), torch.nan, dtype=torch.float64)
     total = rewards.detach().double().cpu()
-    out = placed.detach().double().cpu().clone()
+    out = placed.detach().double().cpu()
+    wider = max(turns, default=1) - out.shape[1]  # a round without per-turn rewards joined
+    out = torch.nn.functional.pad(out, (0, max(wider, 0)), value=torch.nan)
     rest = total - out.nan_to_num(0.0).sum(-1)
     for i, n in enumerate(turns):
         if total[i].isnan():

@@ -358,7 +358,9 @@ class VerifiersRollout:
             if row not in self.pending or request.row not in resumed:
                 out.append(Observation(end=True))
                 continue
-            if request.calls_made >= self.max_calls:
+            if request.calls_made >= self.max_calls:  # refused: no turn answers it
+                self.spent.add(row)
+                self.pending.pop(row).future.set_exception(_overlong())
                 out.append(Observation(end=True, over_limit=True))
                 continue
             new = self.pending[row].messages
