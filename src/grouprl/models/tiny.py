@@ -9,6 +9,8 @@ has 1.06M parameters, 4.2 MB of float32 safetensors.
 byte-level BPE tokenizer (trained on the spot with `tokenizers`), a ChatML chat template and
 two EOS ids in its generation config. It says nothing useful, but a pipeline that runs with it
 (chat prompts, stop tokens, rewards on messages) runs with Qwen2.5-Instruct too.
+`save_tiny_moe_model` writes the same with a mixture-of-experts decoder (Qwen3-MoE, OLMoE or
+Mixtral: 4 experts, 2 a token).
 """
 
 from __future__ import annotations
@@ -172,13 +174,54 @@ def save_tiny_chat_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     model = Qwen2ForCausalLM(config)
+    _save(model, tokenizer, ends, directory)
+    _no_unknown_token(directory, added_tokens)
+    return model.eval(), tokenizer
+
+
+#: The mixture-of-experts families `save_tiny_moe_model` writes: (config class, model class,
+#: their experts' settings).
+MOE_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                   "head_dim": 16}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "num_experts_per_tok": 2}),
+}  # fmt: skip
+
+
+def save_tiny_moe_model(directory: str | Path, family: str = "qwen3_moe", *, seed: int = 0):
+    """Save a random 2-layer mixture-of-experts chat model of `family` (`MOE_FAMILIES`: 4
+    experts, 2 a token, hidden 32) with `save_tiny_chat_model`'s tokenizer and template;
+    returns (model, tokenizer)."""
+    import transformers
+
+    config_class, model_class, experts = MOE_FAMILIES[family]
+    _, tokenizer = save_tiny_chat_model(directory, seed=seed)
+    torch.manual_seed(seed)
+    ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+        tie_word_embeddings=False, eos_token_id=ends[0], pad_token_id=tokenizer.pad_token_id,
+        **experts,
+    )  # fmt: skip
+    model = getattr(transformers, model_class)(config)
+    _save(model, tokenizer, ends, directory)
+    return model.eval(), tokenizer
+
+
+def _save(model, tokenizer, ends: list[int], directory: str | Path) -> None:
     model.generation_config.eos_token_id = ends  # as Qwen2.5-Instruct lists its two
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+
+
+def _no_unknown_token(directory: str | Path, added_tokens: Sequence[str]) -> None:
     if added_tokens:  # no unknown token, as Qwen3's own config says (Qwen2's class default
         # would make <|endoftext|> the unknown token, which renderers' Qwen3 renderer refuses)
         config_file = Path(directory) / "tokenizer_config.json"
         values = json.loads(config_file.read_text())
         config_file.write_text(json.dumps({**values, "unk_token": None}, indent=2))
-    return model.eval(), tokenizer

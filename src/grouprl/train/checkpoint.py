@@ -209,6 +209,8 @@ def _load_weights(model: torch.nn.Module, path: Path, *, sharded: bool = False) 
     saved = {k: v for shard in shards for k, v in load_file(str(shard)).items()}
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
+    if any(k not in params and k not in buffers for k in saved):
+        saved = _as_loaded(model, path, saved)
     if any(k not in params and k not in buffers for k in saved) or any(
         (params.get(k, buffers.get(k))).shape != v.shape for k, v in saved.items()
     ):
@@ -222,6 +224,21 @@ def _load_weights(model: torch.nn.Module, path: Path, *, sharded: bool = False) 
     with torch.no_grad():
         for name, tensor in saved.items():
             (params.get(name) if name in params else buffers[name]).copy_(tensor)
+
+
+def _as_loaded(model: torch.nn.Module, path: Path, saved: dict[str, torch.Tensor]) -> dict:
+    """A checkpoint whose keys are not the model's parameters': transformers' own layout on
+    disk (a mixture-of-experts model's fused experts are written one expert a key), read back
+    as `from_pretrained` reads it into the model's layout. `saved` itself where it cannot be."""
+    from_pretrained = getattr(type(model), "from_pretrained", None)
+    if from_pretrained is None:
+        return saved
+    dtype = next(model.parameters()).dtype
+    try:
+        loaded = from_pretrained(path, dtype=dtype)
+    except Exception:  # not a checkpoint transformers reads: the caller's mismatch
+        return saved
+    return dict(loaded.state_dict())
 
 
 def _rng_states() -> dict[str, torch.Tensor]:
