@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from grouprl.errors import UserError
+
 
 def apply_lora(
     model: nn.Module,
@@ -43,7 +45,7 @@ def apply_lora(
             warnings.simplefilter("ignore", FutureWarning)
             wrapped = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as err:  # e.g. target modules that match nothing
-        from grouprl.errors import UserError, one_line
+        from grouprl.errors import one_line
 
         raise UserError(
             f"cannot add LoRA adapters: {one_line(err)}; check --lora-target-modules"
@@ -96,9 +98,17 @@ def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     weights W + s·B·A of each adapted layer, computed apart in float32 (base upcast, as
     `save_final` merges), so the model itself is never changed: merging into the base and
     unmerging again, as TRL does, would leave W + s·B·A − s·B·A, not W, in float rounding.
-    Other tensors are the model's own (no copy)."""
+    Other tensors are the model's own (no copy). A model whose tensors transformers lays out
+    otherwise on disk (a mixture-of-experts model's fused experts: one key an expert there)
+    gives them in the checkpoint's layout, as `save_pretrained` writes it."""
     if not is_lora(model):
-        return dict(model.state_dict())
+        return disk_layout(model, dict(model.state_dict()))
+    if adapts_parameters(model):
+        raise UserError(
+            "an engine of its own (vLLM) cannot take this LoRA model's weights yet: its adapters "
+            "act on parameters (a mixture-of-experts model's fused experts or router), not on "
+            "linear layers; train it fully, or sample with --engine hf"
+        )
     base = model.get_base_model()
     with torch.no_grad():
         deltas = {name: module.get_delta_weight(adapter).float()
@@ -114,7 +124,22 @@ def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             if param == "weight":
                 value = value.float() + deltas[module]
         out[key] = value
-    return out
+    return disk_layout(base, out)
+
+
+def adapts_parameters(model: nn.Module) -> bool:
+    """Whether a peft model's adapters act on bare parameters (peft's `target_parameters`:
+    the fused experts or router of a mixture-of-experts model) rather than on linear layers."""
+    return any(type(m).__name__ == "ParamWrapper" for m in model.modules())
+
+
+def disk_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (the model's tensors by name) in the layout transformers writes to disk."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # an older transformers lays tensors out as it writes them
+        return state
+    return dict(revert_weight_conversion(model, state))
 
 
 def _active_adapter(module: nn.Module) -> str | None:

@@ -183,18 +183,19 @@ def save_tiny_chat_model(
 #: their experts' settings).
 MOE_FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                   "head_dim": 16}),
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }  # fmt: skip
 
 
-def save_tiny_moe_model(directory: str | Path, family: str = "qwen3_moe", *, seed: int = 0):
+def save_tiny_moe_model(
+    directory: str | Path, family: str = "qwen3_moe", *, seed: int = 0, hidden_size: int = 32
+):
     """Save a random 2-layer mixture-of-experts chat model of `family` (`MOE_FAMILIES`: 4
-    experts, 2 a token, hidden 32) with `save_tiny_chat_model`'s tokenizer and template;
-    returns (model, tokenizer)."""
+    experts, 2 a token, hidden 32, or 128 for heads of 64, which vLLM's CPU attention runs)
+    with `save_tiny_chat_model`'s tokenizer and template; returns (model, tokenizer)."""
     import transformers
 
     config_class, model_class, experts = MOE_FAMILIES[family]
@@ -202,10 +203,11 @@ def save_tiny_moe_model(directory: str | Path, family: str = "qwen3_moe", *, see
     torch.manual_seed(seed)
     ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     config = getattr(transformers, config_class)(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
         tie_word_embeddings=False, eos_token_id=ends[0], pad_token_id=tokenizer.pad_token_id,
-        **experts,
+        head_dim=hidden_size // 2, **experts,
     )  # fmt: skip
     model = getattr(transformers, model_class)(config)
     _save(model, tokenizer, ends, directory)

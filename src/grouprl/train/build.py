@@ -412,7 +412,7 @@ def server_engine(
     """`--vllm-server`: the engine over the servers it names, or over one started here
     (`local`: by rank 0, from the policy's weights, sized as `--engine vllm` would be). Rank 0
     syncs the weights; under FSDP every rank gathers them."""
-    from grouprl.models.lora import checkpoint_weights, is_lora
+    from grouprl.models.lora import checkpoint_weights, disk_layout, is_lora
     from grouprl.rollout.vllm_server import LocalServer, VLLMServerEngine, save_model_directory
 
     lead = dist is None or dist.is_main
@@ -424,7 +424,7 @@ def server_engine(
         from grouprl.train.parallel.fsdp import gather_full_state
 
         def weights() -> dict[str, torch.Tensor]:
-            return gather_full_state(policy, None)[0]
+            return disk_layout(policy, gather_full_state(policy, None)[0])
     else:
 
         def weights() -> dict[str, torch.Tensor]:
