@@ -135,6 +135,41 @@ def test_weights_follow_the_policy_after_an_update(model, tokenizer, lora):
         engine.close()
 
 
+def test_a_moe_policys_weights_reach_vllm_after_an_update(tmp_path, capsys):
+    """A mixture-of-experts policy (tiny Qwen3-MoE; its experts fused in the model, one key an
+    expert on disk, as vLLM reads them): after an update and `policy_updated`, vLLM scores
+    fixed tokens as the updated weights do, not as the old ones. vLLM's CPU MoE kernel is not
+    float32-exact (its scores differ from the trainer's by ~1e-2 here, where dense models agree
+    to ~1e-6), so the check is which weights vLLM holds: its scores after the sync are nearer
+    the updated policy's than the old one's by most of what the update moved them."""
+    from grouprl.models.tiny import save_tiny_moe_model
+
+    policy, tokenizer = save_tiny_moe_model(tmp_path, "qwen3_moe", hidden_size=128)
+    engine = VLLMEngine(policy, tokenizer, OPTIONS, weights=lambda: checkpoint_weights(policy))
+    try:
+        fixed = tokenizer("What is 12 plus 30? The answer is 42.")["input_ids"]
+        engine.sample([fixed[:3]], group_size=2, max_new_tokens=2, seed=0)  # loads the weights
+        before_vllm, before = vllm_scores(engine, fixed), hf_scores(policy, fixed)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.05)
+        logp = policy(torch.tensor([fixed])).logits.log_softmax(-1)[0, :-1]
+        (-logp.gather(-1, torch.tensor(fixed[1:])[:, None]).sum()).backward()
+        optimizer.step()
+        after = hf_scores(policy, fixed)
+        moved = float((after - before).abs().sum())
+        kernel = float((before_vllm - before).abs().sum())  # vLLM's own difference, same weights
+        assert moved > 10 * kernel
+        assert torch.equal(vllm_scores(engine, fixed), before_vllm)  # not loaded yet
+        engine.policy_updated(1)
+        engine.sample([fixed[:3]], group_size=2, max_new_tokens=2, seed=0)
+        now = vllm_scores(engine, fixed)
+        assert float((now - after).abs().sum()) < float((now - before).abs().sum()) - 0.8 * moved
+        with capsys.disabled():
+            print(f"\nMoE: vLLM against the trainer, same weights: {kernel / len(fixed):.2e} a "
+                  f"token; the update moved {moved / len(fixed):.2e} a token")  # fmt: skip
+    finally:
+        engine.close()
+
+
 def test_a_seed_gives_the_same_rollout_and_another_seed_another(tokenizer, engine):
     ids = prompts(tokenizer)
     a, b = (engine.sample(ids, group_size=4, max_new_tokens=16, seed=11) for _ in range(2))
