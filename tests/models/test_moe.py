@@ -87,3 +87,12 @@ def test_a_moe_run_stopped_and_resumed_ends_bit_for_bit(models, tmp_path, stop_a
     got, want = (load_file(str(tmp_path / d / "final" / "model.safetensors"))
                  for d in ("cut", "whole"))  # fmt: skip
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_lora_on_a_moe_model_is_refused_for_vllm_in_one_line(models, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train", "--model", str(models / "qwen3_moe"), *_flags(models), "--lora-r", "4",
+            "--engine", "vllm", "--output-dir", str(out)]  # fmt: skip
+    assert main(args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "adapters act on parameters" in err[0] and not out.exists()

@@ -103,12 +103,8 @@ def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     gives them in the checkpoint's layout, as `save_pretrained` writes it."""
     if not is_lora(model):
         return disk_layout(model, dict(model.state_dict()))
-    if adapts_parameters(model):
-        raise UserError(
-            "an engine of its own (vLLM) cannot take this LoRA model's weights yet: its adapters "
-            "act on parameters (a mixture-of-experts model's fused experts or router), not on "
-            "linear layers; train it fully, or sample with --engine hf"
-        )
+    if adapts_parameters(model):  # the engines refuse it at set-up (`grouprl.train.build`)
+        raise ValueError("merged weights of adapters on bare parameters are not computed yet")
     base = model.get_base_model()
     with torch.no_grad():
         deltas = {name: module.get_delta_weight(adapter).float()

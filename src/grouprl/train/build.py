@@ -369,6 +369,14 @@ def build_engine(
 
         all_done = None if lockstep is None else lockstep.all_done
         return HFRolloutEngine(policy, tokenizer, lockstep=all_done, tools=tools)
+    from grouprl.models.lora import adapts_parameters, is_lora
+
+    if is_lora(policy) and adapts_parameters(policy):
+        raise UserError(
+            "vLLM cannot take this LoRA model's weights yet: its adapters act on parameters (a "
+            "mixture-of-experts model's fused experts or router), not on linear layers; train "
+            "it fully, or sample with --engine hf"
+        )
     if opts.vllm_server is not None:
         dist = None if lockstep is None else lockstep.dist
         return server_engine(opts, policy, tokenizer, dtype=dtype, rows=rows, max_len=max_len,
