@@ -64,7 +64,20 @@ def test_clipping_example(data):
     )
 
 
-def test_run_prints_six_tables(capsys):
+def test_route_example(data):
+    """One token of 64 rerouted (p 0.5 -> 0.2: log-ratio ln 0.4), the other 63 at ×1.01
+    (ln 1.01 each): the sequence's log-ratio is their mean, (ln 0.4 + 63 ln 1.01) / 64."""
+    route = data["route"]
+    assert route["rerouted_ratio"] == pytest.approx(0.4, rel=1e-12)
+    assert route["other_log_ratio"] == pytest.approx(math.log(1.01), rel=1e-12)
+    want = (math.log(0.4) + 63 * math.log(1.01)) / 64
+    assert route["sequence_log_ratio"] == pytest.approx(want, rel=1e-12)
+    assert route["sequence_without_reroute"] == pytest.approx(1.01, rel=1e-12)
+    assert abs(route["sequence_log_ratio"] - math.log(1.01)) == pytest.approx(
+        (math.log(1.01) - math.log(0.4)) / 64, rel=1e-12)  # fmt: skip
+
+
+def test_run_prints_seven_tables(capsys):
     assert run() == 0
     out = capsys.readouterr().out
     for text in (
@@ -74,6 +87,7 @@ def test_run_prints_six_tables(capsys):
         "4. The gradient each token keeps",
         "5. Example 1's group [1, 0, 0, 0], by estimator",
         "6. The entropy mechanism",
+        "7. A changed route (mixture of experts)",
         "e^200 ≈ 7.2e86",
         "1.105",
     ):

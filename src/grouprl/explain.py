@@ -14,6 +14,9 @@
    completion, a confident one (π 0.9) and an unlikely one (π 0.05); the covariance of log π and
    Â says which token's update lowers the entropy most, which Clip-Cov holds back and KL-Cov
    penalises.
+7. A changed route in a mixture-of-experts model: one token of 64 sent to another expert by an
+   update (probability 0.5 -> 0.2) has token ratio 0.4, far outside GRPO's clip range, while the
+   sequence ratio moves by 1/64 of that token's log-ratio (GSPO's case for MoE models).
 """
 
 import math
@@ -210,8 +213,58 @@ def _covariance_example() -> dict:
             "kl_cov_selected": top.view(4, 2).tolist()}  # fmt: skip
 
 
+def _route_example() -> dict:
+    """One completion of 64 tokens after an update that sends token 10 to another expert (its
+    probability 0.50 -> 0.20) and leaves every other token's near where it was (×1.01): the
+    token's own ratio, and the sequence ratio that GSPO takes instead."""
+    length, changed = 64, 9
+    old_p = torch.full((1, length), 0.5, dtype=torch.float64)
+    new_p = old_p * 1.01
+    new_p[0, changed] = 0.2
+    mask = torch.ones(1, length, dtype=torch.bool)
+    token = log_ratio(new_p.log(), old_p.log(), mask, level="token")[0]  # (T,)
+    sequence = log_ratio(new_p.log(), old_p.log(), mask, level="sequence")[0, 0]
+    rest = torch.cat([token[:changed], token[changed + 1 :]])
+    return {
+        "tokens": length,
+        "rerouted_token": changed + 1,
+        "old_prob": 0.5,
+        "new_prob": 0.2,
+        "rerouted_log_ratio": token[changed].item(),
+        "rerouted_ratio": token[changed].exp().item(),
+        "other_log_ratio": rest.mean().item(),
+        "sequence_log_ratio": sequence.item(),
+        "sequence_ratio": sequence.exp().item(),
+        "sequence_without_reroute": rest.mean().exp().item(),
+        "epsilon": EPSILON,
+    }
+
+
+def _route_table(route: dict) -> tuple[Table, list[str]]:
+    table = _table(
+        f"7. A changed route (mixture of experts): token {route['rerouted_token']} of "
+        f"{route['tokens']} goes to another expert",
+        ["", "log-ratio", "ratio"],
+    )
+    table.add_row(f"token {route['rerouted_token']} (rerouted)",
+                  _num(route["rerouted_log_ratio"]), _num(route["rerouted_ratio"]))  # fmt: skip
+    table.add_row("every other token", _num(route["other_log_ratio"], 4),
+                  _num(math.exp(route["other_log_ratio"]), 4))  # fmt: skip
+    table.add_row("the sequence (GSPO)", _num(route["sequence_log_ratio"], 4),
+                  _num(route["sequence_ratio"], 4))  # fmt: skip
+    eps = route["epsilon"]
+    notes = [
+        f"The rerouted token's ratio {route['rerouted_ratio']:.2f} is far outside GRPO's "
+        f"[{1 - eps:g}, {1 + eps:g}]: one expert choice decides whether that token learns.",
+        f"In the sequence ratio the same change is 1/{route['tokens']} of its log: "
+        f"{route['sequence_ratio']:.4f} against {route['sequence_without_reroute']:.4f} without "
+        "it (GSPO's argument for MoE models, Zheng et al. 2025: no routing replay needed).",
+    ]
+    return table, notes
+
+
 def worked_examples() -> dict:
-    """All numbers of the six examples (what ``grouprl explain --json`` prints)."""
+    """All numbers of the seven examples (what ``grouprl explain --json`` prints)."""
     return {
         "advantages": _advantages_example(),
         "sequence_ratio": _sequence_ratio_example(),
@@ -219,6 +272,7 @@ def worked_examples() -> dict:
         "objectives": _objectives_example(),
         "estimators": _estimators_example(),
         "covariance": _covariance_example(),
+        "route": _route_example(),
     }
 
 
@@ -368,7 +422,7 @@ def _clipping_table(clip: dict) -> tuple[Table, list[str]]:
 
 
 def render(data: dict, console: Console) -> None:
-    """The six examples as tables, each with its notes."""
+    """The seven examples as tables, each with its notes."""
     examples = [
         _advantages_table(data["advantages"]),
         _sequence_ratio_table(data["sequence_ratio"]),
@@ -376,8 +430,9 @@ def render(data: dict, console: Console) -> None:
         _objectives_table(data["objectives"]),
         _estimators_table(data["estimators"]),
         _covariance_table(data["covariance"]),
+        _route_table(data["route"]),
     ]
-    console.print("GRPO and GSPO in six worked examples (every number computed by grouprl.core)")
+    console.print("GRPO and GSPO in seven worked examples (every number computed by grouprl.core)")
     for table, notes in examples:
         console.print()
         console.print(table)
