@@ -64,19 +64,27 @@ def _rollout(task_name, tokenizer, row, script_of, max_calls=4):
     return r, start.handler.environments, pieces, prompt
 
 
+CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": 4}}\n</tool_call>'
+
+
+def _call_then(tokenizer, last: str):
+    """A script: the lookup call (key 4), the tool's answer 31 fed, then the turn `last`."""
+
+    def script(use):
+        turn = use.renderer.assistant(CALL)
+        observation = use.renderer.tail(turn, [{"role": "tool", "tool_call_id": "any",
+                                                "content": "31"}])  # fmt: skip
+        return [(_ids(tokenizer, CALL + "<|im_end|>"), True), (observation, False),
+                (_ids(tokenizer, last + "<|im_end|>"), True)]  # fmt: skip
+
+    return script
+
+
 @pytest.mark.usefixtures("scripted_cache")
 def test_a_tool_rollout_trains_on_the_ids_sampled_and_fed_turn_by_turn(chat):
     _, tokenizer = chat
-    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": 4}}\n</tool_call>'
     answer = "The value is 31."
-
-    def script(use):
-        turn = use.renderer.assistant(call)
-        observation = use.renderer.tail(turn, [{"role": "tool", "tool_call_id": "any",
-                                                "content": "31"}])  # fmt: skip
-        return [(_ids(tokenizer, call + "<|im_end|>"), True), (observation, False),
-                (_ids(tokenizer, answer + "<|im_end|>"), True)]  # fmt: skip
-
+    script = _call_then(tokenizer, answer)
     r, results, pieces, prompt = _rollout(LOOKUP, tokenizer, 3, script)  # key 4: 4 * 7 + 3
     script_ids = [i for ids, _ in pieces for i in ids]
     n = len(script_ids)
@@ -101,29 +109,13 @@ def test_rewarded_steps_are_rewards_per_turn(chat):
     """Steps verifiers rewarded (a trajectory step's `reward`) are the turns' rewards; what the
     rubric gives beyond them lands on the last turn (their sum is the rubric's reward)."""
     _, tokenizer = chat
-    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": 4}}\n</tool_call>'
-
-    def script(use):
-        turn = use.renderer.assistant(call)
-        observation = use.renderer.tail(turn, [{"role": "tool", "tool_call_id": "any",
-                                                "content": "31"}])  # fmt: skip
-        return [(_ids(tokenizer, call + "<|im_end|>"), True), (observation, False),
-                (_ids(tokenizer, "The value is 31.<|im_end|>"), True)]  # fmt: skip
-
-    r, results, _, _ = _rollout(STEPS, tokenizer, 3, script)
+    r, results, _, _ = _rollout(STEPS, tokenizer, 3, _call_then(tokenizer, "The value is 31."))
     assert [x.reward for x in results] == [[0.5, 1.0], [0.5, 1.0]]  # the call's, the answer's
     assert [len(s) for s in r.turns.starts] == [2, 2]
 
-    def calls(use):  # a call each turn: with --max-turns 1 the second is the row's last
-        turn = use.renderer.assistant(call)
-        observation = use.renderer.tail(turn, [{"role": "tool", "tool_call_id": "any",
-                                                "content": "31"}])  # fmt: skip
-        return [(_ids(tokenizer, call + "<|im_end|>"), True), (observation, False),
-                (_ids(tokenizer, call + "<|im_end|>"), True)]  # fmt: skip
-
-    # the environment's request after the limit is refused, not answered by the last turn
-    # again: its steps are the row's two turns
-    r, results, _, _ = _rollout(STEPS, tokenizer, 3, calls, max_calls=1)
+    # a call each turn, with --max-turns 1: the second is the row's last, and the environment's
+    # request after it is refused, not answered by that turn again: its steps are the row's two
+    r, results, _, _ = _rollout(STEPS, tokenizer, 3, _call_then(tokenizer, CALL), max_calls=1)
     assert [len(s) for s in r.turns.starts] == [2, 2] and bool(r.turns.ended_by_turns.all())
     assert [x.reward for x in results] == [[0.5, 0.5], [0.5, 0.5]]
 
