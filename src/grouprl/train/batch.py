@@ -9,6 +9,7 @@ import torch
 
 from grouprl.rollout import Rollout
 from grouprl.rollout.types import Branches
+from grouprl.train.turn_rewards import nan_padded
 
 
 @dataclass
@@ -77,9 +78,6 @@ def _turns(parts: list[tuple[torch.Tensor | None, int]]) -> torch.Tensor | None:
     """The parts' per-turn rewards as one (N, K), NaN-padded (a part without any: all NaN)."""
     if all(t is None for t, _ in parts):
         return None
-    k = max(t.shape[1] for t, _ in parts if t is not None)
-    out = [torch.full((n, k), torch.nan, dtype=torch.float64) for _, n in parts]
-    for o, (t, _) in zip(out, parts, strict=True):
-        if t is not None:
-            o[:, : t.shape[1]] = t
-    return torch.cat(out)
+    given = [torch.zeros(n, 0, dtype=torch.float64) if t is None else t for t, n in parts]
+    k = max(t.shape[1] for t in given)
+    return torch.cat([nan_padded(t, k) for t in given])

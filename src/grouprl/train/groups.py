@@ -36,7 +36,7 @@ from grouprl.config.options import RunConfig
 from grouprl.core import LossOptions, bounded_tokens, importance_ratio
 from grouprl.train.batch import Batch
 from grouprl.train.parallel.distributed import Dist
-from grouprl.train.turn_rewards import episode_turns, turn_reward_matrix
+from grouprl.train.turn_rewards import logged_turns
 
 #: Significant digits kept for a float: log-probs near 0 keep their relative precision, and
 #: GSPO's ratios (1 ± 4e-4) keep 2 digits past the clip range's.
@@ -120,10 +120,7 @@ def group_records(
     rollout, G = batch.rollout, batch.rollout.group_size
     groups = []
     offset = dist.rank * len(batch.rows)  # the group's index in the job's batch
-    turns = episode_turns(rollout, batch.branches)
-    per_turn = None
-    if batch.turn_rewards is not None:
-        per_turn = turn_reward_matrix(batch.turn_rewards, batch.rewards, turns)
+    turns, per_turn = logged_turns(batch)
     for j, g in enumerate(watch.groups):
         rows = range(g * G, (g + 1) * G)
         prompt_ids = rollout.prompt_ids[g][rollout.prompt_mask[g]].tolist()

@@ -27,6 +27,8 @@ from grouprl.train.parallel.distributed import Dist
 from grouprl.train.run import Run, RunState
 from grouprl.train.turn_rewards import (
     episode_turns,
+    logged_turns,
+    nan_padded,
     row_starts,
     spread_over_tokens,
     turn_reward_matrix,
@@ -218,11 +220,10 @@ def batch_advantages(
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     """Every rank's rows as one tensor; (n, K) parts NaN-padded to the most columns."""
-    if parts[0].dim() < 2 or len({p.shape[1] for p in parts}) == 1:
+    if parts[0].dim() < 2:
         return torch.cat(parts)
     k = max(p.shape[1] for p in parts)
-    return torch.cat([torch.nn.functional.pad(p, (0, k - p.shape[1]), value=torch.nan)
-                      for p in parts])  # fmt: skip
+    return torch.cat([nan_padded(p, k) for p in parts])
 
 
 def gdpo_components(
@@ -292,10 +293,7 @@ def _samples(batch: Batch, advantages: torch.Tensor, k: int) -> list[dict[str, A
     """The first completion of the first k groups: enough to read what the policy writes (with
     any columns the reward functions added through `log_extra`)."""
     G, out = batch.rollout.group_size, []
-    turns = episode_turns(batch.rollout, batch.branches)
-    per_turn = None
-    if batch.turn_rewards is not None:
-        per_turn = turn_reward_matrix(batch.turn_rewards, batch.rewards, turns)
+    turns, per_turn = logged_turns(batch)
     for g in range(min(k, len(batch.rows))):
         row = g * G
         out.append(

@@ -59,9 +59,8 @@ def turn_reward_matrix(
     if placed is None:  # outcome rewards only: every rank of a multi-turn job is as wide
         placed = torch.full((len(turns), max(turns)), torch.nan, dtype=torch.float64)
     total = rewards.detach().double().cpu()
-    out = placed.detach().double().cpu()
-    wider = max(turns, default=1) - out.shape[1]  # a round without per-turn rewards joined
-    out = torch.nn.functional.pad(out, (0, max(wider, 0)), value=torch.nan)
+    # as wide as the longest episode (a round without per-turn rewards may have been joined)
+    out = nan_padded(placed.detach().double().cpu(), max(turns, default=1))
     rest = total - out.nan_to_num(0.0).sum(-1)
     for i, n in enumerate(turns):
         if total[i].isnan():
@@ -71,6 +70,20 @@ def turn_reward_matrix(
         if rest[i] != 0 or last.isnan():  # x + 0.0 is x: a placed reward keeps its bits
             out[i, n - 1] = last.nan_to_num(0.0) + rest[i]
     return out.to(rewards.dtype)
+
+
+def nan_padded(turns: torch.Tensor, k: int) -> torch.Tensor:
+    """(n, K) per-turn values with NaN (no reward) in the columns up to `k` they lack."""
+    return torch.nn.functional.pad(turns, (0, max(k - turns.shape[1], 0)), value=torch.nan)
+
+
+def logged_turns(batch) -> tuple[list[int], torch.Tensor | None]:
+    """What the logs show of a batch's turns: each row's episode's turns, and its turn rewards
+    as the estimators see them before shaping (None without per-turn rewards)."""
+    turns = episode_turns(batch.rollout, batch.branches)
+    if batch.turn_rewards is None:
+        return turns, None
+    return turns, turn_reward_matrix(batch.turn_rewards, batch.rewards, turns)
 
 
 def spread_over_tokens(
