@@ -74,11 +74,14 @@ def test_a_moe_model_trains_and_its_checkpoint_loads_back(models, tmp_path, fami
         torch.testing.assert_close(merged, want, rtol=0, atol=bound)
 
 
-@pytest.mark.parametrize("lora", [[], ["--lora-r", "4", "--lora-alpha", "8"]], ids=["full", "lora"])
-def test_a_moe_run_stopped_and_resumed_ends_bit_for_bit(models, tmp_path, stop_at, lora):
+@pytest.mark.parametrize("extra", [[], ["--lora-r", "4", "--lora-alpha", "8"],
+                                   ["--routing-replay", "r3", "--router-aux-loss-coef", "0.01",
+                                    "--minibatches", "2"]], ids=["full", "lora", "r3"])  # fmt: skip
+def test_a_moe_run_stopped_and_resumed_ends_bit_for_bit(models, tmp_path, stop_at, extra):
     """Full fine-tuning's checkpoints hold the experts one a key (transformers' layout on disk):
-    a resumed run reads them back into the fused experts."""
-    args = ["train", "--model", str(models / "qwen3_moe"), *_flags(models), *lora]
+    a resumed run reads them back into the fused experts. With routes replayed from the
+    sampler and the balancing loss on, the same."""
+    args = ["train", "--model", str(models / "qwen3_moe"), *_flags(models), *extra]
     assert main([*args, "--output-dir", str(tmp_path / "whole")]) == 0
     stop_at(2, signal.SIGINT)
     assert main([*args, "--output-dir", str(tmp_path / "cut")]) == 130
@@ -96,3 +99,52 @@ def test_lora_on_a_moe_model_is_refused_for_vllm_in_one_line(models, tmp_path, c
     assert main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and "adapters act on parameters" in err[0] and not out.exists()
+
+
+def _metrics(run):
+    import json
+
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("replay", ["off", "r2", "r3"])
+def test_routing_is_watched_and_replayed_in_training(models, tmp_path, replay):
+    """Every step logs how much routing moved, per layer; with R2 or R3 (two minibatches, so
+    the second one's forward comes after an optimizer step) the run trains with the routes
+    replayed, and the balancing loss is logged where weighted."""
+    out = tmp_path / "run"
+    args = ["train", "--model", str(models / "qwen3_moe"), *_flags(models), "--lr", "1e-2",
+            "--minibatches", "2", "--routing-replay", replay, "--router-aux-loss-coef", "0.01",
+            "--output-dir", str(out)]  # fmt: skip
+    assert main(args) == 0
+    lines = _metrics(out)
+    assert len(lines) == 3
+    for line in lines:
+        for name in ("routing_update_changed", "routing_sampler_changed"):
+            layers = [line[f"{name}_layer{i}"] for i in range(2)]
+            assert all(0 <= x <= 1 for x in layers) and min(layers) <= line[name] <= max(layers)
+        assert line["routing_sampler_changed"] == 0  # fp32: the sampler routes as the trainer
+        assert 1.9 < line["router_aux_loss"] < 4  # top-2: 2 when balanced, up to 4
+    assert max(line["routing_update_changed"] for line in lines) > 0  # lr 1e-2 moves routes
+
+
+def test_routing_options_on_a_dense_model_are_refused_in_one_line(tmp_path, capsys):
+    from grouprl.models.tiny import save_tiny_chat_model
+
+    save_tiny_chat_model(tmp_path / "dense")
+    for flags, says in ((["--routing-replay", "r2"], "drop --routing-replay"),
+                        (["--router-aux-loss-coef", "0.1"], "drop --router-aux-loss-coef")):  # fmt: skip
+        out = tmp_path / "run"
+        assert main(["train", "--model", str(tmp_path / "dense"), *FLAGS, *flags,
+                     "--output-dir", str(out)]) == 2  # fmt: skip
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(err) == 1 and "not a mixture-of-experts model" in err[0] and says in err[0]
+        assert not out.exists()
+
+
+def test_r3_from_vllm_is_refused_in_one_line(models, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(models / "qwen3_moe"), *FLAGS, "--routing-replay", "r3",
+                 "--engine", "vllm", "--output-dir", str(out)]) == 2  # fmt: skip
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "--routing-replay r2" in err[0] and not out.exists()

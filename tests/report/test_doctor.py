@@ -210,6 +210,21 @@ CASES = {
         {},
         set(),
     ),
+    "routing_climbing": (  # a mixture-of-experts run whose steps change ever more routes
+        dict(routing_update_changed=ramp(0.03, 0.2), routing_sampler_changed=lambda s: 0.0),
+        {},
+        {("routing_volatile", "warning")},
+    ),
+    "routing_steady": (  # high but not climbing (a noisy small model): no finding
+        dict(routing_update_changed=lambda s: 0.2, routing_sampler_changed=lambda s: 0.01),
+        {},
+        set(),
+    ),
+    "routing_sampler_apart": (  # the sampler routes elsewhere (another engine, bf16)
+        dict(routing_update_changed=lambda s: 0.02, routing_sampler_changed=lambda s: 0.08),
+        {},
+        {("routing_mismatch", "warning")},
+    ),
     "distillation_stalled": (  # the student's KL to its teacher flat
         dict(teacher_kl=lambda s: 0.4),
         {},

@@ -210,3 +210,32 @@ def test_the_export_opens_from_a_file(browser, runs, tmp_path):
     assert all(len(c.find_elements("css selector", "[data-testid=group-row]")) == 4
                for c in columns)  # fmt: skip
     assert browser.execute_script("return document.getElementById('status').textContent") == ""
+
+
+def test_a_mixture_of_experts_run_shows_its_routes_per_layer(browser, tmp_path):
+    """Each step's share of changed routes, per layer, as a steps × layers map whose cells
+    name their step, layer and value as the metrics logged them."""
+    import json
+
+    from grouprl.models.tiny import save_tiny_moe_model
+
+    save_tiny_moe_model(tmp_path / "moe", "qwen3_moe")
+    run = short_run(tmp_path / "run", "grpo", model=str(tmp_path / "moe"), task="arithmetic",
+                    lr=1e-2, log_groups=0)  # fmt: skip
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    with_server = ViewerServer([run]).start()
+    try:
+        open_page(browser, with_server.url)
+        cells = browser.find_elements("css selector", "[data-testid=curves] rect")
+        assert len(cells) == 3 * 2  # 3 steps, 2 layers
+        titles = [c.find_element("css selector", "title").get_attribute("textContent")
+                  for c in cells]  # fmt: skip
+        shown = [(m["step"], layer, m[f"routing_update_changed_layer{layer}"])
+                 for m in metrics for layer in range(2)]  # fmt: skip
+        for step, layer, value in shown:  # (the page writes values under 1e-3 as exponents)
+            if value == 0 or value >= 1e-3:
+                assert f"step {step}, layer {layer}: {value:.3f}" in titles
+        panels = browser.find_element("css selector", "[data-testid=curves]").text
+        assert "routes changed per layer" in panels and "routes changed by the step" in panels
+    finally:
+        with_server.close()

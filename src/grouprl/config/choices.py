@@ -43,6 +43,7 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 Precision = Literal["fp32", "bf16"]
 Strategy = Literal["ddp", "fsdp"]
 Packing = Literal["auto", "on", "off"]
+RoutingReplay = Literal["off", "r2", "r3"]
 LRSchedule = Literal["constant", "linear", "cosine"]
 RatioLevel = Literal[
     "token", "sequence", "sequence_token", "sequence_sum"

@@ -21,6 +21,7 @@ from grouprl.config.choices import (
     Precision,
     Proximal,
     RatioLevel,
+    RoutingReplay,
     Strategy,
     TeacherLoss,
     WeightLevel,
@@ -270,6 +271,29 @@ class AdvantageOptions:
     reward_clip: tuple[float, float] | None = None
     """Clamp each completion's weighted reward to [LOW, HIGH] before the advantages (TRL
     RLOOConfig's reward_clip_range). None: no clamp."""
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """Mixture-of-experts policies: expert routing watched and replayed, the routers' balancing
+    loss. Refused in one line for a dense model."""
+
+    routing_replay: RoutingReplay = "off"
+    """Routing replay: the trainer's forwards use fixed top-k expert choices while the routers'
+    softmax stays live (they still get gradient). r2: the step's first forward of each
+    completion chooses, its later forwards (old log-probs, minibatches, epochs) replay that;
+    r3: the sampler's choices are replayed (grouprl's own sampler; a vLLM build that returns
+    routed experts). Off: every forward routes afresh."""
+    routing_metrics_every: int = 1
+    """On a mixture-of-experts policy, log every this many steps how much routing moved: the
+    share of (token, layer) expert sets of the completions that differ between the sampler and
+    the trainer before the update, and between the policy before and after the step (one extra
+    no-grad forward); 0: never."""
+    router_aux_loss_coef: float | None = 0.0
+    """Weight of the routers' load-balancing loss (Switch Transformer's, as transformers computes
+    it over every layer's router logits) added to the update's loss, per forward, weighted by
+    its share of the minibatch's completions. None: the model config's own coefficient (TRL's
+    default); 0: off."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Imports torch and the standard library only: no models, configs, I/O or torch.distributed, so
 the trainer, the distributed code and the tests all call the same few functions. See
-advantages.py (group-relative advantages), estimators.py (REINFORCE++, OPO, GPG, Pass@k), entropy.py (entropy control), distill.py (on-policy distillation), loss.py (ratios, KL, aggregation, the clipped loss),
+advantages.py (group-relative advantages), estimators.py (REINFORCE++, OPO, GPG, Pass@k), entropy.py (entropy control), distill.py (on-policy distillation), experts.py (the routers' balancing loss), loss.py (ratios, KL, aggregation, the clipped loss),
 objectives.py (CISPO, SAPO, GMPO, VESPO), shaping.py (DAPO's overlong penalty) and offpolicy.py
 (how far a sampler's log-probs are from the trainer's, and the corrections for it) for the formulas and their papers;
 registry.py names the estimators and objectives (torch-free: the command line reads it).
@@ -26,6 +26,7 @@ _HOMES = {
     "over_tokens": "advantages",
     "zero_variance_groups": "advantages",
     "distillation_advantages": "distill",
+    "load_balancing_loss": "experts",
     "generalized_jsd": "distill",
     "reverse_kl": "distill",
     "gpg_advantages": "estimators",

@@ -186,6 +186,7 @@ TRL_NAMES = {
     "is_weight_min": "sampling/importance_sampling_ratio/min",
     "is_weight_mean": "sampling/importance_sampling_ratio/mean",
     "is_weight_max": "sampling/importance_sampling_ratio/max",
+    "router_aux_loss": "aux_loss",
 }
 
 

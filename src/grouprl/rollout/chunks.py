@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grouprl.rollout import _hf
+from grouprl.rollout import _hf, routes
 from grouprl.rollout.decoding import Decoded, Settings, stop_or_keep
 from grouprl.rollout.draws import pick
 
@@ -165,9 +165,10 @@ def _forward(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded, rows: torch.Te
     feed.set(source_row, source, positions[source_row, source], batch, int(positions.max()) + 1)
     causal = torch.arange(feed.width, device=device)[None, None, :] <= positions[:, :, None]
     mask = torch.cat([prompt_attn[:, None, :].expand(-1, width_in, -1), causal], dim=-1)
-    return _hf.forward_last(
-        model, ids, _hf.chunk_mask(model, mask), start[:, None] + positions, cache
-    )  # (R, V)
+    with routes.feeding(start[:, None] + positions, real & ~blank[:, None], out_rows):
+        return _hf.forward_last(
+            model, ids, _hf.chunk_mask(model, mask), start[:, None] + positions, cache
+        )  # (R, V)
 
 
 def _decode_step(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded, rows: torch.Tensor | None,
@@ -184,4 +185,6 @@ def _decode_step(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded, rows: torc
     feed.set(batch_rows, torch.zeros_like(last), last, None, width, single=True)
     seen[batch_rows, prompt_width + last] = True
     mask = _hf.chunk_mask(model, seen[:, None, : prompt_width + width])  # (n, 1, 1, P + width)
-    return _hf.forward_last(model, ids[:, None], mask, (start + last)[:, None], cache)  # (n, V)
+    position = (start + last)[:, None]  # (n, 1)
+    with routes.feeding(position, ~done[:, None], out_rows):
+        return _hf.forward_last(model, ids[:, None], mask, position, cache)  # (n, V)

@@ -42,6 +42,7 @@ class Decoded:
     old_logp: torch.Tensor  # (N, max_new)
     entropy: torch.Tensor  # (N, max_new)
     stop_at: torch.Tensor  # (N,) long
+    routes: torch.Tensor | None = None  # (N, S, L, K): the experts of each token fed, or None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -82,7 +83,12 @@ class Decoded:
             entropy=self.entropy[:, :width].clone(),
             loss_mask=None if turns is None else mask & ~turns.fed[:, :width],
             turns=record,
+            routes=None if self.routes is None else self._routes(prompt_mask, width),
         )
+
+    def _routes(self, prompt_mask: torch.Tensor, width: int) -> torch.Tensor:
+        """The recorded routes cut to the longest prompt plus the longest completion."""
+        return self.routes[:, : int(prompt_mask.sum(-1).max()) + width].clone()
 
 
 def stop_or_keep(done: torch.Tensor, lockstep: Callable[[bool], bool] | None) -> tuple[bool, Any]:

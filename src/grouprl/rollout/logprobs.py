@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from grouprl.rollout import _hf
+from grouprl.rollout import _hf, routes
 from grouprl.rollout.sampling import check_temperature
 
 # Elements of (tokens × vocab) logits materialised at once: 2^25 fp32 = 128 MiB.
@@ -132,6 +132,10 @@ def _selected(
     """The final hidden states (M, H) at the positions under `sel` (N, T), or with a head that
     is more than a projection (`plain` False) the logits (M, V): packed, or the prompt shared
     (by buckets), or the N full sequences. ids: prompt ids and mask, completion ids, G."""
+    if routes.active():  # routes recorded or replayed: each row whole, one layout
+        if plain:
+            return _unshared_hidden(model.get_decoder(), *ids, real=sel)[sel]
+        return _full_logits(model, *ids, real=sel)[sel]
     if packs is not None:
         module = model.get_decoder() if plain else model
         return _packed_states(module, *ids, packs, sel, plain)[sel]
@@ -443,11 +447,13 @@ def _full_forward(
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     group_size: int,
+    real: torch.Tensor | None = None,
 ) -> Any:
     """One forward of `module` over the N concatenated prompt + completion[:-1] sequences.
 
     The caller keeps positions P − 1 … of the output: the states (or logits) that predict the T
-    completion tokens.
+    completion tokens. `real` (N, T): the completion tokens that are not padding (default: all),
+    for a routes session (`grouprl.rollout.routes`), which names each token by its position.
     """
     ids = torch.cat(
         [prompt_ids.repeat_interleave(group_size, dim=0), completion_ids[:, :-1]], dim=1
@@ -460,7 +466,9 @@ def _full_forward(
         dim=1,
     )  # (N, P + T − 1)
     positions = _hf.left_pad_positions(attn)
-    return module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False)
+    valid = attn if real is None else torch.cat([attn[:, : prompt_ids.shape[1]], real[:, :-1]], 1)
+    with routes.feeding(positions, valid):
+        return module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False)
 
 
 def _unshared_hidden(
@@ -469,9 +477,10 @@ def _unshared_hidden(
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     group_size: int,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hidden states (N, T, H) from one forward of the N full sequences (no cache)."""
-    out = _full_forward(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
+    out = _full_forward(decoder, prompt_ids, prompt_mask, completion_ids, group_size, real)
     return out.last_hidden_state[:, prompt_ids.shape[1] - 1 :]  # (N, T, H)
 
 
@@ -481,9 +490,10 @@ def _full_logits(
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     group_size: int,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits (N, T, V) from the model's own forward: the path for heads we cannot split off."""
-    out = _full_forward(model, prompt_ids, prompt_mask, completion_ids, group_size)
+    out = _full_forward(model, prompt_ids, prompt_mask, completion_ids, group_size, real)
     return out.logits[:, prompt_ids.shape[1] - 1 :]  # (N, T, V)
 
 

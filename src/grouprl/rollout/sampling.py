@@ -28,7 +28,7 @@ from torch import nn
 
 from grouprl.errors import UserError
 from grouprl.messages import is_conversational
-from grouprl.rollout import _hf, chunks
+from grouprl.rollout import _hf, chunks, routes
 from grouprl.rollout.decoding import Decoded, Settings, stop_or_keep
 from grouprl.rollout.draws import (  # noqa: F401 (the filters and the draw are public here)
     pick,
@@ -252,11 +252,28 @@ def sample_groups(
         turns=None if tools is None else Turns(tools, tokenizer, n, max_new_tokens, device),
     )
     with torch.inference_mode() if lockstep is None else torch.no_grad():
-        out = _decode(model, prompt_ids, prompt_mask, settings)
+        out = _routed_decode(model, prompt_ids, prompt_mask, settings)
     width = int(out.lengths.max())  # T
     texts, record = _texts(tokenizer, out.tokens[:, :width], out.lengths, out.ended, eos_ids,
                            stop, settings.turns)  # fmt: skip
     return out.rollout(prompt_ids, prompt_mask, texts, prompt_texts, settings, record)
+
+
+def _routed_decode(
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Settings
+) -> Decoded:
+    """`_decode`, recording the experts of every token fed (`Decoded.routes`) when the model's
+    route tap asks for the sampler's (a mixture-of-experts policy, `grouprl.rollout.routes`)."""
+    tap = routes.tap_of(model)
+    if tap is None or not tap.sampling:
+        return _decode(model, prompt_ids, prompt_mask, settings)
+    n = prompt_ids.shape[0] * settings.group_size
+    width = int(prompt_mask.sum(-1).max()) + settings.max_new_tokens
+    recorder = routes.Session(record=(tap.empty(n, width, prompt_ids.device),))
+    with routes.recording(recorder):
+        out = _decode(model, prompt_ids, prompt_mask, settings)
+    out.routes = recorder.record[0]
+    return out
 
 
 def _decode(
@@ -308,9 +325,12 @@ def _decode(
                     cache.batch_select_indices(keep)
                     rows = keep if rows is None else rows[keep]
                     done, attn, next_pos, tok = done[keep], attn[keep], next_pos[keep], tok[keep]
-            logits = _hf.forward_last(
-                model, tok[:, None], attn[:, : prompt_width + t + 1], (next_pos + t)[:, None], cache
-            )  # (n, V)
+            position = (next_pos + t)[:, None]  # (n, 1)
+            fed = rows if rows is not None else torch.arange(len(tok), device=device)
+            with routes.feeding(position, torch.ones_like(position, dtype=torch.bool), fed):
+                logits = _hf.forward_last(
+                    model, tok[:, None], attn[:, : prompt_width + t + 1], position, cache
+                )  # (n, V)
     return out
 
 
@@ -363,7 +383,10 @@ def _prefill(
     so short prompts keep per-row copies)."""
     prompt_pos = _hf.left_pad_positions(prompt_mask)  # (B, P)
     cache = _hf.new_cache(model)
-    logits = _hf.forward_last(model, prompt_ids, prompt_mask, prompt_pos, cache)  # (B, V)
+    first = torch.arange(len(prompt_ids), device=prompt_ids.device) * group_size  # (B,)
+    with routes.feeding(prompt_pos, prompt_mask, first):  # each group's first row: copied below
+        logits = _hf.forward_last(model, prompt_ids, prompt_mask, prompt_pos, cache)  # (B, V)
+    routes.share_prompts(group_size, int(prompt_mask.sum(-1).max()))
     shared = (
         group_size > 1
         and prompt_ids.shape[1] >= SHARED_PROMPT_MIN_TOKENS

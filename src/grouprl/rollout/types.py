@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from grouprl.rollout.routes import widened
 from grouprl.rollout.turns import TurnHandler, TurnRecord
 
 
@@ -63,6 +64,10 @@ class Rollout:
             trajectory is the sampled ids and the observation ids fed, exactly; its `texts` are
             the transcript's turns joined. It ends at EOS after the model's last turn (or at a
             stop string, the budget, or a call past the limit of calls).
+        routes: (N, S, L, K) int16 or None: for a mixture-of-experts policy whose sampler
+            records them (`grouprl.rollout.routes`), the K experts each of its L routers chose
+            for each token the sampler fed, by position id (row r's j-th token: its prompt's
+            unpadded tokens, then its completion's); −1 where none was recorded.
     """
 
     prompt_ids: torch.Tensor  # (B, P)
@@ -81,6 +86,7 @@ class Rollout:
     turns: TurnRecord | None = None  # multi-turn rollouts: transcripts and tool counts
     behaviour_logp: torch.Tensor | None = None  # (N, T); None: old_logp is the sampler's
     version: torch.Tensor | None = None  # (N,) int64: the policy version that sampled each row
+    routes: torch.Tensor | None = None  # (N, S, L, K) int16: the sampler's expert choices
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -97,6 +103,8 @@ class Rollout:
             raise ValueError("behaviour_logp must be (N, T) like mask")
         if self.version is not None and self.version.shape != (n,):
             raise ValueError("version must be (N,): one policy version per row")
+        if self.routes is not None and (self.routes.dim() != 4 or self.routes.shape[0] != n):
+            raise ValueError("routes must be (N, S, L, K): one table of expert ids per row")
         if self.loss_mask.shape != self.mask.shape:
             raise ValueError("loss_mask must be (N, T) like mask")
         if self.loss_mask is not self.mask and bool((self.loss_mask & ~self.mask).any()):
@@ -160,6 +168,7 @@ class Rollout:
             turns=None if self.turns is None else self.turns.select(rows.tolist()),
             behaviour_logp=None if self.behaviour_logp is None else self.behaviour_logp[ri],
             version=None if self.version is None else self.version[ri.to(self.version.device)],
+            routes=None if self.routes is None else self.routes[ri.to(self.routes.device)],
         )
 
     def _loss_mask_or_none(self, rows: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -174,7 +183,7 @@ class Rollout:
         tensors = ("prompt_ids", "prompt_mask", "completion_ids", "mask", "old_logp", "truncated")
         moved = {name: getattr(self, name).to(device) for name in tensors}
         optional = {name: None if (t := getattr(self, name)) is None else t.to(device)
-                    for name in ("entropy", "behaviour_logp", "version")}  # fmt: skip
+                    for name in ("entropy", "behaviour_logp", "version", "routes")}  # fmt: skip
         loss_mask = self._loss_mask_or_none()
         loss_mask = None if loss_mask is None else loss_mask.to(device)
         return dataclasses.replace(self, **moved, **optional, loss_mask=loss_mask)
@@ -285,12 +294,22 @@ class Rollout:
                 if all(p.version is not None for p in parts)
                 else None
             ),
+            routes=_joined_routes([p.routes for p in parts]),
         )
 
     @property
     def sampler_logp(self) -> torch.Tensor:
         """(N, T): the log-probs the sampler computed, `behaviour_logp` or else `old_logp`."""
         return self.old_logp if self.behaviour_logp is None else self.behaviour_logp
+
+
+def _joined_routes(tables: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Rows' route tables (R, S, L, K) as one, each −1-padded to the widest; None unless
+    every part has one."""
+    if any(t is None for t in tables):
+        return None
+    width = max(t.shape[1] for t in tables)
+    return torch.cat([widened(t, width) for t in tables])
 
 
 @dataclass

@@ -36,7 +36,7 @@ from torch import nn
 from grouprl.config.options import RunConfig
 from grouprl.config.training import AsyncOptions
 from grouprl.errors import UserError
-from grouprl.rollout import HFRolloutEngine, Rollout
+from grouprl.rollout import HFRolloutEngine, Rollout, routes
 from grouprl.train.batch import Batch
 from grouprl.train.collect import Collected, Sampler, collect_batch
 
@@ -110,6 +110,7 @@ class AsyncSampler:
         self.threads = threads or torch.get_num_threads()  # 0: the trainer's own count
         self.names = [name for name, p in policy.named_parameters() if p.requires_grad]
         model = copy.deepcopy(policy).eval()
+        routes.share_tap(policy, model)  # the copy's routers record what it samples too
         for p in model.parameters():
             p.requires_grad_(False)
         self.model = model

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grouprl.core import LossStats, mean_over
+from grouprl.core import CorrectionSums, LossStats, MismatchSums, mean_over
 from grouprl.rollout import Rollout
 from grouprl.train.batch import Batch
 from grouprl.train.parallel.distributed import SINGLE, Dist
@@ -85,20 +85,21 @@ class UpdateSums:
         )
     )
 
-    def add(
-        self,
-        plan: Minibatch,
-        loss: float,
-        sums: list[float],
-        extremes: torch.Tensor,
-        trained_rows: float,
-        rows: float,
-        grad_norm: float | None,
-    ) -> None:
-        """One minibatch's update: its global loss and sums, this rank's extremes, and the
-        gradient norm (None: the step was skipped as non-finite)."""
-        self.trained_rows += trained_rows
-        self.rows += rows
+    teacher: tuple[float, float] = (0.0, 0.0)  # --teacher-loss jsd: Σ JSD and the tokens
+    aux: tuple[float, float] = (0.0, 0.0)  # the routers' balancing loss: Σ loss·rows, Σ rows
+    applied: CorrectionSums = dataclasses.field(default_factory=CorrectionSums)  # this rank's
+    mismatch: MismatchSums = dataclasses.field(default_factory=MismatchSums)  # bypass: this rank's
+
+    def add(self, plan: Minibatch, passes: Any, grad_norm: float | None) -> None:
+        """One minibatch's update: its passes' sums over every rank (`update.PassSums`: the global
+        loss and sums, this rank's extremes) and the gradient norm (None: the step was skipped
+        as non-finite)."""
+        loss, sums, extremes = passes.loss, passes.stats, passes.extremes
+        self.trained_rows += passes.trained_rows
+        self.rows += passes.rows
+        self.teacher = tuple(a + b for a, b in zip(self.teacher, passes.teacher, strict=True))
+        self.aux = tuple(a + b for a, b in zip(self.aux, passes.aux, strict=True))
+        self.applied, self.mismatch = self.applied + passes.applied, self.mismatch + passes.mismatch
         if grad_norm is None:  # a NaN or inf never reached the weights, nor AdamW's moments
             self.nonfinite += 1
             return

@@ -14,7 +14,7 @@ from torch import nn
 from grouprl.config.options import RunConfig
 from grouprl.core import MismatchSums, logp_mismatch
 from grouprl.models.precision import autocast
-from grouprl.rollout import Rollout, model_device
+from grouprl.rollout import Rollout, model_device, routes
 from grouprl.train.parallel.fsdp import logprobs
 from grouprl.train.plan import Chunk, Minibatch, Shape, plan_rows
 
@@ -37,7 +37,7 @@ def trainer_old_logp(
     for plan in plans:
         chunks = []
         for chunk in plan.chunks:
-            with torch.no_grad(), autocast(device, dtype):
+            with torch.no_grad(), autocast(device, dtype), routes.forwarding(chunk.rows):
                 old_logp = logprobs(
                     policy,
                     chunk.rollout,
@@ -83,7 +83,11 @@ def no_grad_logprobs(
         else:
             chunks = plan_rows(cfg, piece, rows, shape.overhead if by_width else None, shape)
         for chunk in chunks:
-            with torch.no_grad(), autocast(model_device(model), dtype):
+            with (
+                torch.no_grad(),
+                autocast(model_device(model), dtype),
+                routes.forwarding(chunk.rows),
+            ):
                 out[chunk.rows] = logprobs(model, chunk.rollout, temperature=cfg.temperature,
                                            buckets=chunk.buckets, packs=chunk.packs)  # fmt: skip
     return out

@@ -70,6 +70,7 @@ from grouprl.train.parallel import distributed
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep, full_state, shard
 from grouprl.train.prompts import HeldOut, held_out, no_prompt_fits
+from grouprl.train.routing import Routing, routing_for
 from grouprl.train.update import grad_scaler, make_optimizer
 
 
@@ -129,6 +130,7 @@ class Run:
         None  # the asynchronous sampler (`grouprl.train.async_sampler`), --max-staleness > 0
     )
     resumed_from: Path | None = None  # the checkpoint a resume loaded
+    routing: Routing | None = None  # a mixture-of-experts policy's (`grouprl.train.routing`)
 
     def warn(self, message: str) -> None:
         self.console.print(f"[yellow]warning:[/] {message}")
@@ -167,7 +169,7 @@ def setup_run(
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    policy, tokenizer, reference, teacher = _models(cfg, dist, device)
+    policy, tokenizer, reference, teacher, routing = _models(cfg, dist, device)
     tools = estimator_tools(
         cfg, build_tools(cfg, task, tokenizer, stop_token_ids(policy, tokenizer))
     )
@@ -215,15 +217,21 @@ def setup_run(
         console=console,
         callbacks=callbacks,
         live=live,
+        routing=routing,
     )
 
 
-def _models(cfg: RunConfig, dist: Dist, device: torch.device) -> tuple[Any, Any, Any, Any]:
+def _models(
+    cfg: RunConfig, dist: Dist, device: torch.device
+) -> tuple[Any, Any, Any, Any, Routing | None]:
     """The policy, its tokenizer, the reference and the teacher (None where unused), on
     `device`: under FSDP the whole models stay in host memory and each rank moves only its
-    shards; otherwise the policy's parameters are rank 0's."""
+    shards; otherwise the policy's parameters are rank 0's. And a mixture-of-experts policy's
+    routing (`routing_for`: its routers probed before they are sharded, before any engine
+    starts)."""
     host = torch.device("cpu") if dist.fsdp else device
     policy, tokenizer, reference = load_policy(cfg, host)
+    routing = routing_for(cfg, policy)
     teacher = load_teacher(cfg, tokenizer, policy, host)
     if dist.fsdp:
         for model in (policy, reference, teacher):
@@ -231,7 +239,7 @@ def _models(cfg: RunConfig, dist: Dist, device: torch.device) -> tuple[Any, Any,
                 shard(model, device=device)
     else:
         dist.broadcast_parameters(policy)
-    return policy, tokenizer, reference, teacher
+    return policy, tokenizer, reference, teacher, routing
 
 
 def run_engine(

@@ -6,6 +6,7 @@ optimizer, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from grouprl.train.groups import TokenWatch, group_records, watch_groups
 from grouprl.train.metrics import step_metrics
 from grouprl.train.nograd import no_grad_logprobs
 from grouprl.train.parallel.distributed import Dist
+from grouprl.train.routing import StepRoutes
 from grouprl.train.run import Run, RunState
 from grouprl.train.turn_rewards import (
     episode_turns,
@@ -130,11 +132,20 @@ def train_on(
         given = torch.cat([advantages, advantages[parents]])
     else:
         given = advantages
-    diagnostics = update(cfg, run.policy, run.optimizer, trained, given, ref_logp,
-                         teacher_logp=teacher_logp, teacher=jsd_teacher,
-                         dtype=run.sampler.dtype, scaler=run.scaler, dist=dist,
-                         lockstep=run.lockstep, entropy_state=entropy_state,
-                         step=step, watch=watch, parents=parents)  # fmt: skip
+    routing = None if run.routing is None else StepRoutes(run.routing, trained.rollout, step,
+                                                          run.device)  # fmt: skip
+    with routing.recording() if routing is not None else contextlib.nullcontext():
+        if routing is not None and routing.records_first(cfg, run.sampler.dtype):
+            no_grad_logprobs(cfg, run.policy, trained.rollout, run.sampler.dtype)
+        diagnostics = update(cfg, run.policy, run.optimizer, trained, given, ref_logp,
+                             teacher_logp=teacher_logp, teacher=jsd_teacher,
+                             dtype=run.sampler.dtype, scaler=run.scaler, dist=dist,
+                             lockstep=run.lockstep, entropy_state=entropy_state, step=step,
+                             watch=watch, parents=parents,
+                             router_aux=0.0 if run.routing is None else run.routing.aux_coef)  # fmt: skip
+    if routing is not None:  # how far routing moved (one no-grad forward, on its steps)
+        diagnostics.update(routing.metrics(cfg, run.policy, trained.rollout, run.sampler.dtype,
+                                           dist))  # fmt: skip
     if kl_reward is not None:  # per token, over every rank's trained tokens (TRL's "kl")
         total, tokens = dist.sum(float(kl_reward.sum()), int(batch.rollout.loss_mask.sum()))
         diagnostics["kl"] = total / max(tokens, 1)

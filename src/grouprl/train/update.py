@@ -28,6 +28,7 @@ from grouprl.core import (
     MismatchSums,
     correction_weights,
     distillation_advantages,
+    load_balancing_loss,
     logp_mismatch,
     mean_over,
     policy_loss,
@@ -36,7 +37,7 @@ from grouprl.faults import fault
 from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models.lora import adapter_dropout
 from grouprl.models.precision import autocast
-from grouprl.rollout import Rollout, model_device
+from grouprl.rollout import Rollout, model_device, routes
 from grouprl.train.batch import Batch
 from grouprl.train.entropy import EntropyTerms, high_entropy_tokens
 from grouprl.train.groups import TokenWatch
@@ -73,6 +74,7 @@ def update(
     teacher: nn.Module | None = None,
     watch: TokenWatch | None = None,
     parents: torch.Tensor | None = None,  # (K,): the last K rows are their branches (train_on)
+    router_aux: float = 0.0,
 ) -> dict[str, float]:
     """`epochs` passes over `minibatches` minibatches of whole groups, one optimizer step each.
 
@@ -80,9 +82,10 @@ def update(
     holds them, and the step (Clip-Cov's draw's seed): see `EntropyTerms`. teacher_logp (N, T)
     / teacher: the teacher's log-probs of the samples, or itself (`grouprl.train.teacher`).
     watch: rows whose loss terms each pass records (`grouprl.train.groups`), or None.
-    advantages: (N,), or (N, T) per token (each turn's); ref_logp: (N, T) or None; dtype: the autocast dtype of the forwards (the
-    run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of fp16 forwards (see
-    `grad_scaler`). Returns the update's diagnostics (`UpdateSums.metrics`).
+    router_aux: the weight of a mixture-of-experts policy's balancing loss (0: off). advantages:
+    (N,), or (N, T) per token (each turn's); ref_logp: (N, T) or None; dtype: the autocast dtype
+    of the forwards (the run's one, `Sampler.dtype`; None: float32); scaler: the loss scaler of
+    fp16 forwards (see `grad_scaler`). Returns the update's diagnostics (`UpdateSums.metrics`).
 
     Groups without a learning signal are skipped (`skip_zero_advantage`; not with beta > 0, an
     entropy bonus or Clip/KL-Cov): a group whose completions all scored the same has advantages
@@ -91,12 +94,13 @@ def update(
     minibatch left empty still takes its optimizer step (zero gradients move AdamW's moments and
     step count), so the parameters equal the full computation's up to float rounding (a
     parameter no forward touches would keep no gradient there: no supported model has one).
-    `trained_frac` is the fraction of completions trained. A step whose loss or gradient norm is not finite is skipped (`nonfinite_updates`; the run
-    stops after `max_nonfinite_steps` in a row): no NaN reaches the weights or AdamW's moments.
-    Micro-batching: chunks of at most `micro_batch_size` completions accumulate gradients, each
-    loss divided by the whole minibatch's counts, so the update is the same. Data parallel
-    (`dist`): this rank's share of the groups; counts, gradients (before clipping) and every
-    diagnostic are the global minibatch's. Under FSDP `lockstep` pads the passes.
+    `trained_frac` is the fraction of completions trained. A step whose loss or gradient norm is
+    not finite is skipped (`nonfinite_updates`; the run stops after `max_nonfinite_steps` in a
+    row): no NaN reaches the weights or AdamW's moments. Micro-batching: chunks of at most
+    `micro_batch_size` completions accumulate gradients, each loss divided by the whole
+    minibatch's counts, so the update is the same. Data parallel (`dist`): this rank's share of
+    the groups; counts, gradients (before clipping) and every diagnostic are the global
+    minibatch's. Under FSDP `lockstep` pads the passes.
     """
     rollout = batch.rollout
     advantages = advantages.to(model_device(policy))  # (N,) or (N, T)
@@ -109,16 +113,14 @@ def update(
     plans, mismatch = _plans(cfg, policy, rollout, advantages, mask, dtype, dist,
                              lockstep or Lockstep(dist), parents)  # fmt: skip
     inputs = _loss_inputs(cfg, rollout, advantages, mask, ref_logp, dtype, dist, teacher_logp,
-                          teacher)  # fmt: skip
+                          teacher, router_aux)  # fmt: skip
     sums = UpdateSums(has_kl=ref_logp is not None)
-    applied, bypass_mismatch, jsd = CorrectionSums(), MismatchSums(), (0.0, 0.0)
     extras = EntropyTerms.start(cfg, dist, entropy_state, step, inputs.advantages, inputs.mask)
     for epoch in range(cfg.epochs):
         for index, plan in enumerate(plans):
             optimizer.zero_grad(set_to_none=True)
             passes = _backward(cfg, policy, plan, inputs, scaler, first_epoch=epoch == 0,
                                watch=watch, **extras.before(plan, epoch, index))  # fmt: skip
-            applied, bypass_mismatch = applied + passes.applied, bypass_mismatch + passes.mismatch
             if passes.trained_rows == 0:  # nothing trained here: a zero gradient (AdamW steps)
                 _zero_gradients(params)
             dist.sum_gradients(params)
@@ -127,14 +129,13 @@ def update(
             grad_norm = optimizer_step(optimizer, params, max_norm=max_norm, scaler=scaler,
                                        loss=passes.loss)  # fmt: skip
             fault("update")
-            sums.add(plan, passes.loss, passes.stats, passes.extremes, passes.trained_rows,
-                     passes.rows, grad_norm)  # fmt: skip
+            sums.add(plan, passes, grad_norm)
             extras.after(*passes.entropy)
-            jsd = (jsd[0] + passes.teacher[0], jsd[1] + passes.teacher[1])
-    mismatch = bypass_mismatch if inputs.bypass else mismatch  # bypass: each pass's forward
-    return {**_update_metrics(sums, inputs, mismatch, applied, dist),
+    mismatch = sums.mismatch if inputs.bypass else mismatch  # bypass: each pass's forward
+    return {**_update_metrics(sums, inputs, mismatch, sums.applied, dist),
             **extras.metrics(inputs.threshold),
-            **teacher_metrics(rollout, teacher_logp, mask, jsd if teacher else None, dist)}  # fmt: skip
+            **teacher_metrics(rollout, teacher_logp, mask, sums.teacher if teacher else None,
+                              dist)}  # fmt: skip
 
 
 def _update_metrics(
@@ -145,10 +146,13 @@ def _update_metrics(
     dist: Dist,
 ) -> dict[str, float]:
     """The update's diagnostics over the whole job: the loss's, the sampler's mismatch (where
-    the sampler is not the trainer), the correction's (where one applies)."""
+    the sampler is not the trainer), the correction's (where one applies), the routers'
+    balancing loss per row (where weighted)."""
     if dist.enabled:
         dist.all_reduce(sums.extremes, "max")
     metrics = sums.metrics()
+    if inputs.router_aux:
+        metrics["router_aux_loss"] = sums.aux[0] / max(sums.aux[1], 1)
     if mismatch is not None:
         metrics.update(mismatch_metrics(mismatch, dist))
     if inputs.correction is not None:
@@ -166,12 +170,14 @@ def _loss_inputs(
     dist: Dist = SINGLE,
     teacher_logp: torch.Tensor | None = None,
     teacher: nn.Module | None = None,
+    router_aux: float = 0.0,
 ) -> _LossInputs:
     """What every pass's loss reads: the correction only where the sampler is not the
     trainer's fp32 forward (another dtype, engine or version), bypass only there too; the
     off-policy sequence mask alone also where a batch trains several updates (its π_b is then
     the sampler's log-probs, old_logp: the drift is the updates'). With a teacher, per-token
-    advantages (`teacher_logp`) or the jsd loss (`teacher`) beside the task's weighted ones."""
+    advantages (`teacher_logp`) or the jsd loss (`teacher`) beside the task's weighted ones;
+    `router_aux`, the routers' balancing loss's weight."""
     corr = correction(cfg)
     differs = dtype is not None or rollout.behaviour_logp is not None
     if not differs:
@@ -191,7 +197,7 @@ def _loss_inputs(
     return _LossInputs(loss_options(cfg), advantages, mask, ref_logp, dtype,
                        corr if corr.active else None,
                        differs and cfg.proximal == "behaviour", keep, threshold,
-                       per_token, jsd)  # fmt: skip
+                       per_token, jsd, router_aux)  # fmt: skip
 
 
 def correction_metrics(sums: CorrectionSums, dist: Dist = SINGLE) -> dict[str, float]:
@@ -288,19 +294,20 @@ class PassSums:
     # against these passes' forward
     entropy: tuple[float, float] = (0.0, 0.0)  # with an entropy bonus: Σ H and the tokens
     teacher: tuple[float, float] = (0.0, 0.0)  # --teacher-loss jsd: Σ JSD and the tokens
+    aux: tuple[float, float] = (0.0, 0.0)  # the routers' balancing loss: Σ loss·rows, Σ rows
 
     def over_ranks(self, dist: Dist) -> PassSums:
         """The sums of every rank's passes: one all-reduce (float64)."""
         if not dist.enabled:
             return self
         packed = torch.tensor([self.loss, *self.stats, self.trained_rows, self.rows,
-                               *self.entropy, *self.teacher], dtype=torch.float64,
+                               *self.entropy, *self.teacher, *self.aux], dtype=torch.float64,
                               device=dist.device)  # fmt: skip
-        loss, *stats, trained_rows, rows, h_sum, h_tokens, j_sum, j_tokens = dist.all_reduce(
-            packed).tolist()  # fmt: skip
+        loss, *stats, trained_rows, rows, h_sum, h_tokens, j_sum, j_tokens, a_sum, a_rows = (
+            dist.all_reduce(packed).tolist())  # fmt: skip
         return dataclasses.replace(self, loss=loss, stats=stats, trained_rows=trained_rows,
                                    rows=rows, entropy=(h_sum, h_tokens),
-                                   teacher=(j_sum, j_tokens))  # fmt: skip
+                                   teacher=(j_sum, j_tokens), aux=(a_sum, a_rows))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -318,6 +325,7 @@ class _LossInputs:
     threshold: float | None = None  # their entropy threshold
     token_advantages: torch.Tensor | None = None  # (N, T) with a teacher (None: `advantages`)
     teacher: TeacherLoss | None = None  # --teacher-loss jsd
+    router_aux: float = 0.0  # the weight of the routers' balancing loss (0: off)
 
 
 def _backward(
@@ -347,10 +355,10 @@ def _backward(
     sums = torch.zeros(len(LossStats.SUMS), dtype=torch.float64, device=device)
     extremes = torch.full((len(LossStats.EXTREMES),), -math.inf, dtype=torch.float64, device=device)
     trained_rows, applied, mismatch = 0, CorrectionSums(), MismatchSums()
-    h_sum, j_sum = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
-    h_tokens = j_tokens = 0
+    h_sum, j_sum, a_sum = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
+    h_tokens = j_tokens = a_rows = 0
     for i, chunk in enumerate(plan.chunks):
-        logp, entropy, jsd = _forward(cfg, policy, chunk, inputs, bonus is not None)  # (n, T)
+        logp, entropy, jsd, aux = _forward(cfg, policy, chunk, inputs, bonus is not None)
         sampled, chunk_mask = chunk.rollout, inputs.mask[chunk.rows]
         keep = None if inputs.keep is None else inputs.keep[chunk.rows]
         chosen = None if selections is None else selections[i]
@@ -373,6 +381,11 @@ def _backward(
             loss = loss + inputs.teacher.coef * total / plan.num_tokens
             j_sum, j_tokens = (j_sum + total.detach() * chunk.weight,
                                j_tokens + int(chunk_mask.sum()) * chunk.weight)  # fmt: skip
+        if aux is not None:  # the routers' balancing loss, weighted by the pass's rows
+            share = len(chunk.rows) / max(plan.num_rows, 1)
+            loss = loss + inputs.router_aux * aux * share
+            a_sum, a_rows = (a_sum + aux.detach() * len(chunk.rows) * chunk.weight,
+                             a_rows + len(chunk.rows) * chunk.weight)  # fmt: skip
         if entropy is not None:  # the bonus over the kept trained tokens
             total, tokens = _entropy_term(entropy, chunk_mask, keep)
             if bonus:  # the adaptive coefficient's 0 only measures: no backward through H
@@ -389,22 +402,27 @@ def _backward(
             sums += out.stats.sums()
             extremes = torch.maximum(extremes, out.stats.extremes())
             trained_rows += len(chunk.rows)
-    shared = torch.cat([loss_sum[None], sums, h_sum[None], j_sum[None]]).tolist()  # one sync
-    return PassSums(shared[0], shared[1:-2], float(trained_rows), float(plan.num_rows),
-                    extremes.cpu(), applied, mismatch, (shared[-2], float(h_tokens)),
-                    (shared[-1], float(j_tokens)))  # fmt: skip
+    shared = torch.cat([loss_sum[None], sums, h_sum[None], j_sum[None], a_sum[None]]).tolist()
+    return PassSums(shared[0], shared[1:-3], float(trained_rows), float(plan.num_rows),
+                    extremes.cpu(), applied, mismatch, (shared[-3], float(h_tokens)),
+                    (shared[-2], float(j_tokens)), (shared[-1], float(a_rows)))  # fmt: skip
 
 
 def _forward(
     cfg: RunConfig, policy, chunk, inputs: _LossInputs, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """A pass's forward: the log-probs (n, T) of its rows, their entropies (or None), and with
-    --teacher-loss jsd the divergence from the teacher at each position (or None)."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """A pass's forward: the log-probs (n, T) of its rows, their entropies (or None), with
+    --teacher-loss jsd the divergence from the teacher at each position (or None), and with a
+    balancing loss its value over the pass's tokens (`grouprl.core.load_balancing_loss`; or
+    None). Under a routes session (`grouprl.train.routing`) its rows' routes are recorded or
+    replayed."""
     device = model_device(policy)
     with (
         autocast(device, inputs.dtype),
         _recomputing(cfg, policy),
         adapter_dropout(policy, cfg.lora_dropout > 0),
+        routes.forwarding(chunk.rows),
+        routes.collecting(inputs.router_aux != 0) as gates,
     ):
         divergence = None if inputs.teacher is None else inputs.teacher.divergence(chunk.rollout)
         out = logprobs(policy, chunk.rollout, temperature=cfg.temperature, buckets=chunk.buckets,
@@ -412,7 +430,9 @@ def _forward(
     out = list(out) if isinstance(out, tuple) else [out]
     logp = out.pop(0)
     entropy = out.pop(0) if with_entropy else None
-    return logp, entropy, (out.pop(0) if divergence is not None else None)
+    jsd = out.pop(0) if divergence is not None else None
+    aux = load_balancing_loss(gates, routes.tap_of(policy).top_k) if gates else None
+    return logp, entropy, jsd, aux
 
 
 def _token_weight(

@@ -468,6 +468,7 @@ def options_from(
             args.gradient_checkpointing or args.activation_checkpointing
         ),
         "trust_remote_code": bool(args.trust_remote_code),
+        "router_aux_loss_coef": args.router_aux_loss_coef,  # None: the model's own, as TRL
         "device": "cpu" if args.use_cpu else "auto",
         "progress": not args.disable_tqdm,
         "strategy": "fsdp" if args.fsdp else "ddp",

@@ -157,7 +157,7 @@ FIELDS: dict[str, Field] = {name: Field(*spec) for name, spec in {
     # -- GRPOConfig's own --
     "model_init_kwargs": (dict[str, Any] | str | None, None, MAPPED),
     "trust_remote_code": (bool, False, MAPPED),
-    "router_aux_loss_coef": (float | None, None, REFUSED),
+    "router_aux_loss_coef": (float | None, None, MAPPED),
     "disable_dropout": (bool, False, MAPPED),
     "cast_lm_head_to_fp32": (bool, False, REFUSED),
     "num_generations": (int | None, 8, MAPPED),
@@ -297,6 +297,8 @@ HELP: dict[str, str] = {
     "vllm_max_model_length": "Longest prompt + completion vLLM holds.",
     "vllm_tensor_parallel_size": "Only 1: grouprl's vLLM runs on one device.",
     "beta": "The KL penalty's coefficient (0: no reference model).",
+    "router_aux_loss_coef": "A mixture-of-experts policy's load-balancing loss weight (None: "
+    "the model config's own; grouprl's --router-aux-loss-coef).",
     "num_iterations": "Epochs over each generation batch.",
     "epsilon": "The clip's lower epsilon.",
     "delta": "The two-sided clip's upper bound on the ratio (INTELLECT-2).",

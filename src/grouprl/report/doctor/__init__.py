@@ -35,6 +35,7 @@ from grouprl.report.doctor.updates import (
     check_clipping,
     check_mismatch,
     check_nonfinite,
+    check_routing,
 )
 from grouprl.report.runs import RunLog, load_run
 
@@ -50,6 +51,7 @@ CHECKS: list[Callable[[RunLog], list[Finding]]] = [
     check_blowups,
     check_nonfinite,
     check_mismatch,
+    check_routing,
     check_length,
     check_reward_vs_heldout,
     check_reward_health,

@@ -235,3 +235,56 @@ def check_mismatch(run: RunLog) -> list[Finding]:
              "completions), lower --max-staleness, or sample in the trainer's precision"),
         )
     ]  # fmt: skip
+
+
+# ----- expert routing (mixture-of-experts policies) ---------------------------------------------
+#: Share of the completions' (token, layer) expert sets one step changes, as a last-window median:
+#: the GSPO paper (Zheng et al. 2025, §5.3) measures about 10% per update on a 48-layer
+#: Qwen3-30B-A3B and finds that enough to stop GRPO converging without routing replay.
+ROUTING_CHANGE_WARN = 0.1
+#: ... and grown this many times since the first window: routing is getting less stable.
+ROUTING_GROWTH = 1.5
+#: Share of expert sets on which the sampler and the trainer disagree before the update: a few
+#: percent means each ratio starts from a different network for those tokens (R3's motivation,
+#: Ma et al. 2025); the same weights in the same precision disagree on none.
+ROUTING_MISMATCH_WARN = 0.05
+
+
+def check_routing(run: RunLog) -> list[Finding]:
+    """A mixture-of-experts run's routing: the share of expert sets a step changes climbing
+    past ROUTING_CHANGE_WARN (by ROUTING_GROWTH x since its first window), and the sampler's
+    routes differing from the trainer's on more than ROUTING_MISMATCH_WARN of them."""
+    out = []
+    replay = run.config.get("routing_replay") or "off"
+    sequence = run.config.get("ratio_level") == "sequence"
+    medians = window_medians(run, "routing_update_changed")
+    if medians is not None:
+        first, last, early, late = medians
+        if last > ROUTING_CHANGE_WARN and last > ROUTING_GROWTH * first:
+            out.append(
+                Finding(
+                    "routing_volatile",
+                    "warning",
+                    "each step changes more and more of the experts tokens are routed to",
+                    f"expert sets changed per step {first:.3f} ({early}) -> {last:.3f} ({late}); "
+                    f"the GSPO paper finds ~{ROUTING_CHANGE_WARN:.0%} enough to stall GRPO",
+                    "lower --lr" if replay != "off" or sequence else
+                    ("replay the routes (--routing-replay r2, or r3 to replay the sampler's), "
+                     "use GSPO's sequence ratio (--algo gspo), or lower --lr"),
+                )
+            )  # fmt: skip
+    medians = window_medians(run, "routing_sampler_changed")
+    if medians is not None and medians[1] > ROUTING_MISMATCH_WARN:
+        _, last, _, late = medians
+        out.append(
+            Finding(
+                "routing_mismatch",
+                "warning",
+                "the sampler routes tokens to other experts than the trainer does",
+                f"expert sets differing {last:.3f} ({late}; usual: below "
+                f"{ROUTING_MISMATCH_WARN})",
+                "replay the sampler's routes (--routing-replay r3)" if replay != "r3" else
+                "sample in the trainer's precision (--precision fp32)",
+            )
+        )  # fmt: skip
+    return out

@@ -19,7 +19,10 @@ from grouprl.report.sinks import GROUPS_DIR, VOCAB_FILE, group_file, group_steps
 
 #: metrics.jsonl's keys the viewer draws, and eval.jsonl's
 CURVES = ("reward_mean", "accuracy", "frac_zero_std", "clip_frac_low", "clip_frac_high",
-          "entropy", "approx_kl", "completion_len_mean")  # fmt: skip
+          "entropy", "approx_kl", "completion_len_mean", "routing_update_changed",
+          "routing_sampler_changed")  # fmt: skip
+#: a mixture-of-experts run's per-layer metric the page draws as a steps x layers map
+LAYERED = "routing_update_changed"
 EVAL_CURVES = ("pass_at_1",)
 #: config.yaml's fields the page shows and reads the ratios with
 SETTINGS = ("algo", "ratio_level", "objective", "clip_low", "clip_high", "cispo_cap", "epochs",
@@ -61,6 +64,7 @@ def summary(path: Path) -> dict[str, Any]:
         "settings": {k: log.config.get(k) for k in SETTINGS},
         "curves": _columns(log.metrics, CURVES),
         "evals": _columns(log.evals, EVAL_CURVES),
+        "layers": by_layer(log.metrics, LAYERED),
         "steps": steps,
         "finished": log.finished_at is not None,
         "note": note,
@@ -74,6 +78,19 @@ def _columns(records: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, 
         if any(key in r for r in records):
             columns[key] = [r.get(key) for r in records]
     return columns
+
+
+def by_layer(records: list[dict[str, Any]], key: str) -> dict[str, list] | None:
+    """`key`'s per-layer values (`key`_layer0, _layer1, ...) as {"step": [...], "values":
+    [[layer 0, layer 1, ...] per step]} over the steps that logged them; None where none did."""
+    logged = [r for r in records if f"{key}_layer0" in r]
+    if not logged:
+        return None
+    layers = 0
+    while f"{key}_layer{layers}" in logged[0]:
+        layers += 1
+    return {"step": [r.get("step") for r in logged],
+            "values": [[r.get(f"{key}_layer{i}") for i in range(layers)] for r in logged]}  # fmt: skip
 
 
 def step_bytes(path: Path, step: int) -> bytes:

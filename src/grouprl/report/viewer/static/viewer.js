@@ -187,7 +187,39 @@
     ["entropy", function (run) { return [run.curves.step, run.curves.entropy]; }],
     ["approx KL", function (run) { return [run.curves.step, run.curves.approx_kl]; }],
     ["zero-variance groups", function (run) { return [run.curves.step, run.curves.frac_zero_std]; }],
+    ["routes changed by the step", function (run) { return [run.curves.step, run.curves.routing_update_changed]; }],
+    ["routes: sampler vs trainer", function (run) { return [run.curves.step, run.curves.routing_sampler_changed]; }],
   ];
+
+  function renderLayers(box) {  // a mixture-of-experts run: routes changed, steps x layers
+    const shown = shownRuns().filter(function (i) { return RUNS[i].layers; });
+    if (!shown.length) { return; }
+    const run = RUNS[shown[0]], layers = run.layers;
+    const steps = layers.step.length, depth = layers.values[0].length;
+    const W = 230, H = 110, L = 34, B = 16, T = 14;
+    const top = Math.max.apply(null, [].concat.apply([], layers.values).filter(function (v) {
+      return v !== null; }).concat([1e-9]));
+    const chart = svg("svg", { width: W, height: H, class: "curve" });
+    chart.appendChild(svg("text", { x: L, y: 10, class: "title" })).textContent =
+      "routes changed per layer" + (shown.length > 1 ? " (" + run.name + ")" : "");
+    chart.appendChild(svg("text", { x: 2, y: T + 8 })).textContent = "L" + (depth - 1);
+    chart.appendChild(svg("text", { x: 2, y: H - B })).textContent = "L0";
+    chart.appendChild(svg("text", { x: L, y: H - 3 })).textContent = String(layers.step[0]);
+    chart.appendChild(svg("text", { x: W - 60, y: H - 3 })).textContent =
+      String(layers.step[steps - 1]) + " max " + fmt(top, 2);
+    const w = (W - L - 4) / steps, h = (H - T - B) / depth;
+    layers.values.forEach(function (row, k) {
+      row.forEach(function (v, layer) {
+        if (v === null) { return; }
+        const cell = svg("rect", { x: (L + k * w).toFixed(1), y: (T + (depth - 1 - layer) * h).toFixed(1),
+          width: Math.max(w, 1).toFixed(1), height: h.toFixed(1), fill: sequential(v / top) });
+        cell.appendChild(svg("title", {})).textContent =
+          "step " + layers.step[k] + ", layer " + layer + ": " + fmt(v, 3);
+        chart.appendChild(cell);
+      });
+    });
+    box.appendChild(chart);
+  }
 
   function renderCurves() {
     const box = document.getElementById("curves");
@@ -233,6 +265,7 @@
       });
       box.appendChild(chart);
     });
+    renderLayers(box);
   }
 
   function allSteps() {
