@@ -148,3 +148,22 @@ def test_r3_from_vllm_is_refused_in_one_line(models, tmp_path, capsys):
                  "--engine", "vllm", "--output-dir", str(out)]) == 2  # fmt: skip
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and "--routing-replay r2" in err[0] and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--precision", "bf16", "--micro-batch-size", "4"],
+     ["--packing", "on", "--max-tokens-per-micro-batch", "256", "--max-prompt-length", "64"],
+     ["--packing", "on", "--routing-replay", "r2", "--minibatches", "2"]],
+    ids=["bf16-micro-batches", "packed", "packed-but-replayed"],
+)  # fmt: skip
+def test_a_moe_model_trains_through_the_other_paths(models, tmp_path, extra):
+    """bf16 with micro-batches (the trainer recomputes old log-probs: the sampler's routes
+    then may differ from the trainer's), packed token-budget micro-batches, and replay with
+    packing asked (replay runs each row whole instead)."""
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(models / "qwen3_moe"), *_flags(models), *extra,
+                 "--output-dir", str(out)]) == 0  # fmt: skip
+    lines = _metrics(out)
+    assert len(lines) == 3 and all(line["grad_norm"] > 0 for line in lines)
+    assert all(0 <= line["routing_update_changed"] <= 1 for line in lines)

@@ -111,3 +111,16 @@ def test_a_model_whose_attention_ignores_the_restart_does_not_pack(make_model):
 
     model.get_decoder().register_forward_pre_hook(no_packing, with_kwargs=True)
     assert not packs_rows(model)
+
+
+@pytest.mark.numerics
+def test_packed_rows_equal_the_padded_forward_on_a_mixture_of_experts(tmp_path):
+    """A token's route is a function of its own hidden state, so packing leaves every top-k
+    choice, value and gradient as the padded forward has them (float64: no near-tie flips)."""
+    from grouprl.models.tiny import save_tiny_moe_model
+
+    model, tokenizer = save_tiny_moe_model(tmp_path, "qwen3_moe")
+    model = model.to(torch.float64)
+    model.set_experts_implementation("eager")  # torch's grouped_mm takes no float64
+    assert packs_rows(model)
+    assert_packed_equals_padded(model, ragged(model, tokenizer))

@@ -93,6 +93,8 @@ def test_learning_rate_schedule() -> None:
         ({"task": "nope"}, "unknown task"),
         ({"model": "/no/such/model"}, "not a local directory"),
         ({"tools": ["multiply"]}, "conversations of --data"),
+        ({"num_experts": 4, "experts_per_token": 5}, "--experts-per-token"),
+        ({"num_experts": 4, "model": "builtin:arith"}, "fresh model"),
     ],
 )
 def test_user_errors(tmp_path, overrides: dict, match: str) -> None:
@@ -105,3 +107,22 @@ def test_refuses_a_non_empty_output_dir(tmp_path) -> None:
     with pytest.raises(UserError, match="not empty"):
         main(_cfg(tmp_path))
     assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_a_fresh_mixture_of_experts_model(tmp_path) -> None:
+    """--num-experts: a Qwen3-MoE whose experts share the dense MLP's width (intermediate_size
+    / experts_per_token each), fitted with the routers' balancing loss and written as a plain
+    model (a forward returns no router logits) that grouprl recognises as routed."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from grouprl.rollout import routes
+
+    out = tmp_path / "moe"
+    result = train_sft(_cfg(out, num_experts=4, experts_per_token=2, steps=5))
+    model = load_model(str(out))
+    assert isinstance(model, Qwen3MoeForCausalLM) and result.final_loss < result.first_loss
+    config = model.config
+    assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
+    assert config.moe_intermediate_size == TINY["intermediate_size"] // 2
+    assert not config.output_router_logits
+    assert len(routes.routers(model)) == TINY["num_layers"]

@@ -282,8 +282,8 @@ class RoutingOptions:
     """Routing replay: the trainer's forwards use fixed top-k expert choices while the routers'
     softmax stays live (they still get gradient). r2: the step's first forward of each
     completion chooses, its later forwards (old log-probs, minibatches, epochs) replay that;
-    r3: the sampler's choices are replayed (grouprl's own sampler; a vLLM build that returns
-    routed experts). Off: every forward routes afresh."""
+    r3: the sampler's choices are replayed (grouprl's own sampler records them; vLLM's are not
+    read). Off: every forward routes afresh. Needs a mixture-of-experts policy."""
     routing_metrics_every: int = 1
     """On a mixture-of-experts policy, log every this many steps how much routing moved: the
     share of (token, layer) expert sets of the completions that differ between the sampler and

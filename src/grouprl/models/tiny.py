@@ -71,6 +71,33 @@ def build_tiny_llama(tokenizer: PreTrainedTokenizerBase, size: TinySize) -> Llam
     return model
 
 
+def build_tiny_moe(
+    tokenizer: PreTrainedTokenizerBase, size: TinySize, experts: int, per_token: int
+):
+    """A freshly initialised tiny Qwen3-MoE for `tokenizer`: `size`'s shape with every MLP a
+    mixture of `experts` experts, `per_token` a token (renormalised, as Qwen3-MoE's own), each
+    of inner size intermediate_size / per_token, so a token costs what the dense MLP costs
+    (call torch.manual_seed first)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    dense = tiny_llama_config(tokenizer, size)
+    config = Qwen3MoeConfig(
+        vocab_size=dense.vocab_size, hidden_size=size.hidden_size,
+        intermediate_size=size.intermediate_size, num_hidden_layers=size.num_layers,
+        num_attention_heads=size.num_heads, num_key_value_heads=size.num_heads,
+        head_dim=size.hidden_size // size.num_heads, max_position_embeddings=size.max_positions,
+        tie_word_embeddings=True, num_experts=experts, num_experts_per_tok=per_token,
+        moe_intermediate_size=size.intermediate_size // per_token, norm_topk_prob=True,
+        bos_token_id=dense.bos_token_id, eos_token_id=dense.eos_token_id,
+        pad_token_id=dense.pad_token_id,
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model
+
+
 #: Qwen's ChatML chat template, reduced to what prompts and replies need.
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

@@ -37,7 +37,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from grouprl.errors import UserError
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.lora import apply_lora, save_final
-from grouprl.models.tiny import TinySize, build_tiny_llama
+from grouprl.models.tiny import TinySize, build_tiny_llama, build_tiny_moe
 from grouprl.models.tokenizer import build_char_tokenizer, save_tokenizer
 from grouprl.rollout import encode_prompts
 from grouprl.tasks import Task, get_task
@@ -103,6 +103,15 @@ class SFTConfig:
     """Fresh model: attention heads."""
     intermediate_size: int = 512
     """Fresh model: MLP inner size."""
+    num_experts: int = 0
+    """Fresh model: 0 for a dense Llama; else a mixture-of-experts model (Qwen3-MoE) with this
+    many experts per layer, each an MLP of inner size intermediate_size / experts_per_token (a
+    token's compute as the dense model's), trained with the routers' balancing loss."""
+    experts_per_token: int = 2
+    """Fresh mixture-of-experts model: experts each token is routed to (top-k)."""
+    router_aux_loss_coef: float = 0.01
+    """Fresh mixture-of-experts model: the balancing loss's weight during this fit (Switch
+    Transformer's 0.01), so that no expert is left unused."""
     log_every: int = 100
     """Print the mean loss every this many steps (0: only at the end)."""
     progress: bool = True
@@ -142,6 +151,11 @@ def _validate(cfg: SFTConfig) -> None:
         raise UserError(
             f"--hidden-size {cfg.hidden_size} must be divisible by --num-heads {cfg.num_heads}"
         )
+    if cfg.num_experts and not 1 <= cfg.experts_per_token <= cfg.num_experts:
+        raise UserError(f"--experts-per-token must lie in [1, --num-experts {cfg.num_experts}], "
+                        f"got {cfg.experts_per_token}")  # fmt: skip
+    if cfg.num_experts and cfg.model is not None:
+        raise UserError("--num-experts shapes a fresh model; --model brings its own")
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:
@@ -314,6 +328,11 @@ def _policy(cfg: SFTConfig) -> tuple[Any, torch.nn.Module]:
             raise UserError("--data needs --model: an instruct model with a chat template")
         tokenizer = build_char_tokenizer()
         size = TinySize(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size)
+        if cfg.num_experts:
+            model = build_tiny_moe(tokenizer, size, cfg.num_experts, cfg.experts_per_token)
+            model.config.output_router_logits = True  # its loss adds the balancing loss
+            model.config.router_aux_loss_coef = cfg.router_aux_loss_coef
+            return tokenizer, model
         return tokenizer, build_tiny_llama(tokenizer, size)
     tokenizer, model = load_tokenizer(cfg.model), load_model(cfg.model)
     if cfg.lora_r is not None:
@@ -377,6 +396,8 @@ def _train(
     seconds = time.perf_counter() - start
 
     model.eval()
+    if cfg.num_experts:  # written as a plain model: a forward returns no router logits
+        model.config.output_router_logits = False
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model is None:
         model.save_pretrained(cfg.output_dir)
