@@ -64,9 +64,11 @@ def run(args: Args, arm: str, seed: int, out: Path) -> Path:
              "--lr", str(args.lr), "--minibatches", str(args.minibatches), "--eval-every",
              str(args.eval_every), "--eval-size", str(args.eval_size), "--log-groups", "0",
              *ARMS[arm]]  # fmt: skip
-    start = time.perf_counter()
-    done = train_run(out / f"{arm.replace(' ', '-')}-s{seed}", flags, f"{arm} seed {seed}")
-    (done / "wall_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
+    run_dir, start = out / f"{arm.replace(' ', '-')}-s{seed}", time.perf_counter()
+    trained = not (run_dir / "final").exists()  # a finished run is kept as it is
+    done = train_run(run_dir, flags, f"{arm} seed {seed}")
+    if trained:
+        (done / "wall_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
     return done
 
 
@@ -142,17 +144,19 @@ def figure(summary: list[dict], args: Args, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for i, s in enumerate(summary):
         colour, style = f"C{i}", "--" if s["arm"].startswith("gspo") else "-"
+        width = 3.0 - 0.5 * i  # an arm equal to another (r2 and r3 can be) shows beneath it
         steps = sorted(s["pass_at_1"])
         axes[0].plot(steps, [statistics.mean(s["pass_at_1"][t]) for t in steps], style,
-                     color=colour, marker=".", label=s["arm"])  # fmt: skip
+                     color=colour, marker=".", label=s["arm"], linewidth=width)  # fmt: skip
         for ax, key in ((axes[1], "routing_update_changed"), (axes[2], "ratio_max")):
             runs = s["curves"][key]  # None: a step that trained nothing (every group skipped)
-            width = min(len(r) for r in runs)
-            mean = [_mean([r[t] for r in runs]) for t in range(width)]
-            ax.plot(range(1, width + 1), _smoothed(mean, 5), style, color=colour, label=s["arm"])
+            steps_run = min(len(r) for r in runs)
+            mean = [_mean([r[t] for r in runs]) for t in range(steps_run)]
+            ax.plot(range(1, steps_run + 1), _smoothed(mean, 5), style, color=colour,
+                    label=s["arm"], linewidth=width)  # fmt: skip
     axes[0].set_ylabel(f"held-out pass@1 (mean of {len(args.seeds)} seeds)")
     axes[1].set_ylabel("expert sets changed by a step")
-    axes[2].set_ylabel("largest token ratio in a step")
+    axes[2].set_ylabel("largest ratio in a step (GRPO: token, GSPO: sequence)", fontsize=8)
     axes[2].set_yscale("log")
     for ax in axes:
         ax.set_xlabel("step")

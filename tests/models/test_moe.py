@@ -142,12 +142,18 @@ def test_routing_options_on_a_dense_model_are_refused_in_one_line(tmp_path, caps
         assert not out.exists()
 
 
-def test_r3_from_vllm_is_refused_in_one_line(models, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [(["--routing-replay", "r3", "--engine", "vllm"], "--routing-replay r2"),
+     (["--routing-replay", "r2", "--gradient-checkpointing"], "drop one of the two")],
+    ids=["r3-from-vllm", "replay-recomputed"],
+)  # fmt: skip
+def test_replay_that_cannot_hold_is_refused_in_one_line(models, tmp_path, capsys, flags, says):
     out = tmp_path / "run"
-    assert main(["train", "--model", str(models / "qwen3_moe"), *FLAGS, "--routing-replay", "r3",
-                 "--engine", "vllm", "--output-dir", str(out)]) == 2  # fmt: skip
+    assert main(["train", "--model", str(models / "qwen3_moe"), *FLAGS, *flags,
+                 "--output-dir", str(out)]) == 2  # fmt: skip
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert len(err) == 1 and "--routing-replay r2" in err[0] and not out.exists()
+    assert len(err) == 1 and says in err[0] and not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -167,3 +173,26 @@ def test_a_moe_model_trains_through_the_other_paths(models, tmp_path, extra):
     lines = _metrics(out)
     assert len(lines) == 3 and all(line["grad_norm"] > 0 for line in lines)
     assert all(0 <= line["routing_update_changed"] <= 1 for line in lines)
+
+
+def test_a_moe_model_trains_sharded_with_routes_replayed(models, tmp_path):
+    """FSDP2 on 2 processes: the routers are probed before sharding, the sampler records routes
+    in lockstep, R2 replays them under sharded weights, and the routing metrics sum both
+    ranks' tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", "-m", "grouprl", "train", "--model", str(models / "qwen3_moe"),
+               *_flags(models), "--steps", "2", "--strategy", "fsdp", "--routing-replay", "r2",
+               "--minibatches", "2", "--output-dir", "run"]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    assert all(0 <= line["routing_update_changed"] <= 1 for line in lines)
+    assert all(line["routing_sampler_changed"] == 0 for line in lines)

@@ -44,7 +44,8 @@ class Routing:
 def routing_for(cfg: RunConfig, policy: nn.Module) -> Routing | None:
     """The run's `Routing`, or None for a dense policy (or one with nothing to do). One line
     (`UserError`) for what cannot work: replay or a balancing loss on a dense model, replay on
-    routers whose scores no known rule reproduces, R3 from an engine that does not return the
+    routers whose scores no known rule reproduces or under activation checkpointing (whose
+    recomputed forward would route afresh), R3 from an engine that does not return the
     routes it sampled (vLLM, in-process or a server). Installs the policy's route tap."""
     found = routes.routers(policy)
     coef = cfg.router_aux_loss_coef
@@ -69,6 +70,12 @@ def routing_for(cfg: RunConfig, policy: nn.Module) -> Routing | None:
             f"({', '.join(tap.classes)}) compute their scores in a way grouprl does not know "
             "(none of softmax-then-top-k, with or without renormalising, or top-k-then-softmax "
             "reproduces them), so their choices cannot be replayed; drop --routing-replay"
+        )
+    if cfg.routing_replay != "off" and cfg.gradient_checkpointing:
+        raise UserError(
+            f"--routing-replay {cfg.routing_replay} with --gradient-checkpointing: backward "
+            "recomputes each layer's forward, and the recomputed routers would choose afresh, "
+            "not the replayed experts; drop one of the two"
         )
     if cfg.routing_replay == "r3" and (cfg.engine != "hf" or cfg.vllm_server is not None):
         raise UserError(
