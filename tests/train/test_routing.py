@@ -84,3 +84,27 @@ def test_routes_changed_by_a_step_and_from_the_sampler_by_hand(tmp_path):
     assert got["routing_update_changed"] == changed / tokens
     assert got["routing_update_changed_layer0"] == changed / tokens
     assert got["routing_sampler_changed"] == 0.0  # the sampler routed as the trainer did
+
+
+def test_replay_on_routers_whose_scores_no_rule_reproduces_is_refused(tmp_path):
+    """A router scoring its experts by sigmoid (as DeepSeek-V3's do) is recognised by its class
+    and watched, but none of the replay rules reproduces its scores: one line."""
+    import pytest
+
+    from grouprl.errors import UserError
+    from grouprl.train.routing import routing_for
+
+    model, _ = _one_layer(tmp_path)
+    gate = routes.routers(model)[0]
+
+    def sigmoid_scores(hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, gate.hidden_dim), gate.weight)
+        scores, chosen = torch.sigmoid(logits).topk(gate.top_k, dim=-1)
+        return logits, scores, chosen
+
+    gate.forward = sigmoid_scores
+    cfg = resolve(TrainConfig(routing_replay="r2"), task_max_new_tokens=6)
+    with pytest.raises(UserError, match="Qwen3MoeTopKRouter.*cannot be replayed"):
+        routing_for(cfg, model)
+    watched = resolve(TrainConfig(), task_max_new_tokens=6)
+    assert routing_for(watched, model).tap.replayable is False  # watching needs no rule
