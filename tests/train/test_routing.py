@@ -104,7 +104,7 @@ def test_replay_on_routers_whose_scores_no_rule_reproduces_is_refused(tmp_path):
 
     gate.forward = sigmoid_scores
     cfg = resolve(TrainConfig(routing_replay="r2"), task_max_new_tokens=6)
-    with pytest.raises(UserError, match="Qwen3MoeTopKRouter.*cannot be replayed"):
+    with pytest.raises(UserError, match=r"Qwen3MoeTopKRouter.*cannot be replayed"):
         routing_for(cfg, model)
     watched = resolve(TrainConfig(), task_max_new_tokens=6)
     assert routing_for(watched, model).tap.replayable is False  # watching needs no rule
