@@ -16,8 +16,8 @@ forward hook rewrites their output; nothing is copied or patched. How a router t
 chosen experts into scores is found by a probe (`replay_rule`): a router whose scores none of the
 known rules reproduce is not replayable.
 
-Routes are kept per row by token position: a table (N, S, L, K) of expert ids (int16, −1 where
-unknown), entry [r, j, l] the K experts layer l chose for the j-th token of row r's sequence (its
+Routes are kept per row by token position: a table (N, S, L, K) of expert ids (int8 for up to
+128 experts, else int16; −1 where unknown), entry [r, j, l] the K experts layer l chose for the j-th token of row r's sequence (its
 prompt's unpadded tokens, then its completion's), i.e. the token whose position id is j. Every
 forward names its tokens by (row, position id), whatever its layout (a left-padded prompt, a
 cached decode step), so tables from the sampler and from the trainer line up.
@@ -153,16 +153,15 @@ class RouteTap:
             at = slots.clamp(min=0)
             if session.logits is not None:
                 session.logits.append((logits, valid))
-            live = chosen.to(torch.int16)
             for table in session.record:
                 flat = table.view(-1, self.layers, self.top_k)
                 empty = valid & (flat[at, layer, 0] < 0)
-                flat[at[empty], layer] = live[empty]
+                flat[at[empty], layer] = chosen[empty].to(table.dtype)
             if session.replay is None:
                 return None
             flat = session.replay.view(-1, self.layers, self.top_k)
             empty = valid & (flat[at, layer, 0] < 0)
-            flat[at[empty], layer] = live[empty]
+            flat[at[empty], layer] = chosen[empty].to(flat.dtype)
             known = flat[at, layer].long()  # (M, K)
             use = valid & (known[:, 0] >= 0)
             replayed = torch.where(use[:, None], known, chosen)
@@ -179,9 +178,11 @@ class RouteTap:
         self._handles = []
 
     def empty(self, rows: int, width: int, device: torch.device | str) -> torch.Tensor:
-        """A table (rows, width, L, K) of unknown routes (−1)."""
+        """A table (rows, width, L, K) of unknown routes (−1): int8 while expert ids fit
+        (up to 128 experts: Mixtral, Qwen3-MoE, OLMoE), else int16."""
         shape = (rows, width, self.layers, self.top_k)
-        return torch.full(shape, -1, dtype=torch.int16, device=device)
+        dtype = torch.int8 if self.num_experts <= 128 else torch.int16
+        return torch.full(shape, -1, dtype=dtype, device=device)
 
 
 _TAPS: weakref.WeakKeyDictionary[nn.Module, RouteTap] = weakref.WeakKeyDictionary()

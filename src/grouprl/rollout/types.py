@@ -64,7 +64,7 @@ class Rollout:
             trajectory is the sampled ids and the observation ids fed, exactly; its `texts` are
             the transcript's turns joined. It ends at EOS after the model's last turn (or at a
             stop string, the budget, or a call past the limit of calls).
-        routes: (N, S, L, K) int16 or None: for a mixture-of-experts policy whose sampler
+        routes: (N, S, L, K) int8 (int16 past 128 experts) or None: for a mixture-of-experts policy whose sampler
             records them (`grouprl.rollout.routes`), the K experts each of its L routers chose
             for each token the sampler fed, by position id (row r's j-th token: its prompt's
             unpadded tokens, then its completion's); −1 where none was recorded.
@@ -86,7 +86,7 @@ class Rollout:
     turns: TurnRecord | None = None  # multi-turn rollouts: transcripts and tool counts
     behaviour_logp: torch.Tensor | None = None  # (N, T); None: old_logp is the sampler's
     version: torch.Tensor | None = None  # (N,) int64: the policy version that sampled each row
-    routes: torch.Tensor | None = None  # (N, S, L, K) int16: the sampler's expert choices
+    routes: torch.Tensor | None = None  # (N, S, L, K) int8/16: the sampler's expert choices
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
