@@ -172,11 +172,6 @@ class RouteTap:
 
         return hook
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
     def empty(self, rows: int, width: int, device: torch.device | str) -> torch.Tensor:
         """A table (rows, width, L, K) of unknown routes (−1): int8 while expert ids fit
         (up to 128 experts: Mixtral, Qwen3-MoE, OLMoE), else int16."""
