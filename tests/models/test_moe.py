@@ -160,19 +160,22 @@ def test_replay_that_cannot_hold_is_refused_in_one_line(models, tmp_path, capsys
     "extra",
     [["--precision", "bf16", "--micro-batch-size", "4"],
      ["--packing", "on", "--max-tokens-per-micro-batch", "256", "--max-prompt-length", "64"],
-     ["--packing", "on", "--routing-replay", "r2", "--minibatches", "2"]],
-    ids=["bf16-micro-batches", "packed", "packed-but-replayed"],
+     ["--packing", "on", "--routing-replay", "r2", "--minibatches", "2"],
+     ["--max-staleness", "1", "--routing-replay", "r3"]],
+    ids=["bf16-micro-batches", "packed", "packed-but-replayed", "async-r3"],
 )  # fmt: skip
 def test_a_moe_model_trains_through_the_other_paths(models, tmp_path, extra):
     """bf16 with micro-batches (the trainer recomputes old log-probs: the sampler's routes
-    then may differ from the trainer's), packed token-budget micro-batches, and replay with
-    packing asked (replay runs each row whole instead)."""
+    then may differ from the trainer's), packed token-budget micro-batches, replay with packing
+    asked (replay runs each row whole instead), and R3 from the asynchronous sampler's copy of
+    the policy (a step behind: its routes are an older policy's)."""
     out = tmp_path / "run"
     assert main(["train", "--model", str(models / "qwen3_moe"), *_flags(models), *extra,
                  "--output-dir", str(out)]) == 0  # fmt: skip
     lines = _metrics(out)
     assert len(lines) == 3 and all(line["grad_norm"] > 0 for line in lines)
-    assert all(0 <= line["routing_update_changed"] <= 1 for line in lines)
+    for name in ("routing_update_changed", "routing_sampler_changed"):  # every sampler records
+        assert all(0 <= line[name] <= 1 for line in lines), name
 
 
 def test_a_moe_model_trains_sharded_with_routes_replayed(models, tmp_path):
