@@ -14,6 +14,7 @@ import torch
 from grouprl.core import load_balancing_loss
 from grouprl.models.tiny import MOE_FAMILIES, save_tiny_moe_model
 from grouprl.rollout import _hf, completion_logprobs, routes, sample_groups
+from grouprl.rollout.logprobs import plain_head
 
 PROMPTS = ["2 + 3 =", "a longer prompt, so the two are padded differently:"]
 G = 3
@@ -36,7 +37,9 @@ def _sampled(model, tokenizer, seed=1):
 
 
 def _experts_inputs(model):
-    """Hooks on each layer's experts recording the top-k indices they were given, in order."""
+    """Hooks on each layer's experts recording the top-k indices they were given, in order
+    (the head's one probe forward run first, so that only the forward under test is seen)."""
+    plain_head(model)
     seen: list[torch.Tensor] = []
     modules = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
     assert len(modules) == routes.tap(model).layers
@@ -163,6 +166,7 @@ def test_the_balancing_loss_is_transformers_aux_loss(moe):
     """`load_balancing_loss` of the router logits a session collects, over the real tokens,
     equals the aux_loss transformers' model returns for the same padded batch."""
     model, _ = moe
+    top_k = routes.tap(model).top_k  # the hooks that collect the logits
     ids = torch.tensor([[0, 0, 5, 17, 42, 99], [7, 3, 250, 11, 12, 13]])
     attn = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     positions = _hf.left_pad_positions(attn)
@@ -175,7 +179,7 @@ def test_the_balancing_loss_is_transformers_aux_loss(moe):
             routes.collecting() as gates,
         ):
             model(input_ids=ids, attention_mask=attn, position_ids=positions)
-    got = load_balancing_loss(gates, routes.tap(model).top_k)
+    got = load_balancing_loss(gates, top_k)
     terms = len(gates) * ids.numel()
     bound = 2 * terms * torch.finfo(torch.float32).eps * float(want)
     assert len(gates) == routes.tap(model).layers

@@ -165,10 +165,12 @@ def _forward(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded, rows: torch.Te
     feed.set(source_row, source, positions[source_row, source], batch, int(positions.max()) + 1)
     causal = torch.arange(feed.width, device=device)[None, None, :] <= positions[:, :, None]
     mask = torch.cat([prompt_attn[:, None, :].expand(-1, width_in, -1), causal], dim=-1)
-    with routes.feeding(start[:, None] + positions, real & ~blank[:, None], out_rows):
-        return _hf.forward_last(
-            model, ids, _hf.chunk_mask(model, mask), start[:, None] + positions, cache
-        )  # (R, V)
+    fed = start[:, None] + positions  # (R, w) position ids
+    with (
+        routes.feeding(fed, real & ~blank[:, None], out_rows)
+        if routes.active() else contextlib.nullcontext()
+    ):  # fmt: skip
+        return _hf.forward_last(model, ids, _hf.chunk_mask(model, mask), fed, cache)  # (R, V)
 
 
 def _decode_step(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded, rows: torch.Tensor | None,
@@ -186,5 +188,8 @@ def _decode_step(model: nn.Module, feed: _hf.ChunkFeed, out: Decoded, rows: torc
     seen[batch_rows, prompt_width + last] = True
     mask = _hf.chunk_mask(model, seen[:, None, : prompt_width + width])  # (n, 1, 1, P + width)
     position = (start + last)[:, None]  # (n, 1)
-    with routes.feeding(position, ~done[:, None], out_rows):
+    with (
+        routes.feeding(position, ~done[:, None], out_rows)
+        if routes.active() else contextlib.nullcontext()
+    ):  # fmt: skip
         return _hf.forward_last(model, ids[:, None], mask, position, cache)  # (n, V)

@@ -466,6 +466,8 @@ def _full_forward(
         dim=1,
     )  # (N, P + T − 1)
     positions = _hf.left_pad_positions(attn)
+    if not routes.active():
+        return module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False)
     valid = attn if real is None else torch.cat([attn[:, : prompt_ids.shape[1]], real[:, :-1]], 1)
     with routes.feeding(positions, valid):
         return module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False)

@@ -226,10 +226,13 @@ def forwarding(rows: torch.Tensor | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def feeding(positions: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor | None = None):
+def feeding(
+    positions: torch.Tensor, valid: torch.Tensor | None = None, rows: torch.Tensor | None = None
+):
     """One model call's tokens, (n, L) each: their position ids and whether each is a real token
-    of its row (False: padding, whose route is neither kept nor replayed); `rows`: the table row
-    of each batch row (default: the session's, `forwarding`). No-op outside a session."""
+    of its row (False: padding, whose route is neither kept nor replayed; None: every one is);
+    `rows`: the table row of each batch row (default: the session's, `forwarding`). No-op
+    outside a session: callers on a hot path build its arguments only when `active()`."""
     session = _SESSION.get()
     rows = rows if rows is not None or session is None else session.rows
     if session is None or rows is None:
@@ -238,7 +241,8 @@ def feeding(positions: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor | N
     tables = [*session.record, *([] if session.replay is None else [session.replay])]
     width = tables[0].shape[1] if tables else 1 << 30
     rows = rows.to(positions.device)
-    keep = valid.bool() & (positions < width)
+    keep = positions < width
+    keep = keep if valid is None else keep & valid.bool()
     slots = torch.where(keep, rows[:, None] * width + positions, -1)  # (n, L)
     session._slots = slots.reshape(-1)
     try:

@@ -326,12 +326,19 @@ def _decode(
                     rows = keep if rows is None else rows[keep]
                     done, attn, next_pos, tok = done[keep], attn[keep], next_pos[keep], tok[keep]
             position = (next_pos + t)[:, None]  # (n, 1)
-            fed = rows if rows is not None else torch.arange(len(tok), device=device)
-            with routes.feeding(position, torch.ones_like(position, dtype=torch.bool), fed):
+            with (
+                routes.feeding(position, rows=_batch_rows(rows, len(tok), device))
+                if routes.active() else contextlib.nullcontext()
+            ):  # fmt: skip
                 logits = _hf.forward_last(
                     model, tok[:, None], attn[:, : prompt_width + t + 1], position, cache
                 )  # (n, V)
     return out
+
+
+def _batch_rows(rows: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    """The output row of each of the n batch rows (`rows`, or all of them before compaction)."""
+    return rows if rows is not None else torch.arange(n, device=device)
 
 
 def _step(

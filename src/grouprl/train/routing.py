@@ -63,14 +63,6 @@ def routing_for(cfg: RunConfig, policy: nn.Module) -> Routing | None:
                 "found); drop --router-aux-loss-coef"
             )
         return None
-    tap = routes.tap(policy)
-    if cfg.routing_replay != "off" and not tap.replayable:
-        raise UserError(
-            f"--routing-replay {cfg.routing_replay}: the routers of {type(policy).__name__} "
-            f"({', '.join(tap.classes)}) compute their scores in a way grouprl does not know "
-            "(none of softmax-then-top-k, with or without renormalising, or top-k-then-softmax "
-            "reproduces them), so their choices cannot be replayed; drop --routing-replay"
-        )
     if cfg.routing_replay != "off" and cfg.gradient_checkpointing:
         raise UserError(
             f"--routing-replay {cfg.routing_replay} with --gradient-checkpointing: backward "
@@ -87,7 +79,15 @@ def routing_for(cfg: RunConfig, policy: nn.Module) -> Routing | None:
     if coef is None:  # the model's own, as TRL takes it
         coef = float(getattr(policy.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0)
     if cfg.routing_replay == "off" and cfg.routing_metrics_every == 0 and coef == 0:
-        return None
+        return None  # nothing to do: no hooks on the routers
+    tap = routes.tap(policy)
+    if cfg.routing_replay != "off" and not tap.replayable:
+        raise UserError(
+            f"--routing-replay {cfg.routing_replay}: the routers of {type(policy).__name__} "
+            f"({', '.join(tap.classes)}) compute their scores in a way grouprl does not know "
+            "(none of softmax-then-top-k, with or without renormalising, or top-k-then-softmax "
+            "reproduces them), so their choices cannot be replayed; drop --routing-replay"
+        )
     tap.sampling = cfg.routing_replay == "r3" or cfg.routing_metrics_every > 0
     return Routing(tap, cfg.routing_replay, cfg.routing_metrics_every, coef)
 
