@@ -169,6 +169,9 @@ def test_a_saved_config_is_a_record_that_starts_new_runs(tmp_path, capsys):
         ("lr: abc", "lr in {file} takes a number"),
         ("rewards: {correct: x}", "rewards in {file} takes NAME VALUE pairs"),
         ("weight_decay: -1", "invalid config: weight_decay must be >= 0"),
+        ("routing_metrics_every: -1", "invalid config: routing_metrics_every must be >= 0"),
+        ("router_aux_loss_coef: -0.1", "invalid config: router_aux_loss_coef must be >= 0"),
+        ("routing_replay: R2", "routing_replay in {file}: 'R2' is not one of off, r2, r3"),
         ("- a list", "must hold a mapping of field: value"),
     ],
 )

@@ -286,6 +286,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         (cfg.log_ratios_every >= 1, "log_ratios_every must be at least 1"),
         (cfg.log_groups >= 0, "log_groups must be >= 0"),
         (cfg.log_groups_every >= 1, "log_groups_every must be at least 1"),
+        (cfg.routing_metrics_every >= 0, "routing_metrics_every must be >= 0 (0: never)"),
+        (
+            cfg.router_aux_loss_coef is None or cfg.router_aux_loss_coef >= 0,
+            "router_aux_loss_coef must be >= 0 (or unset: the model's own)",
+        ),
         (cfg.threads is None or cfg.threads >= 1, "threads must be at least 1"),
         *_micro_batch_checks(cfg),
         (cfg.lora_r is None or cfg.lora_r >= 1, "lora_r must be at least 1 (or unset)"),
