@@ -120,8 +120,8 @@ def logit_magnitude(model) -> float:
     """A bound on every logit a Llama/Qwen2-style model can produce, from its weights alone: the
     head reads the final RMSNorm's output γ ⊙ x/rms(x), whose x/rms(x) has norm √d, so by
     Cauchy-Schwarz |logit_v| <= √d · ‖W_v ⊙ γ‖₂ (the `magnitude` of `forward_bound`)."""
-    gamma = model.model.norm.weight.detach().double()  # (d,)
-    head = model.lm_head.weight.detach().double()  # (V, d)
+    gamma = model.get_decoder().norm.weight.detach().double()  # (d,)
+    head = model.get_output_embeddings().weight.detach().double()  # (V, d)
     return float((head * gamma).norm(dim=-1).max()) * gamma.numel() ** 0.5
 
 

@@ -15,9 +15,9 @@ import grouprl
 
 ROOT = Path(grouprl.__file__).parent
 #: Each part of the package and its layer; a module may import its own layer's part and lower
-#: layers. errors, faults and messages are shared helpers everyone may use.
+#: layers. errors, faults, images and messages are shared helpers everyone may use.
 LAYERS = {
-    "errors": 0, "faults": 0, "messages": 0, "quiet": 0,
+    "errors": 0, "faults": 0, "images": 0, "messages": 0, "quiet": 0,
     "core": 1, "sandbox": 1,
     "rollout": 2, "models": 2, "tasks": 2, "report": 2, "explain": 2,
     "config": 3, "endpoint": 3,

@@ -180,6 +180,37 @@ def test_rewards_per_turn_are_shown_turn_by_turn(browser, runs, tmp_path):
         with_server.close()
 
 
+def test_a_groups_images_are_shown_as_thumbnails(browser, runs, tmp_path):
+    """A vision-language run's groups carry their prompt's images as PNG data URLs: the page
+    shows each as an image; a value that is not a PNG data URL is not shown at all."""
+    from PIL import Image
+
+    from grouprl.images import thumbnail
+
+    run = shutil.copytree(runs[0], tmp_path / "images")
+    rec = record(run, 1)
+    pictures = [Image.new("RGB", (64, 48), "white"), Image.new("RGB", (300, 300), "black")]
+    rec["groups"][0]["images"] = [thumbnail(p) for p in pictures] + [
+        "javascript:window.__pwned=1",
+        HOSTILE,
+    ]
+    write_json_gz(group_file(run, 1), rec)
+    with_server = ViewerServer([run]).start()
+    try:
+        open_page(browser, f"{with_server.url}#step=1&group=0&channel=advantage&runs=0")
+        images = "Array.from(document.querySelectorAll('[data-testid=images] img'))"
+        WebDriverWait(browser, 10).until(
+            lambda b: b.execute_script(f"return {images}.every(i => i.complete);")
+        )
+        sizes = browser.execute_script(
+            f"return {images}.map(i => [i.naturalWidth, i.naturalHeight]);"
+        )
+        assert sizes == [[64, 48], [128, 128]]  # decoded, each at most 128 pixels a side
+        assert browser.execute_script("return window.__pwned === undefined")
+    finally:
+        with_server.close()
+
+
 def test_two_runs_side_by_side(browser, runs):
     with_server = ViewerServer(list(runs)).start()
     try:

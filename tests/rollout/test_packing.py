@@ -11,7 +11,7 @@ import torch
 
 from grouprl.models.lora import apply_lora
 from grouprl.rollout import completion_logprobs, sample_groups
-from grouprl.rollout.logprobs import packs_rows
+from grouprl.rollout.packed import packs_rows
 from numerics import assert_same_f64
 
 PROMPTS = ["1+2=", "a longer prompt, 37*45=", "x", "q: 12-7=? a:"]

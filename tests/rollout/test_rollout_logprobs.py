@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grouprl.rollout import completion_logprobs, sample_groups
-from grouprl.rollout.logprobs import _PLAIN_HEAD
+from grouprl.rollout._hf import _PLAIN_HEAD
 from numerics import assert_same_f64
 
 PROMPTS = ["1+2=", "a longer prompt, 37*45=", "x", "q: 12-7=? a:"]

@@ -14,7 +14,7 @@ import torch
 from grouprl.core import load_balancing_loss
 from grouprl.models.tiny import MOE_FAMILIES, save_tiny_moe_model
 from grouprl.rollout import _hf, completion_logprobs, routes, sample_groups
-from grouprl.rollout.logprobs import plain_head
+from grouprl.rollout._hf import plain_head
 
 PROMPTS = ["2 + 3 =", "a longer prompt, so the two are padded differently:"]
 G = 3

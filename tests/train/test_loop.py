@@ -755,7 +755,7 @@ def test_dynamic_sampling_filters_on_the_pass_reward_and_logs_everything_sampled
         engine=ScriptedEngine(), tokenizer=None, stream=PromptStream(rows, seed=0),
         rewards=rewards, stop=None, budget=None, dtype=None, device=torch.device("cpu"),
     )  # fmt: skip
-    monkeypatch.setattr(collect, "prompt_ids", lambda tokenizer, prompt, tools=None: [1])
+    monkeypatch.setattr(collect, "prompt_ids", lambda tokenizer, prompt, tools=None, row=None: [1])
     collected = collect.collect_batch(cfg, sampler, 0, 0)
     kept, stats, sampled = collected.kept, sampling_metrics(collected), collected.sampled
     assert collected.filtered and collected.position == 2

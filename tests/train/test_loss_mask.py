@@ -135,7 +135,7 @@ def test_the_overlong_penalty_counts_sampled_tokens(monkeypatch):
         engine=Engine(), tokenizer=None, stream=PromptStream([{"prompt": "p"}], seed=0),
         rewards=rewards, stop=None, budget=None, dtype=None, device=torch.device("cpu"),
     )  # fmt: skip
-    monkeypatch.setattr(collect, "prompt_ids", lambda tokenizer, prompt, tools=None: [1])
+    monkeypatch.setattr(collect, "prompt_ids", lambda tokenizer, prompt, tools=None, row=None: [1])
     collected = collect.collect_batch(cfg, sampler, 0, 0)
     assert collected.sampled.rewards.tolist() == [0.0, -1.0]
 

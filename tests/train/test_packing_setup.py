@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from grouprl.cli import main
-from grouprl.rollout import logprobs
+from grouprl.rollout import logprobs, packed
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ def test_a_budget_mistake_is_one_line_before_anything_is_written(tmp_path, capsy
 def test_a_model_that_cannot_pack_is_refused_when_forced_and_padded_otherwise(
     tmp_path, capsys, monkeypatch
 ):
-    monkeypatch.setattr(logprobs, "packs_rows", lambda model: False)
+    monkeypatch.setattr(packed, "packs_rows", lambda model: False)
     run = tmp_path / "forced"
     code = main(["train", "--steps", "1", "--output-dir", str(run), "--packing", "on"])
     err = capsys.readouterr().err.strip().splitlines()

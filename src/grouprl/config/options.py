@@ -86,6 +86,10 @@ class PolicyOptions:
     chat_template_kwargs: dict[str, bool | int | float | str] | None = None
     """Variables for the tokenizer's chat template wherever it renders (prompts, tool turns,
     reward models), e.g. --chat-template-kwargs enable_thinking False for Qwen3."""
+    max_image_pixels: int = 4096 * 4096
+    """A vision-language model's prompt images may have at most this many pixels (width times
+    height); a larger one stops the run with a line naming its row. The processor resizes
+    every image anyway; this guards memory and time."""
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,8 @@ class GenerateConfig(DataOptions, ModelOptions):
     an interactive prompt on a terminal when no --dataset or --task is given either."""
     answer: str | None = None
     """The reference answer of --prompt, given to --rewards as `answer`."""
+    image: list[str] | None = None
+    """Image files shown with --prompt, in order (a vision-language model)."""
     split: EvalSplit = "heldout"
     """Which rows to take without --prompt: held-out (as train holds them out), train, or all."""
     limit: int = 3

@@ -73,7 +73,12 @@ class LoraOptions:
     """Dropout on the adapters' input during updates (non-zero makes the first ratio differ
     from 1)."""
     lora_target_modules: list[str] | None = None
-    """Module names that get adapters, e.g. q_proj v_proj. None: every linear layer but the head."""
+    """Module names that get adapters, e.g. q_proj v_proj. None: every linear layer but the head.
+    On a vision-language model, only the language model's modules (and with
+    --train-vision-tower the vision encoder's too)."""
+    train_vision_tower: bool = False
+    """A vision-language model's vision encoder trains too (full fine-tuning) or gets adapters
+    (LoRA). Off: it stays as loaded; the projector and the language model train."""
 
 
 @dataclass(frozen=True)

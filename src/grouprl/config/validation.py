@@ -123,6 +123,7 @@ def validate_eval(cfg: EvalConfig) -> None:
     _raise_first(
         [
             *_data_checks(cfg),
+            (cfg.max_image_pixels >= 1, "max_image_pixels must be at least 1"),
             (cfg.limit >= 1, "--limit must be at least 1"),
             (cfg.samples >= 1, "samples must be at least 1"),
             (cfg.batch_prompts >= 1, "batch_prompts must be at least 1"),
@@ -235,6 +236,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     parts = world_size * cfg.minibatches
     checks = [
         *_data_checks(cfg),
+        (cfg.max_image_pixels >= 1, "max_image_pixels must be at least 1"),
         (cfg.group_size >= 2, "group_size must be at least 2: a group of one has no baseline"),
         (cfg.prompts_per_step >= 1, "prompts_per_step must be at least 1"),
         (cfg.steps >= 1, "steps must be at least 1"),

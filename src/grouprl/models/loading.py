@@ -31,6 +31,7 @@ from transformers import (
 )
 
 from grouprl.errors import UserError, one_line
+from grouprl.models import vision
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -259,10 +260,11 @@ def load_model(
             return PeftModel.from_pretrained(base, source).merge_and_unload().eval()
     if is_gguf(source):
         return _load_gguf(source, dtype).to(device).eval()
+    sees_images = _sees_images(source, trust_remote_code, revision)
     model, info = _from_pretrained(
-        AutoModelForCausalLM,
+        _image_text_to_text() if sees_images else AutoModelForCausalLM,
         source,
-        "causal LM",
+        "vision-language model" if sees_images else "causal LM",
         dtype=dtype,
         trust_remote_code=trust_remote_code,
         output_loading_info=True,
@@ -281,7 +283,26 @@ def load_model(
             f"start random ({', '.join(fresh[:3])}{', ...' if len(fresh) > 3 else ''}), e.g. a "
             f"{type(model).__name__} head on an encoder; give a model saved as ...ForCausalLM"
         )
+    if sees_images:
+        vision.check_positions(model, str(spec))
     return model.to(device).eval()
+
+
+def _sees_images(source: Path | str, trust_remote_code: bool, revision: str | None) -> bool:
+    """Whether `source` holds a vision-language model (`grouprl.models.vision`)."""
+    from transformers import AutoConfig
+
+    def config(hub_id: str) -> Any:
+        return AutoConfig.from_pretrained(hub_id, trust_remote_code=trust_remote_code,
+                                          **_hub_kwargs(hub_id, revision))  # fmt: skip
+
+    return vision.config_sees_images(source, config)
+
+
+def _image_text_to_text() -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText
 
 
 def _hub_kwargs(source: Path | str, revision: str | None) -> dict[str, str]:
@@ -308,6 +329,10 @@ def load_tokenizer(
         tokenizer = _from_pretrained(
             AutoTokenizer, source.parent, "tokenizer", gguf_file=source.name
         )
+    elif _sees_images(source, trust_remote_code, revision):
+        processor = vision.load_processor(source, str(spec), trust_remote_code=trust_remote_code,
+                                          **_hub_kwargs(source, revision))  # fmt: skip
+        return vision.with_processor(with_pad_token(processor.tokenizer, spec), processor)
     else:
         tokenizer = _from_pretrained(
             AutoTokenizer, source, "tokenizer", trust_remote_code=trust_remote_code,

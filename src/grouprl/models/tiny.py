@@ -254,3 +254,73 @@ def _no_unknown_token(directory: str | Path, added_tokens: Sequence[str]) -> Non
         config_file = Path(directory) / "tokenizer_config.json"
         values = json.loads(config_file.read_text())
         config_file.write_text(json.dumps({**values, "unk_token": None}, indent=2))
+
+
+#: ChatML with image parts: each `{"type": "image"}` part is the processor's image placeholder.
+CHATML_IMAGES = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: The vision-language families `save_tiny_vlm` writes; their processors need no torchvision.
+VLM_FAMILIES = ("idefics3", "llava")
+
+
+def save_tiny_vlm(directory: str | Path, family: str = "idefics3", *, seed: int = 0):
+    """Save a random vision-language chat model of `family` (`VLM_FAMILIES`) with its processor:
+    64x64-pixel images in 16-pixel patches through a 2-layer vision encoder (hidden 128),
+    a 2-layer Llama decoder (hidden 128, heads of 64, which vLLM's CPU attention runs),
+    `save_tiny_chat_model`'s tokenizer with the image tokens added, and ChatML with image
+    parts; an image is 4 tokens (Idefics3) or 16 (LLaVA). Returns (model, processor)."""
+    import transformers as hf
+
+    _, tokenizer = save_tiny_chat_model(
+        directory, seed=seed, added_tokens=["<image>", "<fake_token_around_image>", "<global-img>"]
+    )
+    tokenizer.chat_template = CHATML_IMAGES
+    torch.manual_seed(seed)
+    ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=2)  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), num_key_value_heads=1, max_position_embeddings=1024,
+        eos_token_id=ends[0], pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        **shape,
+    )  # fmt: skip
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    if family == "idefics3":
+        images = hf.Idefics3ImageProcessorPil(
+            size={"longest_edge": 64}, max_image_size={"longest_edge": 64},
+            do_image_splitting=False,
+        )  # fmt: skip
+        processor = hf.Idefics3Processor(image_processor=images, tokenizer=tokenizer,
+                                         image_seq_len=4, chat_template=CHATML_IMAGES)  # fmt: skip
+        config = hf.Idefics3Config(
+            vision_config=hf.Idefics3VisionConfig(image_size=64, patch_size=16, **shape),
+            text_config=text, image_token_id=image_id, scale_factor=2,
+        )  # fmt: skip
+        model = hf.Idefics3ForConditionalGeneration(config)
+    elif family == "llava":
+        images = hf.CLIPImageProcessorPil(size={"shortest_edge": 64},
+                                          crop_size={"height": 64, "width": 64})  # fmt: skip
+        processor = hf.LlavaProcessor(
+            image_processor=images, tokenizer=tokenizer, patch_size=16,
+            vision_feature_select_strategy="default", num_additional_image_tokens=1,
+            chat_template=CHATML_IMAGES,
+        )  # fmt: skip
+        config = hf.LlavaConfig(
+            vision_config=hf.CLIPVisionConfig(image_size=64, patch_size=16, projection_dim=128,
+                                              **shape),
+            text_config=text, image_token_index=image_id, image_seq_length=16,
+            vision_feature_select_strategy="default", vision_feature_layer=-2,
+        )  # fmt: skip
+        model = hf.LlavaForConditionalGeneration(config)
+    else:
+        raise ValueError(f"unknown family {family!r}; one of {', '.join(VLM_FAMILIES)}")
+    model.generation_config.eos_token_id = ends
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return model.eval(), processor

@@ -31,6 +31,21 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def sees_images(model: nn.Module) -> bool:
+    """Whether the model is a vision-language model (its config has a vision tower's)."""
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
+
+
+def images_base(model: nn.Module) -> nn.Module:
+    """A vision-language model's base: the module whose forward takes the prompt's ids with
+    its images' tensors and returns the decoder's hidden states (`LlavaModel`, ...), with
+    its cache; what `get_decoder()` is for a text model. Looks through a peft wrapper."""
+    unwrapped = (
+        model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    )
+    return getattr(unwrapped, unwrapped.base_model_prefix)
+
+
 def _forward_params(module: nn.Module) -> set[str]:
     """Names of `module.forward`'s parameters, looking through wrappers whose forward takes only
     `*args, **kwargs` (`peft.PeftModel`, a patched forward) to the model or decoder inside."""
@@ -67,9 +82,10 @@ def forward_last(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     cache: Any,
+    inputs: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run the model on new tokens with the cache; (R, V) logits of the last position, in float32
-    (float64 for a float64 model)."""
+    (float64 for a float64 model). `inputs`: the prompts' other inputs (images' tensors)."""
     extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params(model) else {}
     out = model(
         input_ids=input_ids,
@@ -77,6 +93,7 @@ def forward_last(
         position_ids=position_ids,
         **cache_kwargs(model, cache),
         **extra,
+        **(inputs or {}),
     )
     logits = out.logits[:, -1]
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -482,3 +499,40 @@ def _register() -> None:
 
     AttentionInterface.register(SHARED_PROMPT_ATTENTION, shared_prompt_attention)
     AttentionMaskInterface.register(SHARED_PROMPT_ATTENTION, sdpa_mask)
+
+
+_PLAIN_HEAD: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def plain_head(model: nn.Module) -> bool:
+    """Whether model(x).logits == output_embeddings(decoder(x)), checked once per model.
+
+    A two-token probe in eval mode without gradients; models with extra logit processing
+    (soft-capping, logit scaling) or without the accessors answer False.
+    """
+    known = _PLAIN_HEAD.get(model)
+    if known is not None:
+        return known
+    try:
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+        plain = decoder is not None and head is not None and decoder is not model
+        if plain:
+            # every module's own mode, not just the model's: `model.train(mode)` would also
+            # reset layers switched on for gradient checkpointing alone
+            modes = [(m, m.training) for m in model.modules()]
+            model.eval()
+            try:
+                with torch.no_grad():
+                    ids = torch.ones((1, 2), dtype=torch.long, device=model_device(model))
+                    logits = model(input_ids=ids).logits.float()
+                    mine = head(decoder(input_ids=ids).last_hidden_state).float()
+                plain = mine.shape == logits.shape and torch.allclose(
+                    mine, logits, rtol=1e-4, atol=1e-4
+                )
+            finally:
+                for module, mode in modes:
+                    module.training = mode
+    except (AttributeError, NotImplementedError, TypeError):
+        plain = False
+    _PLAIN_HEAD[model] = plain
+    return plain

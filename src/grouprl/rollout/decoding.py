@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from grouprl.rollout.media import Media
 from grouprl.rollout.stops import StopStrings
 from grouprl.rollout.turns import TurnRecord, Turns
 from grouprl.rollout.types import Rollout
@@ -31,6 +32,7 @@ class Settings:
     generator: torch.Generator | None
     lockstep: Callable[[bool], bool] | None
     turns: Turns | None
+    media: Media | None = None  # the prompts' images (`grouprl.rollout.media`), fed at prefill
 
 
 @dataclass
@@ -84,6 +86,7 @@ class Decoded:
             loss_mask=None if turns is None else mask & ~turns.fed[:, :width],
             turns=record,
             routes=None if self.routes is None else self._routes(prompt_mask, width),
+            media=settings.media,
         )
 
     def _routes(self, prompt_mask: torch.Tensor, width: int) -> torch.Tensor:

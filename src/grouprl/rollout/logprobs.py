@@ -20,8 +20,8 @@ model by a tiny probe and take the plain path: one full forward with full logits
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,12 +30,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from grouprl.rollout import _hf, routes
+from grouprl.rollout.media import Media
+from grouprl.rollout.packed import packed_states, row_widths
 from grouprl.rollout.sampling import check_temperature
 
 # Elements of (tokens × vocab) logits materialised at once: 2^25 fp32 = 128 MiB.
 _LOGIT_CHUNK_ELEMENTS = 1 << 25
-
-_PLAIN_HEAD: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def completion_logprobs(
@@ -96,14 +96,14 @@ def completion_logprobs(
 
     prompt_mask = batch.prompt_mask.to(device).bool()  # (B, P)
     first = int((~prompt_mask.any(0)).long().cumprod(0).sum())  # leading all-pad columns
-    prompt_mask = prompt_mask[:, first:]
-    prompt_ids = batch.prompt_ids.to(device)[:, first:]  # (B, P')
+    prompt_mask, prompt_ids = prompt_mask[:, first:], batch.prompt_ids.to(device)[:, first:]
     completion_ids = batch.completion_ids.to(device)[:, :used]  # (N, T')
     sel = mask[:, :used]  # (N, T')
 
-    plain = plain_head(model)
+    plain = _hf.plain_head(model)
     ids = (prompt_ids, prompt_mask, completion_ids, group_size)
-    out = _selected(model, plain, ids, sel, share_prompt, buckets, packs)  # (M, H) or (M, V)
+    images = _Images.of(model, getattr(batch, "media", None), plain)  # (M, H) or (M, V) below
+    out = _selected(model, plain, ids, sel, share_prompt, buckets, packs, images)
     if plain:
         lp, ent, div = _head_logp(model, out, completion_ids[sel], temperature, with_entropy,
                                   chunk_tokens, divergence)  # fmt: skip
@@ -128,21 +128,49 @@ def _selected(
     share_prompt: bool,
     buckets: Sequence[torch.Tensor] | None,
     packs: Sequence[torch.Tensor] | None,
+    images: _Images | None = None,
 ) -> torch.Tensor:
     """The final hidden states (M, H) at the positions under `sel` (N, T), or with a head that
     is more than a projection (`plain` False) the logits (M, V): packed, or the prompt shared
-    (by buckets), or the N full sequences. ids: prompt ids and mask, completion ids, G."""
+    (by buckets), or the N full sequences. ids: prompt ids and mask, completion ids, G.
+    `images`: the prompts' images, fed with every prompt forward (never packed)."""
     if routes.active():  # routes recorded or replayed: each row whole, one layout
         if plain:
-            return _unshared_hidden(model.get_decoder(), *ids, real=sel)[sel]
-        return _full_logits(model, *ids, real=sel)[sel]
+            return _unshared_hidden(model.get_decoder(), *ids, real=sel, images=images)[sel]
+        return _full_logits(model, *ids, real=sel, images=images)[sel]
     if packs is not None:
+        if images is not None:
+            raise ValueError("prompts with images are not packed: pass packs=None")
         module = model.get_decoder() if plain else model
-        return _packed_states(module, *ids, packs, sel, plain)[sel]
+        return packed_states(module, *ids, packs, sel, plain)[sel]
     if plain:
         widths = None if buckets is None else _bucket_widths(buckets, sel)
-        return _completion_hidden(model.get_decoder(), *ids, share_prompt, widths)[sel]
-    return _full_logits(model, *ids)[sel]
+        return _completion_hidden(model.get_decoder(), *ids, share_prompt, widths,
+                                  images=images)[sel]  # fmt: skip
+    return _full_logits(model, *ids, images=images)[sel]
+
+
+@dataclass(frozen=True)
+class _Images:
+    """A batch's prompt images as its forwards take them: the module that takes the prompt's
+    ids with its images (`_hf.images_base` for the decoder's states, the model itself for
+    logits) and the prompts' media."""
+
+    base: nn.Module
+    media: Media
+
+    @staticmethod
+    def of(model: nn.Module, media: Media | None, plain: bool) -> _Images | None:
+        if media is None:
+            return None
+        if not _hf.sees_images(model):
+            raise ValueError("the batch's prompts have images but the model takes none")
+        return _Images(_hf.images_base(model) if plain else model, media)
+
+    def inputs(self, prompt_ids: torch.Tensor, repeat: int = 1) -> dict[str, torch.Tensor]:
+        """The images' tensors for the B prompts of `prompt_ids` (B, P), each `repeat` times."""
+        media = self.media if repeat == 1 else self.media.repeat(repeat)
+        return media.inputs(prompt_ids.shape[1], prompt_ids.device)
 
 
 #: A per-position function of the whole next-token distribution (distillation's loss against
@@ -167,7 +195,7 @@ def next_token_log_softmax(
     ids = batch.prompt_ids.to(device), batch.completion_ids.to(device)[:, : max(used, 1)]
     sel = mask[:, : max(used, 1)]
     with torch.no_grad():
-        if plain_head(model):
+        if _hf.plain_head(model):
             hidden = _completion_hidden(model.get_decoder(), ids[0], prompt_mask, ids[1],
                                         int(batch.group_size))[sel]  # fmt: skip
             head = model.get_output_embeddings()
@@ -267,6 +295,7 @@ def _completion_hidden(
     group_size: int,
     share_prompt: bool = True,
     buckets: list[tuple[torch.Tensor, int]] | None = None,
+    images: _Images | None = None,
 ) -> torch.Tensor:
     """Final hidden states (N, T, H) that predict completion_ids (N, T).
 
@@ -275,26 +304,31 @@ def _completion_hidden(
     each group, unless asked not to or the cache would be dropped (gradient checkpointing while
     training). `buckets`: (rows, width) pairs partitioning the N rows (`_bucket_widths`); each
     bucket's states past its width are 0 (the caller reads only positions under the mask).
+    `images`: the prompts' images, fed (through the model's base) with the prompt forward only.
     """
     width = completion_ids.shape[1]
     prompt_pos = _hf.left_pad_positions(prompt_mask)  # (B, P)
     prompt_len = prompt_mask.sum(-1)  # (B,)
     if not share_prompt or _checkpointing(decoder):
-        return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
+        return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size,
+                                images=images)  # fmt: skip
 
     cache = _hf.new_cache(decoder)
-    out = decoder(
+    prompt_module = decoder if images is None else images.base
+    out = prompt_module(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
         position_ids=prompt_pos,
-        **_hf.cache_kwargs(decoder, cache),
+        **_hf.cache_kwargs(prompt_module, cache),
+        **({} if images is None else images.inputs(prompt_ids)),
     )
     if buckets is not None and len(buckets) > 1 and _hf.plain_layers(cache):
         hidden = _bucketed_hidden(decoder, out.last_hidden_state[:, -1], cache, prompt_mask,
                                   completion_ids, group_size, buckets)  # fmt: skip
         if hidden is not None:
             return hidden
-        return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
+        return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size,
+                                images=images)  # fmt: skip
     first = out.last_hidden_state[:, -1].repeat_interleave(group_size, dim=0)  # (N, H)
     if width == 1:
         return first[:, None]
@@ -316,7 +350,8 @@ def _completion_hidden(
         **_hf.cache_kwargs(decoder, cache),
     ).last_hidden_state  # (N, T − 1, H)
     if cache.get_seq_length() != prompt_ids.shape[1] + width - 1:  # the cache was not used
-        return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size)
+        return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size,
+                                images=images)  # fmt: skip
     return torch.cat([first[:, None], rest], dim=1)
 
 
@@ -331,71 +366,6 @@ def _bucket_widths(
         raise ValueError(f"buckets must hold each of the {n} rows once")
     last = row_widths(sel)  # (N,)
     return [(rows, int(last[rows].max()) if rows.numel() else 1) for rows in moved]
-
-
-def row_widths(sel: torch.Tensor) -> torch.Tensor:
-    """(N,) long: each row's last position under `sel` (N, T), plus one; 1 for an empty row
-    (position 0, the prompt's last state, is computed whatever the mask)."""
-    width = sel.shape[1]
-    return torch.where(sel.any(-1), width - sel.flip(-1).int().argmax(-1), 1)
-
-
-def _packed_states(
-    module: nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    group_size: int,
-    packs: Sequence[torch.Tensor],
-    sel: torch.Tensor,
-    hidden: bool,
-) -> torch.Tensor:
-    """`_completion_hidden`'s (N, T, H) states (`hidden`) or `_full_logits`' (N, T, V) logits
-    from one forward of the packs as lines of a batch: a pack's rows are concatenated, each its
-    prompt's unpadded tokens then its completion's first w − 1 (w: the row's `row_widths`),
-    with position ids 0, 1, … restarting at each row and no attention mask or cache, from
-    which transformers builds a block-diagonal causal mask (`packs_rows` probes that the model
-    does); a line shorter than the longest ends in filler positions 0, 1, … of their own,
-    which no row attends to. A row's states are those at its prompt's last token and at its
-    completion tokens; positions past w are 0."""
-    n, width = completion_ids.shape
-    device = completion_ids.device
-    moved = [rows.reshape(-1).to(device) for rows in packs]
-    if not torch.equal(torch.cat(moved).sort().values, torch.arange(n, device=device)):
-        raise ValueError(f"packs must hold each of the {n} rows once")
-    widths = row_widths(sel).tolist()  # (N,)
-    prompt_len = prompt_mask.sum(-1).tolist()  # (B,)
-    lines, take, rows_at, steps = [], [], [], []  # per line: (ids, positions); per row: picks
-    for rows in moved:
-        ids, positions, offset = [], [], 0
-        for r in rows.tolist():
-            b, w = r // group_size, widths[r]
-            p = prompt_len[b]
-            ids += [prompt_ids[b, prompt_ids.shape[1] - p :], completion_ids[r, : w - 1]]
-            positions.append(torch.arange(p + w - 1, device=device))
-            take.append(
-                (len(lines), torch.arange(offset + p - 1, offset + p + w - 1, device=device))
-            )
-            rows_at.append(torch.full((w,), r, device=device))
-            steps.append(torch.arange(w, device=device))
-            offset += p + w - 1
-        lines.append((torch.cat(ids), torch.cat(positions)))
-    longest = max(len(ids) for ids, _ in lines)
-    ids = torch.stack([F.pad(i, (0, longest - len(i))) for i, _ in lines])  # (k, L)
-    filler = [torch.arange(longest - len(p), device=device) for _, p in lines]
-    positions = torch.stack([torch.cat([p, f]) for (_, p), f in zip(lines, filler, strict=True)])
-    states = _states(module, ids, positions, hidden)  # (k, L, X)
-    index = torch.cat([line * longest + at for line, at in take])  # (Σw,) into (k·L)
-    picked = states.reshape(-1, states.shape[-1])[index]  # (Σw, X)
-    out = picked.new_zeros((n, width, picked.shape[-1]))
-    return out.index_put((torch.cat(rows_at), torch.cat(steps)), picked)
-
-
-def _states(module: nn.Module, ids: torch.Tensor, positions: torch.Tensor, hidden: bool):
-    """One forward of `module` (a decoder, or the whole model) over packed ids (1, L): its last
-    hidden states or its logits (1, L, X)."""
-    out = module(input_ids=ids, position_ids=positions, use_cache=False)
-    return out.last_hidden_state if hidden else out.logits
 
 
 def _bucketed_hidden(
@@ -448,12 +418,15 @@ def _full_forward(
     completion_ids: torch.Tensor,
     group_size: int,
     real: torch.Tensor | None = None,
+    images: _Images | None = None,
 ) -> Any:
     """One forward of `module` over the N concatenated prompt + completion[:-1] sequences.
 
     The caller keeps positions P − 1 … of the output: the states (or logits) that predict the T
     completion tokens. `real` (N, T): the completion tokens that are not padding (default: all),
     for a routes session (`grouprl.rollout.routes`), which names each token by its position.
+    `images`: the prompts' images, each prompt's fed with each of its G rows (`module` is then
+    `images.base` or the model).
     """
     ids = torch.cat(
         [prompt_ids.repeat_interleave(group_size, dim=0), completion_ids[:, :-1]], dim=1
@@ -466,11 +439,29 @@ def _full_forward(
         dim=1,
     )  # (N, P + T − 1)
     positions = _hf.left_pad_positions(attn)
+    extra = {} if images is None else _row_inputs(images, prompt_ids, ids.shape[1], group_size)
     if not routes.active():
-        return module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False)
+        return module(input_ids=ids, attention_mask=attn, position_ids=positions,
+                      use_cache=False, **extra)  # fmt: skip
     valid = attn if real is None else torch.cat([attn[:, : prompt_ids.shape[1]], real[:, :-1]], 1)
     with routes.feeding(positions, valid):
-        return module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False)
+        return module(input_ids=ids, attention_mask=attn, position_ids=positions,
+                      use_cache=False, **extra)  # fmt: skip
+
+
+def _row_inputs(
+    images: _Images, prompt_ids: torch.Tensor, width: int, group_size: int
+) -> dict[str, torch.Tensor]:
+    """The images' tensors for the N rows (each prompt's G times), per-token ones (the
+    prompt's width) extended with 0 over the completion's `width` − P positions."""
+    inputs = images.inputs(prompt_ids, repeat=group_size)
+    p = prompt_ids.shape[1]
+    return {
+        k: F.pad(v, (0, width - p))
+        if v.dim() == 2 and v.shape[1] == p and k.endswith("type_ids")
+        else v
+        for k, v in inputs.items()
+    }
 
 
 def _unshared_hidden(
@@ -480,9 +471,11 @@ def _unshared_hidden(
     completion_ids: torch.Tensor,
     group_size: int,
     real: torch.Tensor | None = None,
+    images: _Images | None = None,
 ) -> torch.Tensor:
     """Hidden states (N, T, H) from one forward of the N full sequences (no cache)."""
-    out = _full_forward(decoder, prompt_ids, prompt_mask, completion_ids, group_size, real)
+    module = decoder if images is None else images.base
+    out = _full_forward(module, prompt_ids, prompt_mask, completion_ids, group_size, real, images)
     return out.last_hidden_state[:, prompt_ids.shape[1] - 1 :]  # (N, T, H)
 
 
@@ -493,9 +486,10 @@ def _full_logits(
     completion_ids: torch.Tensor,
     group_size: int,
     real: torch.Tensor | None = None,
+    images: _Images | None = None,
 ) -> torch.Tensor:
     """Logits (N, T, V) from the model's own forward: the path for heads we cannot split off."""
-    out = _full_forward(model, prompt_ids, prompt_mask, completion_ids, group_size, real)
+    out = _full_forward(model, prompt_ids, prompt_mask, completion_ids, group_size, real, images)
     return out.logits[:, prompt_ids.shape[1] - 1 :]  # (N, T, V)
 
 
@@ -514,75 +508,3 @@ def _vocab_size(model: nn.Module, head: nn.Module) -> int:
     if isinstance(weight, torch.Tensor):
         return int(weight.shape[0])
     return int(model.config.get_text_config().vocab_size)
-
-
-def plain_head(model: nn.Module) -> bool:
-    """Whether model(x).logits == output_embeddings(decoder(x)), checked once per model.
-
-    A two-token probe in eval mode without gradients; models with extra logit processing
-    (soft-capping, logit scaling) or without the accessors answer False.
-    """
-    known = _PLAIN_HEAD.get(model)
-    if known is not None:
-        return known
-    try:
-        decoder, head = model.get_decoder(), model.get_output_embeddings()
-        plain = decoder is not None and head is not None and decoder is not model
-        if plain:
-            # every module's own mode, not just the model's: `model.train(mode)` would also
-            # reset layers switched on for gradient checkpointing alone
-            modes = [(m, m.training) for m in model.modules()]
-            model.eval()
-            try:
-                with torch.no_grad():
-                    ids = torch.ones((1, 2), dtype=torch.long, device=_hf.model_device(model))
-                    logits = model(input_ids=ids).logits.float()
-                    mine = head(decoder(input_ids=ids).last_hidden_state).float()
-                plain = mine.shape == logits.shape and torch.allclose(
-                    mine, logits, rtol=1e-4, atol=1e-4
-                )
-            finally:
-                for module, mode in modes:
-                    module.training = mode
-    except (AttributeError, NotImplementedError, TypeError):
-        plain = False
-    _PLAIN_HEAD[model] = plain
-    return plain
-
-
-_PACKS_ROWS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
-def packs_rows(model: nn.Module) -> bool:
-    """Whether the model's attention keeps packed rows apart by their position ids (what
-    `completion_logprobs(..., packs=...)` needs), checked once per model.
-
-    A probe in eval mode without gradients: rows of 3 and 2 tokens, packed (positions 0 1 2 0
-    1) and each alone. A model whose attention ignores the restart lets the second row attend
-    to the first, which moves its states by about their own size; the comparison allows a
-    hundredth of that, far above float rounding (bf16's 2^-8 included) and far below a leak.
-    Under FSDP every process probes at once, before sharding (`grouprl.train.parallel.fsdp`).
-    """
-    known = _PACKS_ROWS.get(model)
-    if known is not None:
-        return known
-    module = model.get_decoder() if plain_head(model) else model
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            device, hidden = _hf.model_device(model), module is not model
-            first = torch.tensor([[1, 2, 3]], device=device)
-            second = torch.tensor([[4, 5]], device=device)
-            packed = _states(module, torch.cat([first, second], 1),
-                             torch.tensor([[0, 1, 2, 0, 1]], device=device), hidden)  # fmt: skip
-            alone = _states(module, second, torch.tensor([[0, 1]], device=device), hidden)
-            leak = (packed[:, 3:].float() - alone.float()).abs().max()
-            works = bool(leak <= 1e-2 * alone.float().abs().max())
-    except (TypeError, ValueError, RuntimeError):  # a forward without position ids
-        works = False
-    finally:
-        for m, mode in modes:
-            m.training = mode
-    _PACKS_ROWS[model] = works
-    return works

@@ -36,6 +36,7 @@ from grouprl.rollout.draws import (  # noqa: F401 (the filters and the draw are 
     top_k_filter,
     top_p_filter,
 )
+from grouprl.rollout.media import Media
 from grouprl.rollout.stops import StopStrings
 from grouprl.rollout.turns import TurnHandler, TurnRecord, Turns
 from grouprl.rollout.types import Rollout
@@ -231,6 +232,7 @@ def sample_groups(
     pad_id = pad_token_id(tokenizer, eos_ids)
     prompt_rows, prompt_texts = encode_prompts(tokenizer, prompts, chat_template=chat_template)
     prompt_ids, prompt_mask = left_pad(prompt_rows, pad_id, device)  # (B, P)
+    media = Media.of(prompts)
     greedy = temperature == 0.0
     generator = None
     if seed is not None and not greedy:
@@ -250,6 +252,7 @@ def sample_groups(
         generator=generator,
         lockstep=lockstep,
         turns=None if tools is None else Turns(tools, tokenizer, n, max_new_tokens, device),
+        media=media,
     )
     with torch.inference_mode() if lockstep is None else torch.no_grad():
         out = _routed_decode(model, prompt_ids, prompt_mask, settings)
@@ -297,7 +300,9 @@ def _decode(
     check_every = 1 if device.type == "cpu" or s.stopper or s.turns else 4
 
     # 1-3. Prefill each prompt once, broadcast its cache to its group.
-    cache, logits, shared = _prefill(model, prompt_ids, prompt_mask, s.group_size, max_new)
+    inputs = None if s.media is None else s.media.inputs(prompt_width, device)
+    cache, logits, shared = _prefill(model, prompt_ids, prompt_mask, s.group_size, max_new,
+                                     inputs)  # fmt: skip
     # Batch state below is per *batch* row; `rows` maps batch rows to output rows once
     # compaction has dropped some (None = identity).
     logits = logits.repeat_interleave(s.group_size, dim=0)  # (n, V)
@@ -379,9 +384,10 @@ def _prefill(
     prompt_mask: torch.Tensor,
     group_size: int,
     max_new_tokens: int,
+    inputs: dict[str, torch.Tensor] | None = None,
 ) -> tuple[Any, torch.Tensor, bool]:
     """Run the B prompts once and broadcast each one's KV cache to its G rows, with room for
-    `max_new_tokens` more positions. Returns the cache, the (B, V) logits of the prompts' last
+    `max_new_tokens` more positions; `inputs`: the prompts' images' tensors. Returns the cache, the (B, V) logits of the prompts' last
     positions, and whether the cache keeps one copy of each prompt per group.
 
     One copy per group where the architecture allows and the prompts are long enough for the
@@ -392,7 +398,9 @@ def _prefill(
     cache = _hf.new_cache(model)
     first = torch.arange(len(prompt_ids), device=prompt_ids.device) * group_size  # (B,)
     with routes.feeding(prompt_pos, prompt_mask, first):  # each group's first row: copied below
-        logits = _hf.forward_last(model, prompt_ids, prompt_mask, prompt_pos, cache)  # (B, V)
+        logits = _hf.forward_last(
+            model, prompt_ids, prompt_mask, prompt_pos, cache, inputs
+        )  # (B, V) fmt: skip
     routes.share_prompts(group_size, int(prompt_mask.sum(-1).max()))
     shared = (
         group_size > 1

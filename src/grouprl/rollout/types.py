@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from grouprl.rollout.media import Media
 from grouprl.rollout.routes import widened
 from grouprl.rollout.turns import TurnHandler, TurnRecord
 
@@ -68,6 +69,9 @@ class Rollout:
             records them (`grouprl.rollout.routes`), the K experts each of its L routers chose
             for each token the sampler fed, by position id (row r's j-th token: its prompt's
             unpadded tokens, then its completion's); −1 where none was recorded.
+        media: for a vision-language policy, each prompt's images and the processor's tensors
+            for them (`grouprl.rollout.media`), fed with the prompt wherever it is fed; None
+            for text prompts.
     """
 
     prompt_ids: torch.Tensor  # (B, P)
@@ -87,6 +91,7 @@ class Rollout:
     behaviour_logp: torch.Tensor | None = None  # (N, T); None: old_logp is the sampler's
     version: torch.Tensor | None = None  # (N,) int64: the policy version that sampled each row
     routes: torch.Tensor | None = None  # (N, S, L, K) int8/16: the sampler's expert choices
+    media: Media | None = None  # B prompts' images and processor tensors
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -105,6 +110,8 @@ class Rollout:
             raise ValueError("version must be (N,): one policy version per row")
         if self.routes is not None and (self.routes.dim() != 4 or self.routes.shape[0] != n):
             raise ValueError("routes must be (N, S, L, K): one table of expert ids per row")
+        if self.media is not None and len(self.media.prompts) != b:
+            raise ValueError("media must hold one entry per prompt")
         if self.loss_mask.shape != self.mask.shape:
             raise ValueError("loss_mask must be (N, T) like mask")
         if self.loss_mask is not self.mask and bool((self.loss_mask & ~self.mask).any()):
@@ -169,6 +176,7 @@ class Rollout:
             behaviour_logp=None if self.behaviour_logp is None else self.behaviour_logp[ri],
             version=None if self.version is None else self.version[ri.to(self.version.device)],
             routes=None if self.routes is None else self.routes[ri.to(self.routes.device)],
+            media=None if self.media is None else self.media.select(prompt_idx.tolist()),
         )
 
     def _loss_mask_or_none(self, rows: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -208,6 +216,7 @@ class Rollout:
             prompt_mask=self.prompt_mask.repeat_interleave(repeats, dim=0),
             prompts=[p for p in self.prompts for _ in range(repeats)],
             group_size=group_size,
+            media=None if self.media is None else self.media.repeat(repeats),
         )
 
     def chunks(self, max_rows: int | None) -> list[tuple[Rollout, slice]]:
@@ -295,6 +304,7 @@ class Rollout:
                 else None
             ),
             routes=_joined_routes([p.routes for p in parts]),
+            media=Media.concat([p.media for p in parts], [p.num_prompts for p in parts]),
         )
 
     @property

@@ -17,6 +17,7 @@ import torch
 
 from grouprl.errors import UserError, remedy
 from grouprl.rollout.decoding import Decoded, Settings
+from grouprl.rollout.media import Media
 from grouprl.rollout.sampling import _texts, _validate, encode_prompts, left_pad
 from grouprl.rollout.stops import StopStrings
 from grouprl.rollout.turns import TurnHandler, Turns
@@ -32,6 +33,10 @@ class Request:
     ids: list[int]
     params: dict[str, Any]
     group: int
+    images: tuple[Any, ...] = ()  # the prompt's images (RGB PIL), vLLM's multi-modal data
+    #: with images: `ids` hold one placeholder an image, which vLLM expands; this is the
+    #: prompt's length expanded as the trainer's processor did (0: no images)
+    expanded: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,7 @@ def sample_through(
     `behaviour_logp` too (the trainer recomputes `old_logp` with its own forward)."""
     _validate(group_size, max_new_tokens, temperature, top_p, top_k, stop)
     prompt_rows, prompt_texts = encode_prompts(engine.tokenizer, prompts)
+    media = Media.of(prompts)
     longest = max(len(r) for r in prompt_rows)
     if longest + max_new_tokens > engine.max_model_len:
         ways = remedy(("raise", "vllm_max_model_length"), ("lower", "max_prompt_length"),
@@ -89,7 +95,7 @@ def sample_through(
     engine.before_sampling()
     try:
         out, settings = _Rollouts(engine, prompt_rows, group_size, max_new_tokens, temperature,
-                                  top_p, top_k, stop, seed, tools).run()  # fmt: skip
+                                  top_p, top_k, stop, seed, tools, media).run()  # fmt: skip
     finally:
         engine.after_sampling()
     prompt_ids, prompt_mask = left_pad(prompt_rows, engine.pad_id, torch.device("cpu"))
@@ -126,8 +132,9 @@ class _Rollouts:
     def __init__(self, engine: Answers, prompt_rows: list[list[int]], group_size: int,
                  max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                  stop: Sequence[str] | None, seed: int | None,
-                 tools: TurnHandler | None) -> None:  # fmt: skip
+                 tools: TurnHandler | None, media: Media | None = None) -> None:  # fmt: skip
         self.engine, self.prompt_rows, self.seed = engine, prompt_rows, seed
+        self.media = [None] * len(prompt_rows) if media is None else list(media.prompts)
         # host-side buffers whatever the policy's device: vLLM returns Python lists, and the
         # finished Rollout moves to the policy's device (`VLLMEngine.sample`)
         n, cpu = len(prompt_rows) * group_size, torch.device("cpu")
@@ -145,6 +152,7 @@ class _Rollouts:
             generator=None,
             lockstep=None,
             turns=None if tools is None else Turns(tools, engine.tokenizer, n, max_new_tokens, cpu),
+            media=media,
         )
         self.out = Decoded(
             tokens=torch.full((n, max_new_tokens), engine.pad_id, dtype=torch.long),
@@ -186,6 +194,15 @@ class _Rollouts:
             detokenize=bool(self.vllm_stop),
         )
 
+    def _request(self, b: int, prefix: list[int], params: dict[str, Any]) -> Request:
+        """Prompt b's request going on after `prefix`: its ids, or with images its ids with one
+        placeholder an image and the images, which vLLM expands and embeds itself."""
+        media = self.media[b]
+        if media is None:
+            return Request(self.prompt_rows[b] + prefix, params, group=b)
+        return Request(list(media.placeholder_ids) + prefix, params, group=b,
+                       images=media.images, expanded=len(self.prompt_rows[b]) + len(prefix))  # fmt: skip
+
     def _round(self, requests: list[tuple[int, list[int]]], round_: int) -> list[int]:
         """Run `requests` ((prompt, its rows), one request each: n = len(rows)), write what
         they sampled, apply grouprl's ends and the tools; returns the rows that go on."""
@@ -195,9 +212,8 @@ class _Rollouts:
         for b, rows in requests:
             prefix = out.tokens[rows[0], : self.written[rows[0]]].tolist()
             seed = None if self.seed is None else row_seed(self.seed, round_, rows[0])
-            batch.append(Request(self.prompt_rows[b] + prefix,
-                                 self._params(len(rows), max_new - self.written[rows[0]], seed),
-                                 group=b))  # fmt: skip
+            params = self._params(len(rows), max_new - self.written[rows[0]], seed)
+            batch.append(self._request(b, prefix, params))
         results = self.engine.generate(batch)
         events: dict[int, tuple[int, bool]] = {}  # row -> (position, ended by EOS / stop)
         going = []

@@ -290,6 +290,11 @@ class VLLMServerEngine:
         the one synced is an error."""
         if not requests:
             return []
+        if any(r.images for r in requests):
+            raise UserError(
+                "vLLM servers are sent token ids, not images, so prompts with images cannot be "
+                "sampled on them yet; use --engine vllm (in this process) or --engine hf"
+            )
         expected = str(self.synced)
 
         def one(request: Request) -> list[Completion]:

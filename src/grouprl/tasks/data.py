@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from grouprl.errors import UserError, one_line
+from grouprl.images import IMAGE_COLUMNS
 from grouprl.tasks.base import Task
 from grouprl.tasks.live import is_live, live_object
 
@@ -324,14 +325,31 @@ def _get(row: dict, path: str) -> Any:
 def _messages(value: Any, where: str) -> list[dict]:
     ok = isinstance(value, list) and len(value) > 0
     ok = ok and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and _content(m.get("content"))
         for m in value
     )
     if not ok:
         raise UserError(
             f"{where}: the prompt is neither a string nor a list of {{role, content}} messages"
         )
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return [{"role": m["role"], "content": _parts(m["content"])} for m in value]
+
+
+def _content(content: Any) -> bool:
+    """A message's content: a string, or a list of {"type": "text" | "image", ...} parts."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") in ("text", "image") for p in content
+    )
+
+
+def _parts(content: Any) -> Any:
+    """A content list's parts without the keys Arrow fills with None for other part types (a
+    text part's "image": None); a string as it is."""
+    if isinstance(content, str):
+        return content
+    return [{k: v for k, v in p.items() if v is not None or k == "type"} for p in content]
 
 
 def _raw_prompt(row: dict, fmt: RowFormat, where: str) -> Any:
@@ -410,7 +428,36 @@ def _prompt_keys(table: Any, fmt: RowFormat, source: str) -> list[str]:
         keys += [
             v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str) for v in values
         ]
+    images = [c for c in IMAGE_COLUMNS if c in table.column_names]
+    if images:  # two rows that ask the same of different images are different prompts
+        view = table.select_columns(images).with_format("arrow")
+        at = 0
+        for batch in view.iter(batch_size=1_000):
+            for row in batch.to_pylist():
+                keys[at] += "\x00" + _image_digest(row)
+                at += 1
     return keys
+
+
+def _image_digest(value: Any) -> str:
+    """A short digest of a row's image values as stored (paths, bytes, nested lists)."""
+    digest = hashlib.blake2b(digest_size=8)
+
+    def feed(v: Any) -> None:
+        if isinstance(v, (bytes, bytearray)):
+            digest.update(bytes(v))
+        elif isinstance(v, dict):
+            for k in sorted(v):
+                feed(k)
+                feed(v[k])
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                feed(item)
+        else:
+            digest.update(repr(v).encode())
+
+    feed(value)
+    return digest.hexdigest()
 
 
 def heldout_count(rows: int, fraction: float) -> int:

@@ -24,7 +24,7 @@ from grouprl.endpoint.agents import agent_reward
 from grouprl.endpoint.use import AgentUse, run_agent_use, v1_agent_use
 from grouprl.errors import UserError, remedy
 from grouprl.models import activation_checkpointing as checkpointing
-from grouprl.models import load_model, load_tokenizer
+from grouprl.models import load_model, load_tokenizer, vision
 from grouprl.models.loading import DTYPES, context_length, with_pad_token, with_template_variables
 from grouprl.models.lora import apply_lora
 from grouprl.tasks import Task, get_task
@@ -292,6 +292,8 @@ def load_policy(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, Any, n
     tokenizer = load_run_tokenizer(cfg)
     if cfg.lora_r is None:
         policy = load_run_model(cfg, torch.float32, device)
+        if not cfg.train_vision_tower:
+            vision.freeze_vision_tower(policy)
         reference = None
         if cfg.beta > 0:
             reference = load_run_model(cfg, DTYPES[cfg.base_dtype], device)
@@ -300,12 +302,15 @@ def load_policy(cfg: RunConfig, device: torch.device) -> tuple[nn.Module, Any, n
         base = load_run_model(cfg, DTYPES[cfg.base_dtype], device)
         if cfg.gradient_checkpointing:
             checkpointing.enable(base)
+        targets = cfg.lora_target_modules
+        if vision.vision_tower(base) is not None and not cfg.train_vision_tower:
+            targets = vision.language_targets(base, targets)
         policy = apply_lora(
             base,
             r=cfg.lora_r,
             alpha=cfg.lora_alpha,
             dropout=cfg.lora_dropout,
-            target_modules=cfg.lora_target_modules,
+            target_modules=targets,
         )
         reference = None
     if cfg.gradient_checkpointing and cfg.lora_r is None:
@@ -337,6 +342,7 @@ def load_run_tokenizer(opts: ModelOptions, spec: str | None = None) -> Any:
     else:
         given = copy.deepcopy(live_object(live_tokenizer(spec), "tokenizer"))
         tokenizer = with_pad_token(given, spec)
+    vision.with_image_limit(tokenizer, opts.max_image_pixels)
     return with_template_variables(tokenizer, opts.chat_template_kwargs)
 
 
@@ -564,36 +570,3 @@ def keep_freed_memory(device: torch.device) -> bool:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-
-
-def check_packing(cfg: RunConfig, policy: nn.Module, budget: int | None, warn) -> None:
-    """Before anything runs: a `--max-tokens-per-micro-batch` below the longest row the run can
-    sample (`budget` prompt tokens and `--max-new-tokens`, all but the last forwarded) is one
-    line; a model whose attention cannot keep packed rows apart (`packs_rows`) is one line
-    under `--packing on` and otherwise one warning: its passes run padded."""
-    tokens = cfg.max_tokens_per_micro_batch
-    if tokens is not None and budget is not None and budget + cfg.max_new_tokens - 1 > tokens:
-        longest = budget + cfg.max_new_tokens - 1
-        ways = remedy(("raise", "max_tokens_per_micro_batch"), ("lower", "max_prompt_length"),
-                      ("lower", "max_new_tokens"), otherwise="shorten the prompts")  # fmt: skip
-        raise UserError(
-            f"--max-tokens-per-micro-batch {tokens} is smaller than the longest row this run can "
-            f"sample: {budget} prompt + {cfg.max_new_tokens} completion tokens, {longest} "
-            f"forwarded; it must be at least {longest}: {ways}"
-        )
-    if cfg.packing == "off" and tokens is None:
-        return
-    from grouprl.rollout.logprobs import packs_rows
-
-    if packs_rows(policy):
-        return
-    if cfg.packing == "on":
-        raise UserError(
-            "--packing on: this model's attention does not keep packed rows apart (a probe of "
-            "two rows packed by their position ids saw the second attend to the first); use "
-            "--packing auto or off"
-        )
-    warn(
-        "this model's attention does not keep packed rows apart: its passes run padded"
-        + (", and --max-tokens-per-micro-batch counts rows × the longest" if tokens else "")
-    )

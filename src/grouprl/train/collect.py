@@ -130,7 +130,7 @@ def draw_prompts(
         for row in sampler.stream.take(position, k - len(rows)):
             position += 1
             row_ids = [] if "prompt" not in row else prompt_ids(
-                sampler.tokenizer, row["prompt"], sampler.tools)  # fmt: skip
+                sampler.tokenizer, row["prompt"], sampler.tools, row)  # fmt: skip
             if fits(row_ids, sampler.budget):
                 rows.append(row)
                 ids.append(row_ids)

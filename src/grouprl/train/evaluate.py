@@ -224,7 +224,7 @@ def evaluate(
     ids = (
         list(prompts.ids)
         if prompts.ids is not None
-        else [prompt_ids(tokenizer, r["prompt"], tools) for r in rows]
+        else [prompt_ids(tokenizer, r["prompt"], tools, r) for r in rows]
     )
     keys = list(prompts.keys) if prompts.keys is not None else list(rows)
     sampling = _Sampling(engine, tokenizer, tools, settings, prompts.budget)

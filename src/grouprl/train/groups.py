@@ -6,8 +6,9 @@ step's batch, spread evenly over it
 through the update (`TokenWatch`: each pass that trains one of their completions records what
 its loss saw, so the last epoch's pass is what stays) and then written whole (`group_records`):
 
-- per group: the prompt (text and ids), the reference answer, whether any of its completions
-  was trained (a group whose rewards all agree is skipped when its advantages are 0);
+- per group: the prompt (text and ids), its images as small PNG data URLs (a vision-language
+  policy's), the reference answer, whether any of its completions was trained (a group whose
+  rewards all agree is skipped when its advantages are 0);
 - per completion: its reward, each reward function's score, whether it passed, its advantage,
   its text, its length and whether it was truncated;
 - per token: the id, the loss mask (tool and observation tokens are shown but not trained), the
@@ -34,6 +35,7 @@ import torch
 
 from grouprl.config.options import RunConfig
 from grouprl.core import LossOptions, bounded_tokens, importance_ratio
+from grouprl.images import thumbnail
 from grouprl.train.batch import Batch
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.turn_rewards import logged_turns
@@ -138,6 +140,7 @@ def group_records(
             "prompt": rollout.prompts[g],
             "prompt_ids": prompt_ids,
             "answer": _plain(batch.rows[g].get("answer")),
+            "images": _thumbnails(rollout, g),
             "rewards": rewards,
             "trained": any(row in watch.seen for row in rows),
             "completions": completions,
@@ -145,6 +148,12 @@ def group_records(
     shares = dist.gather(groups) if dist.enabled else [groups]
     return {**loss_settings(cfg, watch.options),
             "groups": [group for share in shares for group in share]}  # fmt: skip
+
+
+def _thumbnails(rollout: Any, g: int) -> list[str]:
+    """Prompt g's images as small PNG data URLs (none for a text prompt)."""
+    media = None if rollout.media is None else rollout.media.prompts[g]
+    return [] if media is None else [thumbnail(image) for image in media.images]
 
 
 def loss_settings(cfg: RunConfig, options: LossOptions) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from torch import nn
 from grouprl.config.options import RunConfig
 from grouprl.config.training import ComputeOptions
 from grouprl.config.validation import dense_gradients
-from grouprl.errors import UserError
+from grouprl.errors import UserError, remedy
+from grouprl.models import vision
 from grouprl.rollout import Rollout
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep
@@ -248,7 +249,7 @@ class Shape:
 
     @staticmethod
     def of(model: nn.Module) -> Shape:
-        from grouprl.rollout.logprobs import packs_rows
+        from grouprl.rollout.packed import packs_rows
 
         config = getattr(model, "config", None)
         hidden = getattr(config, "hidden_size", 0)
@@ -404,3 +405,46 @@ def pad_passes(
             plan = dataclasses.replace(plan, chunks=plan.chunks + (filler,) * missing)
         out.append(plan)
     return out
+
+
+def check_packing(cfg: RunConfig, policy: nn.Module, budget: int | None, warn) -> None:
+    """Before anything runs: a `--max-tokens-per-micro-batch` below the longest row the run can
+    sample (`budget` prompt tokens and `--max-new-tokens`, all but the last forwarded) is one
+    line; a model whose attention cannot keep packed rows apart (`packs_rows`) is one line
+    under `--packing on` and otherwise one warning: its passes run padded."""
+    tokens = cfg.max_tokens_per_micro_batch
+    if tokens is not None and budget is not None and budget + cfg.max_new_tokens - 1 > tokens:
+        longest = budget + cfg.max_new_tokens - 1
+        ways = remedy(("raise", "max_tokens_per_micro_batch"), ("lower", "max_prompt_length"),
+                      ("lower", "max_new_tokens"), otherwise="shorten the prompts")  # fmt: skip
+        raise UserError(
+            f"--max-tokens-per-micro-batch {tokens} is smaller than the longest row this run can "
+            f"sample: {budget} prompt + {cfg.max_new_tokens} completion tokens, {longest} "
+            f"forwarded; it must be at least {longest}: {ways}"
+        )
+    if cfg.packing == "off" and tokens is None:
+        return
+    from grouprl.rollout.packed import packs_rows
+
+    if packs_rows(policy):
+        return
+    if vision.vision_tower(policy) is not None:  # its prompts' images: never packed
+        if cfg.packing == "on":
+            raise UserError(
+                "--packing on: a vision-language model's prompts carry images, which packed "
+                "forwards do not take; use --packing auto or off (its passes share each prompt)"
+            )
+        if tokens:
+            warn("a vision-language model's passes run padded (their prompts carry images): "
+                 "--max-tokens-per-micro-batch counts rows × the longest")  # fmt: skip
+        return
+    if cfg.packing == "on":
+        raise UserError(
+            "--packing on: this model's attention does not keep packed rows apart (a probe of "
+            "two rows packed by their position ids saw the second attend to the first); use "
+            "--packing auto or off"
+        )
+    warn(
+        "this model's attention does not keep packed rows apart: its passes run padded"
+        + (", and --max-tokens-per-micro-batch counts rows × the longest" if tokens else "")
+    )

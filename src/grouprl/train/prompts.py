@@ -9,20 +9,52 @@ from dataclasses import dataclass
 from typing import Any
 
 from grouprl.errors import UserError, option_name, remedy
+from grouprl.images import has_images, message_text, row_images, with_image_parts
+from grouprl.models import vision
 from grouprl.rollout import encode_prompts
+from grouprl.rollout.media import encode
 from grouprl.tasks.base import Task
 from grouprl.tasks.tools.prompt import with_tool_prompt
 from grouprl.tasks.tools.use import Episode, ToolUse
 
 
-def prompt_ids(tokenizer: Any, prompt: Any, tools: ToolUse | None = None) -> list[int]:
+def prompt_ids(
+    tokenizer: Any, prompt: Any, tools: ToolUse | None = None, row: dict | None = None
+) -> list[int]:
     """The token ids the sampler feeds for one prompt (chat template applied to messages; in
-    the chat tool format, to string prompts too, with the tools rendered)."""
+    the chat tool format, to string prompts too, with the tools rendered). With `row`, the
+    prompt's row: where it has images (`grouprl.images`), an `ImagePrompt` whose ids the model's
+    processor expanded, carrying the images' tensors."""
     schemas = None if tools is None else tools.schemas
     chat = schemas is not None
     if tools is not None and tools.description is not None:
         prompt = with_tool_prompt(prompt, tools.description)
+    if row is not None and has_images(row):
+        return _image_prompt_ids(tokenizer, prompt, row, schemas)
     return encode_prompts(tokenizer, [prompt], chat_template=chat, tools=schemas)[0][0]
+
+
+def _image_prompt_ids(tokenizer: Any, prompt: Any, row: dict, schemas: Any) -> list[int]:
+    """A row's prompt with its images, rendered by the processor's chat template (an image
+    part per image in its first user message) and expanded by the processor."""
+    text = message_text(prompt[-1]["content"]) if isinstance(prompt, list) else str(prompt)
+    where = f"the row whose prompt ends {text[-60:]!r}"
+    processor = vision.processor_of(tokenizer)
+    if processor is None:
+        raise UserError(
+            f"{where} has images, but the model is a text model; give a vision-language model "
+            "(--model), or drop the rows' image column"
+        )
+    images = row_images(row, where, vision.image_limit(tokenizer))
+    messages = with_image_parts(prompt, len(images))
+    if not getattr(processor, "chat_template", None):
+        raise UserError(
+            "the prompts have images but the model's processor has no chat template to place "
+            "them; use a model saved with one (an instruct vision-language model)"
+        )
+    rendered = processor.apply_chat_template(messages, tools=schemas, tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+    return encode(processor, rendered, images, where)
 
 
 def fits(ids: list[int], budget: int | None) -> bool:
@@ -43,7 +75,7 @@ def rows_that_fit(
     for row in rows:
         if len(kept) == limit:
             break
-        row_ids = prompt_ids(tokenizer, row["prompt"], tools)
+        row_ids = prompt_ids(tokenizer, row["prompt"], tools, row)
         if fits(row_ids, budget):
             kept.append(row)
             ids.append(row_ids)
@@ -111,5 +143,5 @@ def held_out(
         rows, ids, over = rows_that_fit(task.heldout, size, tokenizer, budget, tools)
         return HeldOut(rows, ids, list(rows), len(over), min(over, default=None))
     row = dict(task.heldout[0])
-    ids = [] if "prompt" not in row else prompt_ids(tokenizer, row["prompt"], tools)
+    ids = [] if "prompt" not in row else prompt_ids(tokenizer, row["prompt"], tools, row)
     return HeldOut([row] * size, [ids] * size, [Episode(k, held_out=True) for k in range(size)])

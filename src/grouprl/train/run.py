@@ -53,7 +53,6 @@ from grouprl.train.build import (
     build_rewards,
     build_task,
     build_tools,
-    check_packing,
     estimator_tools,
     forward_dtype,
     keep_freed_memory,
@@ -69,6 +68,7 @@ from grouprl.train.groups import vocabulary
 from grouprl.train.parallel import distributed
 from grouprl.train.parallel.distributed import Dist
 from grouprl.train.parallel.fsdp import Lockstep, full_state, shard
+from grouprl.train.plan import check_packing
 from grouprl.train.prompts import HeldOut, held_out, no_prompt_fits
 from grouprl.train.routing import Routing, routing_for
 from grouprl.train.update import grad_scaler, make_optimizer

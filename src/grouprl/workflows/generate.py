@@ -72,7 +72,11 @@ def prompt_rows(cfg: GenerateConfig, task: Any) -> list[dict]:
     if cfg.prompt is not None:
         fmt = RowFormat(chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
         row = {"prompt": format_prompt({"prompt": cfg.prompt}, fmt, "--prompt")}
+        if cfg.image:
+            row["images"] = list(cfg.image)
         return [row if cfg.answer is None else {**row, "answer": cfg.answer}]
+    if cfg.image:
+        raise UserError("--image goes with --prompt (rows of a dataset bring their own images)")
     return list(task.split(cfg.split)[: cfg.limit])
 
 
@@ -86,7 +90,7 @@ def generate(
 ) -> list[dict]:
     """For each row: the prompt as the model sees it and `samples` completions sampled by
     `engine` (with their rewards when `rewards` is given)."""
-    ids = [prompt_ids(tokenizer, row["prompt"]) for row in rows]  # encoded once
+    ids = [prompt_ids(tokenizer, row["prompt"], row=row) for row in rows]  # encoded once
     rollout = engine.sample(
         ids,
         group_size=cfg.samples,

@@ -21,7 +21,7 @@ from grouprl.config import TrainConfig, resolve
 from grouprl.models import load_model, load_tokenizer
 from grouprl.models.lora import apply_lora
 from grouprl.rollout import HFRolloutEngine, sample_groups
-from grouprl.rollout.logprobs import plain_head
+from grouprl.rollout._hf import plain_head
 from grouprl.tasks import get_task
 from grouprl.tasks.data import PromptStream
 from grouprl.train import checkpoint as ckpt

@@ -100,7 +100,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")  # a live run's records change
         self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Content-Security-Policy", "default-src 'self' 'unsafe-inline'")
+        self.send_header(
+            "Content-Security-Policy", "default-src 'self' 'unsafe-inline'; img-src 'self' data:"
+        )  # thumbnails
         if encoding:
             self.send_header("Content-Encoding", encoding)
         self.end_headers()

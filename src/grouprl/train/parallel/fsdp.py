@@ -29,7 +29,8 @@ from torch import nn
 
 from grouprl.errors import UserError
 from grouprl.rollout import HFRolloutEngine, Rollout, completion_logprobs
-from grouprl.rollout.logprobs import packs_rows, plain_head
+from grouprl.rollout._hf import plain_head
+from grouprl.rollout.packed import packs_rows
 from grouprl.train.parallel.distributed import SINGLE, Dist
 
 T = TypeVar("T")

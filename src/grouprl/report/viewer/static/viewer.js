@@ -446,6 +446,24 @@
     return card;
   }
 
+  // The prompt's images: PNG data URLs grouprl made from the row's images (never model text),
+  // set as the src property of img elements, and only those that are PNG data URLs.
+  const THUMBNAIL = "data:image/png;base64,";
+  function thumbnails(g) {
+    const urls = (Array.isArray(g.images) ? g.images : []).filter(function (u) {
+      return typeof u === "string" && u.indexOf(THUMBNAIL) === 0;
+    });
+    if (!urls.length) { return null; }
+    const strip = el("div", { className: "thumbs", dataset: { testid: "images" } });
+    urls.forEach(function (u, k) {
+      const img = document.createElement("img");
+      img.src = u;
+      img.alt = "image " + (k + 1) + " of the prompt";
+      strip.appendChild(img);
+    });
+    return strip;
+  }
+
   function renderGroup(r, rec, vocab, column) {
     const g = rec.groups[Math.min(state.group, rec.groups.length - 1)];
     if (!g) { return; }
@@ -455,6 +473,8 @@
       ", σ " + fmt(st.std, 3) + (g.answer !== null && g.answer !== undefined ? ", answer " + String(g.answer) : "")));
     box.appendChild(el("div", { className: "prompt", dataset: { testid: "prompt" } },
       g.prompt_ids.map(function (id) { return vocab.pieces[id] || ""; }).join("")));
+    const thumbs = thumbnails(g);
+    if (thumbs) { box.appendChild(thumbs); }
     if (st.zeroVariance) {
       box.appendChild(el("p", { className: "note" }, "Every completion scored " + fmt(g.rewards[0], 2) +
         ": σ = 0, so every advantage is 0 and this group gives no policy gradient" +
