@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,14 @@ def language_targets(model: nn.Module, names: Sequence[str] | None) -> list[str]
     the projector gets adapters. One line when none matches."""
     decoder = model.get_decoder()
     prefix = next(n for n, m in model.named_modules() if m is decoder)
+    inside = [n for n, _ in decoder.named_modules()]
+    unmatched = [t for t in names or () if not any(n == t or n.endswith(f".{t}") for n in inside)]
+    if unmatched and len(unmatched) < len(names or ()):  # peft would say nothing of these
+        warnings.warn(
+            f"LoRA target modules {', '.join(map(repr, unmatched))} match no module of the "
+            "language model and get no adapter (a typo, or a stray comma on the command line?)",
+            stacklevel=3,
+        )
     found = [
         f"{prefix}.{n}"
         for n, m in decoder.named_modules()

@@ -360,7 +360,9 @@ def _model_init(args: Any, lora: bool) -> dict[str, Any]:
     trainable weights and AdamW stay fp32, bf16 forwards come from bf16), attn_implementation,
     revision (main: the default branch) and trust_remote_code are from_pretrained's."""
     kwargs = dict(args.model_init_kwargs or {})
-    unknown = sorted(set(kwargs) - _MODEL_INIT)
+    # a key given as None asks for nothing (TRL's gspo_vlm.py passes device_map=None and
+    # quantization_config=None when it does not quantize)
+    unknown = sorted(k for k in set(kwargs) - _MODEL_INIT if kwargs[k] is not None)
     if unknown:
         raise refusal("model_init_kwargs", kwargs,
                       f"grouprl takes {', '.join(sorted(_MODEL_INIT))}, not {', '.join(unknown)}")  # fmt: skip
