@@ -1,5 +1,6 @@
-"""The bundled base policies of the built-in task, `builtin:arith` and its mixture-of-experts twin
-`builtin:arith-moe`: small, loadable both ways, and as good as documented."""
+"""The bundled base policies: the built-in task's `builtin:arith`, its mixture-of-experts twin
+`builtin:arith-moe`, and the dots task's vision-language `builtin:dots`: small, loadable both
+ways, and as good as documented."""
 
 from __future__ import annotations
 
@@ -7,15 +8,24 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    Idefics3ForConditionalGeneration,
+    LlamaForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 
 from grouprl.models import load_model, load_tokenizer, resolve_model_path
 from grouprl.tasks import get_task
 from grouprl.train.evaluate import EvalSettings, evaluate
 
-#: each bundled policy: its class and the most its directory may weigh
-MODELS = {"builtin:arith": (LlamaForCausalLM, 10 * 2**20),
-          "builtin:arith-moe": (Qwen3MoeForCausalLM, 14 * 2**20)}  # fmt: skip
+#: each bundled policy: its class, the most its directory may weigh, its parameter count's range
+MODELS = {"builtin:arith": (LlamaForCausalLM, 10 * 2**20, (1e6, 5e6)),
+          "builtin:arith-moe": (Qwen3MoeForCausalLM, 14 * 2**20, (1e6, 5e6)),
+          "builtin:dots": (Idefics3ForConditionalGeneration, 4 * 2**20, (5e5, 2e6))}  # fmt: skip
+#: each one's task
+TASKS = {"builtin:arith": "arithmetic", "builtin:arith-moe": "arithmetic", "builtin:dots": "dots"}
 each_model = pytest.mark.parametrize("spec", list(MODELS))
 
 
@@ -31,19 +41,22 @@ def test_directory_is_small_and_ordinary(spec) -> None:
 @each_model
 def test_loads_through_the_public_loader_and_transformers(spec) -> None:
     ours = load_model(spec)
-    theirs = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec))
+    auto = AutoModelForImageTextToText if spec == "builtin:dots" else AutoModelForCausalLM
+    theirs = auto.from_pretrained(resolve_model_path(spec))
     assert isinstance(ours, MODELS[spec][0]) and isinstance(theirs, MODELS[spec][0])
-    assert 1_000_000 <= sum(p.numel() for p in ours.parameters()) <= 5_000_000
+    low, high = MODELS[spec][2]
+    assert low <= sum(p.numel() for p in ours.parameters()) <= high
     state = theirs.state_dict()
     assert all(torch.equal(v, state[k]) for k, v in ours.state_dict().items())
     tokenizer = load_tokenizer(spec)
-    for config in (ours.config, ours.generation_config):
+    configs = (ours.config.get_text_config(), ours.generation_config)
+    for config in configs if spec != "builtin:dots" else configs[:1]:
         assert config.eos_token_id == tokenizer.eos_token_id
         assert config.pad_token_id == tokenizer.pad_token_id
         assert config.bos_token_id == tokenizer.bos_token_id
 
 
-@each_model
+@pytest.mark.parametrize("spec", ["builtin:arith", "builtin:arith-moe"])
 def test_greedy_completion_is_a_worked_trace(spec) -> None:
     model, tokenizer = load_model(spec), load_tokenizer(spec)
     ids = tokenizer("37+45=", return_tensors="pt")["input_ids"]

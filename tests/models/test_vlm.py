@@ -202,3 +202,17 @@ def test_a_qwen_vl_model_is_refused_in_one_line(tmp_path):
     hf.Qwen2VLForConditionalGeneration(config).save_pretrained(tmp_path)
     with pytest.raises(UserError, match="image-dependent rotary positions"):
         load_model(tmp_path)
+
+
+def test_text_prompts_on_a_vision_language_model_are_plain_text(root):
+    """A text-only row on a VLM: no media, the tokenizer's chat template, and the trainer's
+    log-probs are the sampler's (float64)."""
+    model = load_model(root / "idefics3", dtype=torch.float64)
+    tokenizer = load_tokenizer(root / "idefics3")
+    row = {"prompt": [{"role": "user", "content": "How many dots?"}]}
+    ids = prompt_ids(tokenizer, row["prompt"], row=row)
+    assert not hasattr(ids, "media") and processor_of(tokenizer).image_token_id not in ids
+    rollout = sample_groups(model, tokenizer, [ids], group_size=2, max_new_tokens=4, seed=0)
+    assert rollout.media is None
+    with torch.no_grad():
+        assert_same_f64(completion_logprobs(model, rollout), rollout.old_logp)

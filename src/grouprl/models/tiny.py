@@ -168,24 +168,7 @@ def save_tiny_chat_model(
     `<tool_call>`), a ChatML template (or `template`, e.g. `QWEN25_TOOLS`), and EOS ids
     `<|im_end|>` and `<|endoftext|>`; returns (model, tokenizer). `hidden_size` 128 gives heads
     of 64, which vLLM's CPU attention runs (it has no kernel for 16)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(_CORPUS, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    tokenizer.chat_template = template
-    if added_tokens:
-        tokenizer.add_tokens(list(added_tokens))
+    tokenizer = tiny_chat_tokenizer(template, added_tokens)
     torch.manual_seed(seed)
     ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     config = Qwen2Config(
@@ -204,6 +187,30 @@ def save_tiny_chat_model(
     _save(model, tokenizer, ends, directory)
     _no_unknown_token(directory, added_tokens)
     return model.eval(), tokenizer
+
+
+def tiny_chat_tokenizer(template: str = CHATML, added_tokens: Sequence[str] = ()):
+    """`save_tiny_chat_model`'s tokenizer: a byte-level BPE of 300 tokens trained on the spot,
+    `added_tokens` after them, `template` as its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = template
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
+    return tokenizer
 
 
 #: The mixture-of-experts families `save_tiny_moe_model` writes: (config class, model class,
@@ -269,25 +276,33 @@ VLM_FAMILIES = ("idefics3", "llava")
 
 
 def save_tiny_vlm(directory: str | Path, family: str = "idefics3", *, seed: int = 0):
-    """Save a random vision-language chat model of `family` (`VLM_FAMILIES`) with its processor:
+    """Save `build_tiny_vlm(family, seed=seed)` with its processor; returns (model, processor)."""
+    model, processor = build_tiny_vlm(family, seed=seed)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return model, processor
+
+
+def build_tiny_vlm(family: str = "idefics3", *, seed: int = 0):
+    """A random vision-language chat model of `family` (`VLM_FAMILIES`) with its processor:
     64x64-pixel images in 16-pixel patches through a 2-layer vision encoder (hidden 128),
     a 2-layer Llama decoder (hidden 128, heads of 64, which vLLM's CPU attention runs),
-    `save_tiny_chat_model`'s tokenizer with the image tokens added, and ChatML with image
-    parts; an image is 4 tokens (Idefics3) or 16 (LLaVA). Returns (model, processor)."""
+    `tiny_chat_tokenizer` with the image tokens added, and ChatML with image parts; an image is
+    4 tokens (Idefics3) or 16 (LLaVA). Returns (model, processor), the model in eval mode."""
     import transformers as hf
 
-    _, tokenizer = save_tiny_chat_model(
-        directory, seed=seed, added_tokens=["<image>", "<fake_token_around_image>", "<global-img>"]
+    tokenizer = tiny_chat_tokenizer(
+        CHATML_IMAGES, ["<image>", "<fake_token_around_image>", "<global-img>"]
     )
-    tokenizer.chat_template = CHATML_IMAGES
+    tokenizer.pad_token = "<|endoftext|>"
     torch.manual_seed(seed)
     ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=2)  # fmt: skip
     text = LlamaConfig(
         vocab_size=len(tokenizer), num_key_value_heads=1, max_position_embeddings=1024,
-        eos_token_id=ends[0], pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
-        **shape,
+        bos_token_id=None, eos_token_id=ends[0], pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False, **shape,
     )  # fmt: skip
     image_id = tokenizer.convert_tokens_to_ids("<image>")
     if family == "idefics3":
@@ -300,6 +315,7 @@ def save_tiny_vlm(directory: str | Path, family: str = "idefics3", *, seed: int 
         config = hf.Idefics3Config(
             vision_config=hf.Idefics3VisionConfig(image_size=64, patch_size=16, **shape),
             text_config=text, image_token_id=image_id, scale_factor=2,
+            pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
         model = hf.Idefics3ForConditionalGeneration(config)
     elif family == "llava":
@@ -321,6 +337,4 @@ def save_tiny_vlm(directory: str | Path, family: str = "idefics3", *, seed: int 
         raise ValueError(f"unknown family {family!r}; one of {', '.join(VLM_FAMILIES)}")
     model.generation_config.eos_token_id = ends
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(directory)
-    processor.save_pretrained(directory)
     return model.eval(), processor

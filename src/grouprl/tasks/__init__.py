@@ -28,6 +28,7 @@ from grouprl.errors import UserError
 from grouprl.tasks.base import SPLITS, RewardFn, Task
 from grouprl.tasks.builtin.arithmetic import arithmetic_task
 from grouprl.tasks.builtin.code import code_task
+from grouprl.tasks.builtin.dots import dots_task
 from grouprl.tasks.builtin.lookup import lookup_task
 from grouprl.tasks.ecosystems.reasoning_gym import PREFIX as RG_PREFIX
 from grouprl.tasks.ecosystems.reasoning_gym import reasoning_gym_task
@@ -40,6 +41,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": arithmetic_task,
     "lookup": lookup_task,
     "code": code_task,
+    "dots": dots_task,
 }
 
 

@@ -35,12 +35,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from grouprl.errors import UserError
-from grouprl.models import load_model, load_tokenizer
+from grouprl.images import has_images
+from grouprl.models import load_model, load_tokenizer, vision
 from grouprl.models.lora import apply_lora, save_final
-from grouprl.models.tiny import TinySize, build_tiny_llama, build_tiny_moe
+from grouprl.models.tiny import TinySize, build_tiny_llama, build_tiny_moe, build_tiny_vlm
 from grouprl.models.tokenizer import build_char_tokenizer, save_tokenizer
 from grouprl.rollout import encode_prompts
+from grouprl.rollout.media import Media
 from grouprl.tasks import Task, get_task
+from grouprl.train.prompts import prompt_ids
 
 
 @dataclass
@@ -243,7 +246,8 @@ def train_sft(cfg: SFTConfig, console: Console | None = None) -> SFTResult:
         torch.set_num_threads(threads_before)
 
 
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: input_ids, attention_mask, labels (R, L) and the model's other inputs (a VLM's images)
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
 def task_batches(cfg: SFTConfig, task: Task, tokenizer: Any) -> Callable[[], Batch]:
@@ -262,9 +266,25 @@ def task_batches(cfg: SFTConfig, task: Task, tokenizer: Any) -> Callable[[], Bat
             completions = [task.noisy_solution(r, noise_rng, cfg.noise) for r in batch]
         else:
             completions = [r["solution"] for r in batch]
-        return encode_batch(tokenizer, [r["prompt"] for r in batch], completions)
+        if has_images(batch[0]):
+            return image_batch(tokenizer, batch, completions)
+        return (*encode_batch(tokenizer, [r["prompt"] for r in batch], completions), {})
 
     return draw
+
+
+def image_batch(tokenizer, rows: list[dict], completions: list[str]) -> Batch:
+    """Rows with images: each prompt as the sampler feeds it (its images expanded by the
+    processor, `prompt_ids`), its completion and EOS after it, right-padded; and the images'
+    tensors for the model's forward."""
+    prompts = [prompt_ids(tokenizer, r["prompt"], row=r) for r in rows]
+    pieces = [[(tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+                True)] for c in completions]  # fmt: skip
+    input_ids, attention_mask, labels = padded([list(p) for p in prompts], pieces,
+                                               tokenizer.pad_token_id)  # fmt: skip
+    media = Media.of(prompts)
+    assert media is not None  # every row has images
+    return input_ids, attention_mask, labels, media.inputs(input_ids.shape[1], torch.device("cpu"))
 
 
 def conversation_data(cfg: SFTConfig) -> tuple[Any, list]:
@@ -315,17 +335,21 @@ def conversation_batches(
 
     def draw() -> Batch:
         batch = [encoded[order_rng.randrange(len(encoded))] for _ in range(cfg.batch_size)]
-        return padded([e.prompt for e in batch], [e.pieces for e in batch],
-                      tokenizer.pad_token_id)  # fmt: skip
+        return (*padded([e.prompt for e in batch], [e.pieces for e in batch],
+                        tokenizer.pad_token_id), {})  # fmt: skip
 
     return draw
 
 
-def _policy(cfg: SFTConfig) -> tuple[Any, torch.nn.Module]:
-    """The tokenizer and model to fit: a fresh tiny Llama, or --model (with LoRA adapters)."""
+def _policy(cfg: SFTConfig, images: bool = False) -> tuple[Any, torch.nn.Module]:
+    """The tokenizer and model to fit: a fresh tiny Llama (for a task whose rows have `images`,
+    a fresh tiny Idefics3 and its processor), or --model (with LoRA adapters)."""
     if cfg.model is None:
         if cfg.data is not None:
             raise UserError("--data needs --model: an instruct model with a chat template")
+        if images:
+            model, processor = build_tiny_vlm("idefics3", seed=cfg.seed)
+            return vision.with_processor(processor.tokenizer, processor), model
         tokenizer = build_char_tokenizer()
         size = TinySize(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size)
         if cfg.num_experts:
@@ -346,7 +370,7 @@ def _train(
     cfg: SFTConfig, task: Task | None, data: tuple[Any, list] | None, console: Console
 ) -> SFTResult:
     torch.manual_seed(cfg.seed)
-    tokenizer, model = _policy(cfg)
+    tokenizer, model = _policy(cfg, task is not None and has_images(task.train[0]))
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -377,10 +401,12 @@ def _train(
     with progress:
         bar = progress.add_task("sft", total=cfg.steps, loss="-")
         for step in range(cfg.steps):
-            input_ids, attention_mask, labels = (t.to(device) for t in draw())
+            input_ids, attention_mask, labels, inputs = draw()
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg)
-            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+            inputs = {k: v.to(device) for k, v in inputs.items()}  # a VLM's images
+            loss = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                         labels=labels.to(device), **inputs).loss  # fmt: skip
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.max_grad_norm > 0:
@@ -395,19 +421,7 @@ def _train(
                 window = []
     seconds = time.perf_counter() - start
 
-    model.eval()
-    if cfg.num_experts:  # written as a plain model: a forward returns no router logits
-        model.config.output_router_logits = False
-    cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.model is None:
-        model.save_pretrained(cfg.output_dir)
-        save_tokenizer(tokenizer, cfg.output_dir)
-    else:  # LoRA adapters merged in (and kept alone in adapter/)
-        save_final(model, tokenizer, cfg.output_dir)
-    # Provenance: the exact configuration that produced these weights.
-    skip = {"output_dir", "overwrite", "progress"}
-    recipe = {k: v for k, v in asdict(cfg).items() if k not in skip}
-    (cfg.output_dir / "sft_config.json").write_text(json.dumps(recipe, indent=2) + "\n")
+    _save(cfg, model.eval(), tokenizer)
     span = max(1, min(50, len(losses) // 5))  # first/last losses averaged for the summary
     head, tail = losses[:span], losses[-span:]
     result = SFTResult(
@@ -418,3 +432,22 @@ def _train(
         f"{result.final_loss:.3f}; wrote {cfg.output_dir}"
     )
     return result
+
+
+def _save(cfg: SFTConfig, model: torch.nn.Module, tokenizer: Any) -> None:
+    """The fitted model, its tokenizer (a VLM's processor with it) and the recipe."""
+    if cfg.num_experts:  # written as a plain model: a forward returns no router logits
+        model.config.output_router_logits = False
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.model is None:
+        model.save_pretrained(cfg.output_dir)
+        if vision.processor_of(tokenizer) is not None:
+            tokenizer.save_pretrained(cfg.output_dir)  # the processor with it
+        else:
+            save_tokenizer(tokenizer, cfg.output_dir)
+    else:  # LoRA adapters merged in (and kept alone in adapter/)
+        save_final(model, tokenizer, cfg.output_dir)
+    # Provenance: the exact configuration that produced these weights.
+    skip = {"output_dir", "overwrite", "progress"}
+    recipe = {k: v for k, v in asdict(cfg).items() if k not in skip}
+    (cfg.output_dir / "sft_config.json").write_text(json.dumps(recipe, indent=2) + "\n")
