@@ -151,6 +151,11 @@ def thumbnail(image: Any, size: int = 128) -> str:
     """An image as a PNG data URL at most `size` pixels on its longer side, for the run viewer."""
     small = image.copy()
     small.thumbnail((size, size))
+    return data_url(small)
+
+
+def data_url(image: Any) -> str:
+    """An image as a PNG data URL, pixel for pixel (what a vLLM server is sent)."""
     buffer = io.BytesIO()
-    small.save(buffer, format="PNG")
+    image.save(buffer, format="PNG")
     return THUMBNAIL_PREFIX + base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -216,3 +216,51 @@ def test_text_prompts_on_a_vision_language_model_are_plain_text(root):
     assert rollout.media is None
     with torch.no_grad():
         assert_same_f64(completion_logprobs(model, rollout), rollout.old_logp)
+
+
+def test_the_image_token_is_never_sampled(root):
+    """A completion holding the image token would make the model look for one more image where
+    prompt and completion are run together (gradient checkpointing, heads that are more than a
+    projection). With the head biased to it, the sampler still never draws it, the log-probs
+    stay the untruncated distribution's (as top-k's), and the per-row forward runs."""
+    from torch import nn
+
+    model = load_model(root / "idefics3", dtype=torch.float64)
+    tokenizer = load_tokenizer(root / "idefics3")
+    image_token = processor_of(tokenizer).image_token_id
+    head = model.get_output_embeddings()
+    biased = nn.Linear(head.in_features, head.out_features, bias=True, dtype=torch.float64)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[image_token] = 50.0  # every position's most likely token by far
+    model.lm_head = biased
+    rollout = sample_groups(model, tokenizer, _prompts(tokenizer), group_size=3,
+                            max_new_tokens=6, seed=0)  # fmt: skip
+    assert image_token not in rollout.completion_ids[rollout.mask].tolist()
+    with torch.no_grad():
+        rows = completion_logprobs(model, rollout, share_prompt=False)
+    assert_same_f64(rows, rollout.old_logp)
+    assert float(rollout.old_logp[rollout.mask].max()) < -40  # under the biased distribution
+
+
+def test_a_vision_language_run_stopped_and_resumed_ends_bit_for_bit(root, tmp_path, stop_at):
+    """The rows' images are read again on resume and give the same prompts, tensors and
+    samples: a run stopped after step 2 and resumed ends on the same weights and metrics."""
+    import signal
+
+    args = ["train", "--model", str(root / "idefics3"), "--dataset", str(root / "dots.jsonl"),
+            "--rewards", f"{root / 'rewards.py'}:varies", "1", *FLAGS, "--save-every", "1"]  # fmt: skip
+    assert main([*args, "--output-dir", str(tmp_path / "whole")]) == 0
+    stop_at(2, signal.SIGINT)
+    assert main([*args, "--output-dir", str(tmp_path / "cut")]) == 130
+    stop_at(None)
+    assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
+    got, want = (load_file(str(tmp_path / d / "final" / "model.safetensors"))
+                 for d in ("cut", "whole"))  # fmt: skip
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    times = ("_seconds", "tokens_per_s")
+    metrics = [[{k: v for k, v in json.loads(line).items() if not k.endswith(times)}
+                for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+               for d in ("cut", "whole")]  # fmt: skip
+    assert metrics[0] == metrics[1]

@@ -85,6 +85,9 @@ def run(script: str, argv: list[str], tmp_path: Path, monkeypatch) -> Path:
     # the scripts import get_kbit_device_map, which TRL 1.16 no longer has (they fail on TRL's
     # own trainer too); they call it only for a quantized model, which these lines never ask
     monkeypatch.setattr(trl, "get_kbit_device_map", lambda: None, raising=False)
+    # the scripts set TRACKIO_SPACE_ID in os.environ, where it would outlive the test and send
+    # later runs' trackio to a Space: set as they set it, and removed after the test
+    monkeypatch.setenv("TRACKIO_SPACE_ID", "trl-trackio")
     local_dataset(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [script, *argv])

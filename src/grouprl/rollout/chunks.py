@@ -86,7 +86,8 @@ def _step(out: Decoded, logits: torch.Tensor, done: torch.Tensor, rows: torch.Te
     (n,) each: its logits are for its next position) and write it there; end rows at EOS or a
     stop string; write the observations of rows whose call was answered after their token.
     Returns which rows ended here (n,) bool and the rows' written lengths (n,)."""
-    tok, lp, ent = pick(logits, s.temperature, s.greedy, s.top_k, s.top_p, s.generator)
+    tok, lp, ent = pick(logits, s.temperature, s.greedy, s.top_k, s.top_p, s.generator,
+                        s.banned)  # fmt: skip
     sampling = ~done & (cached == written)  # (n,)
     out_rows = torch.arange(done.numel(), device=done.device) if rows is None else rows
     at, now = out_rows[sampling], written[sampling]

@@ -33,6 +33,7 @@ class Settings:
     lockstep: Callable[[bool], bool] | None
     turns: Turns | None
     media: Media | None = None  # the prompts' images (`grouprl.rollout.media`), fed at prefill
+    banned: torch.Tensor | None = None  # (k,) token ids never drawn (the images' own tokens)
 
 
 @dataclass

@@ -84,17 +84,20 @@ def pick(
     top_k: int,
     top_p: float,
     generator: torch.Generator | None,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode step's choice for each row, from logits (n, V): the token (n,), its log-prob
     under softmax(logits / temperature) (before top-k / top-p) (n,), and that distribution's
-    entropy (n,)."""
+    entropy (n,). `banned`: token ids never drawn (a vision-language prompt's image token), a
+    truncation like top-k's: the log-prob and entropy are the untruncated distribution's."""
     scores = logits if temperature == 1.0 else logits / temperature  # (n, V)
     logp_all = torch.log_softmax(scores, dim=-1)  # (n, V)
     p_all = logp_all.exp()  # (n, V)
+    allowed = scores if banned is None else scores.index_fill(-1, banned, float("-inf"))
     if greedy:
-        tok = scores.argmax(-1)  # (n,)
+        tok = allowed.argmax(-1)  # (n,)
     else:
-        truncated = top_p_filter(top_k_filter(scores, top_k), top_p)
+        truncated = top_p_filter(top_k_filter(allowed, top_k), top_p)
         probs = p_all if truncated is scores else truncated.softmax(-1)
         tok = sample_categorical(probs, generator)  # (n,)
     lp = logp_all.gather(-1, tok[:, None]).squeeze(1)  # (n,)

@@ -194,13 +194,16 @@ def next_token_log_softmax(
     prompt_mask = batch.prompt_mask.to(device).bool()
     ids = batch.prompt_ids.to(device), batch.completion_ids.to(device)[:, : max(used, 1)]
     sel = mask[:, : max(used, 1)]
+    plain = _hf.plain_head(model)
+    images = _Images.of(model, getattr(batch, "media", None), plain)
     with torch.no_grad():
-        if _hf.plain_head(model):
+        if plain:
             hidden = _completion_hidden(model.get_decoder(), ids[0], prompt_mask, ids[1],
-                                        int(batch.group_size))[sel]  # fmt: skip
+                                        int(batch.group_size), images=images)[sel]  # fmt: skip
             head = model.get_output_embeddings()
         else:
-            hidden = _full_logits(model, ids[0], prompt_mask, ids[1], int(batch.group_size))[sel]
+            hidden = _full_logits(model, ids[0], prompt_mask, ids[1], int(batch.group_size),
+                                  images=images)[sel]  # fmt: skip
             head = nn.Identity()
 
     def log_softmax(start: int, stop: int) -> torch.Tensor:

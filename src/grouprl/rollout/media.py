@@ -46,6 +46,9 @@ class PromptMedia:
     #: the prompt's ids before the processor expanded its images' placeholders (one token an
     #: image where the template put it): what vLLM takes, expanding them itself
     placeholder_ids: tuple[int, ...] = ()
+    #: the model's image token, which a completion must not contain (the model would take it
+    #: for one more image's place in a forward of prompt and completion): never sampled
+    image_token_ids: tuple[int, ...] = ()
 
 
 class ImagePrompt(list):
@@ -69,9 +72,9 @@ def encode(processor: Any, rendered: str, images: Sequence[Any], where: str) -> 
     """The ids and tensors of one rendered prompt (the chat template's text, with one image
     placeholder per image) and its images; one line naming `where` for images the processor
     cannot take (too many for the placeholders, a size it refuses)."""
-    try:
+    try:  # the template wrote the special tokens (BOS among them): none added again
         out = processor(text=[rendered], images=[list(images)] if images else None,
-                        return_tensors="pt")  # fmt: skip
+                        return_tensors="pt", add_special_tokens=False)  # fmt: skip
     except (ValueError, TypeError, RuntimeError, IndexError) as err:
         raise UserError(
             f"{where}: the model's processor cannot take this prompt's {len(images)} image(s): "
@@ -83,8 +86,10 @@ def encode(processor: Any, rendered: str, images: Sequence[Any], where: str) -> 
         for k, v in out.items()
         if k not in _NOT_INPUTS and isinstance(v, torch.Tensor)
     }
-    placeholders = tuple(processor.tokenizer(rendered)["input_ids"])
-    return ImagePrompt(ids, PromptMedia(tuple(images), tensors, placeholders))
+    placeholders = tuple(processor.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    image_token = getattr(processor, "image_token_id", None)
+    banned = () if image_token is None else (int(image_token),)
+    return ImagePrompt(ids, PromptMedia(tuple(images), tensors, placeholders, banned))
 
 
 @dataclass(frozen=True)
@@ -127,24 +132,31 @@ class Media:
             lengths += [0] * count if part is None else list(part.lengths)
         return Media(tuple(prompts), tuple(lengths))
 
+    def banned(self, device: torch.device) -> torch.Tensor | None:
+        """(k,) the prompts' image token ids, never to be sampled; None when there are none."""
+        ids = sorted({i for m in self.prompts if m is not None for i in m.image_token_ids})
+        return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+
     def images(self) -> list[list[Any]]:
         """Each prompt's images (an empty list for a text prompt)."""
         return [[] if m is None else list(m.images) for m in self.prompts]
 
-    def inputs(self, width: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """The model's keyword inputs for the B prompts, left-padded to `width` tokens (the
-        batch's prompt ids' width), on `device`."""
+    def inputs(
+        self, width: int, device: torch.device, right: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The model's keyword inputs for the B prompts, per-token ones padded to `width`
+        tokens on the left (the batch's left-padded prompt ids) or the `right`, on `device`."""
         names = sorted({k for m in self.prompts if m is not None for k in m.tensors})
-        return {k: self._joined(k, width).to(device) for k in names}
+        return {k: self._joined(k, width, right).to(device) for k in names}
 
-    def _joined(self, name: str, width: int) -> torch.Tensor:
+    def _joined(self, name: str, width: int, right: bool = False) -> torch.Tensor:
         per_token = [
             m is not None and name in m.tensors and m.tensors[name].dim() == 2
             and m.tensors[name].shape == (1, n)
             for m, n in zip(self.prompts, self.lengths)
         ]  # fmt: skip
         if all(per_token):
-            return torch.cat([F.pad(m.tensors[name], (width - n, 0))  # type: ignore[union-attr]
+            return torch.cat([F.pad(m.tensors[name], (0, width - n) if right else (width - n, 0))  # type: ignore[union-attr]
                               for m, n in zip(self.prompts, self.lengths)])  # fmt: skip
         found = [m.tensors[name] for m in self.prompts if m is not None and name in m.tensors]
         shapes = {t.shape[1:] for t in found}

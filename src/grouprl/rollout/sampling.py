@@ -234,9 +234,8 @@ def sample_groups(
     prompt_ids, prompt_mask = left_pad(prompt_rows, pad_id, device)  # (B, P)
     media = Media.of(prompts)
     greedy = temperature == 0.0
-    generator = None
-    if seed is not None and not greedy:
-        generator = torch.Generator(device=device)
+    generator = None if seed is None or greedy else torch.Generator(device=device)
+    if generator is not None:
         generator.manual_seed(int(seed))
     n = len(prompt_rows) * group_size
     settings = Settings(
@@ -253,6 +252,7 @@ def sample_groups(
         lockstep=lockstep,
         turns=None if tools is None else Turns(tools, tokenizer, n, max_new_tokens, device),
         media=media,
+        banned=None if media is None else media.banned(device),
     )
     with torch.inference_mode() if lockstep is None else torch.no_grad():
         out = _routed_decode(model, prompt_ids, prompt_mask, settings)
@@ -358,7 +358,8 @@ def _step(
     """Decode step t: a token per batch row (pad for finished rows; a row answering a tool call
     is fed its observation instead, never an end), written to the output rows; returns the
     tokens (n,) and which rows finished here (n,)."""
-    tok, lp, ent = pick(logits, s.temperature, s.greedy, s.top_k, s.top_p, s.generator)
+    tok, lp, ent = pick(logits, s.temperature, s.greedy, s.top_k, s.top_p, s.generator,
+                        s.banned)  # fmt: skip
     tok = tok.masked_fill(done, s.pad_id)
     lp = lp.masked_fill(done, 0.0)
     ent = ent.masked_fill(done, 0.0)

@@ -200,6 +200,8 @@ class _Rollouts:
         media = self.media[b]
         if media is None:
             return Request(self.prompt_rows[b] + prefix, params, group=b)
+        if media.image_token_ids:  # never sampled (`PromptMedia.image_token_ids`)
+            params = {**params, "logit_bias": {i: -100.0 for i in media.image_token_ids}}
         return Request(list(media.placeholder_ids) + prefix, params, group=b,
                        images=media.images, expanded=len(self.prompt_rows[b]) + len(prefix))  # fmt: skip
 

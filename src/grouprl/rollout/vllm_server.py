@@ -51,6 +51,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from grouprl.errors import UserError, one_line
+from grouprl.images import data_url
 from grouprl.rollout.sampling import pad_token_id, stop_token_ids
 from grouprl.rollout.turns import TurnHandler
 from grouprl.rollout.types import Rollout
@@ -96,7 +97,17 @@ def server_command(
         command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if cpu:
         command += ["--enforce-eager", "--block-size", "32", "--no-enable-chunked-prefill"]
+    if _sees_images(model):  # vLLM 0.32 misses an image it has seen before with either on
+        command += ["--no-enable-prefix-caching", "--mm-processor-cache-gb", "0"]
     return command
+
+
+def _sees_images(model: str | Path) -> bool:
+    """Whether a local model directory holds a vision-language model."""
+    try:
+        return "vision_config" in json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 class ServerError(UserError):
@@ -290,17 +301,15 @@ class VLLMServerEngine:
         the one synced is an error."""
         if not requests:
             return []
-        if any(r.images for r in requests):
-            raise UserError(
-                "vLLM servers are sent token ids, not images, so prompts with images cannot be "
-                "sampled on them yet; use --engine vllm (in this process) or --engine hf"
-            )
         expected = str(self.synced)
 
         def one(request: Request) -> list[Completion]:
             k = request.group % len(self.servers)
             body = {"model": self.models[k], "token_ids": request.ids,
                     "sampling_params": request.params}  # fmt: skip
+            if request.images:  # PNG data URLs, which the server expands into the placeholders
+                body["content_parts"] = [{"type": "image_url", "url": data_url(image)}
+                                         for image in request.images]  # fmt: skip
             try:
                 answer = self.servers[k].post("/inference/v1/generate", body,
                                               timeout=REQUEST_TIMEOUT)  # fmt: skip

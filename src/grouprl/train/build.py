@@ -343,6 +343,9 @@ def load_run_tokenizer(opts: ModelOptions, spec: str | None = None) -> Any:
         given = copy.deepcopy(live_object(live_tokenizer(spec), "tokenizer"))
         tokenizer = with_pad_token(given, spec)
     vision.with_image_limit(tokenizer, opts.max_image_pixels)
+    processor = vision.processor_of(tokenizer)
+    if processor is not None:  # it renders prompts with images
+        with_template_variables(processor, opts.chat_template_kwargs)
     return with_template_variables(tokenizer, opts.chat_template_kwargs)
 
 

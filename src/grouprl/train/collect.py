@@ -237,7 +237,8 @@ def _sample(
         start = sampler.tools.rollout(rows, cfg.group_size, cfg.seed, step, round_, keys=keys)
         handler, rows = start.handler, start.rows
         if start.environments is not None:
-            ids = reset_prompt_ids(sampler.tokenizer, start.prompts, sampler.tools, sampler.budget)
+            ids = reset_prompt_ids(sampler.tokenizer, start.prompts, sampler.tools, sampler.budget,
+                                   rows)  # fmt: skip
     with autocast(sampler.device, sampler.dtype):
         rollout = sampler.engine.sample(
             ids,

@@ -305,7 +305,8 @@ class _Sampling:
                                        keys=keys)  # fmt: skip
             handler, rows = start.handler, start.rows
             if start.environments is not None:  # the prompts now hold reset's text
-                ids = reset_prompt_ids(self.tokenizer, start.prompts, self.tools, self.budget)
+                ids = reset_prompt_ids(self.tokenizer, start.prompts, self.tools, self.budget,
+                                       rows)  # fmt: skip
         rollout = self.engine.sample(ids, max_new_tokens=self.settings.max_new_tokens,
                                      stop=self.settings.stop, tools=handler, **settings)  # fmt: skip
         if self.tools is not None:  # an agent's split trajectories run on (scored, not kept)

@@ -103,11 +103,17 @@ def no_prompt_fits(where: str, shortest: int, budget: int, by_flag: bool) -> Use
 
 
 def reset_prompt_ids(
-    tokenizer: Any, prompts: Sequence[Any], tools: ToolUse, budget: int | None
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    tools: ToolUse,
+    budget: int | None,
+    rows: Sequence[dict] | None = None,
 ) -> list[list[int]]:
     """The ids of prompts an environment's `reset` wrote (or added to), which must fit the
-    budget like any prompt: one that does not is one line."""
-    ids = [prompt_ids(tokenizer, prompt, tools) for prompt in prompts]
+    budget like any prompt: one that does not is one line. `rows`: each prompt's row (its
+    images go with the prompt reset wrote)."""
+    rows = rows if rows is not None else [None] * len(prompts)
+    ids = [prompt_ids(tokenizer, p, tools, r) for p, r in zip(prompts, rows, strict=True)]
     longest = max(ids, key=len)
     if not fits(longest, budget):
         name = tools.environment.name if tools.environment is not None else "the environment"

@@ -284,7 +284,8 @@ def image_batch(tokenizer, rows: list[dict], completions: list[str]) -> Batch:
                                                tokenizer.pad_token_id)  # fmt: skip
     media = Media.of(prompts)
     assert media is not None  # every row has images
-    return input_ids, attention_mask, labels, media.inputs(input_ids.shape[1], torch.device("cpu"))
+    inputs = media.inputs(input_ids.shape[1], torch.device("cpu"), right=True)  # as the ids
+    return input_ids, attention_mask, labels, inputs
 
 
 def conversation_data(cfg: SFTConfig) -> tuple[Any, list]:
