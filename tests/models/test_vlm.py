@@ -1,5 +1,6 @@
-"""Vision-language models: tiny Idefics3 and LLaVA models (their processors need no
-torchvision) sample and train with images from a dataset's image column.
+"""Vision-language models: tiny Idefics3, LLaVA and Gemma 3 models (their processors need no
+torchvision; Gemma 3's adds per-token `token_type_ids` and a sliding-window decoder) sample and
+train with images from a dataset's image column.
 
 - The trainer's shared-prompt log-probs (the prompt with its images run once per group) equal a
   plain per-row forward of the whole model (each row its prompt's images, its ids, no cache),

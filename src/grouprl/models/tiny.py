@@ -272,7 +272,9 @@ CHATML_IMAGES = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 #: The vision-language families `save_tiny_vlm` writes; their processors need no torchvision.
-VLM_FAMILIES = ("idefics3", "llava")
+VLM_FAMILIES = ("idefics3", "llava", "gemma3")
+#: Gemma 3's image parts: its processor expands `<start_of_image>` into the image's tokens.
+CHATML_GEMMA_IMAGES = CHATML_IMAGES.replace("<image>", "<start_of_image>")
 
 
 def save_tiny_vlm(directory: str | Path, family: str = "idefics3", *, seed: int = 0):
@@ -291,6 +293,8 @@ def build_tiny_vlm(family: str = "idefics3", *, seed: int = 0):
     4 tokens (Idefics3) or 16 (LLaVA). Returns (model, processor), the model in eval mode."""
     import transformers as hf
 
+    if family == "gemma3":
+        return _tiny_gemma3(seed)
     tokenizer = tiny_chat_tokenizer(
         CHATML_IMAGES, ["<image>", "<fake_token_around_image>", "<global-img>"]
     )
@@ -335,6 +339,49 @@ def build_tiny_vlm(family: str = "idefics3", *, seed: int = 0):
         model = hf.LlavaForConditionalGeneration(config)
     else:
         raise ValueError(f"unknown family {family!r}; one of {', '.join(VLM_FAMILIES)}")
+    model.generation_config.eos_token_id = ends
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.eval(), processor
+
+
+def _tiny_gemma3(seed: int):
+    """`build_tiny_vlm`'s Gemma 3: a 2-layer SigLIP encoder whose 16 patches are pooled into 4
+    image tokens, a 2-layer Gemma 3 decoder (its sliding window of 128 as Gemma's layers
+    alternate), its processor's image, begin and end tokens added to the tokenizer. Gemma 3
+    zero-initialises its projection, which would make a random model blind: drawn here."""
+    import transformers as hf
+
+    base = tiny_chat_tokenizer(CHATML_GEMMA_IMAGES)
+    specials = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                "eoi_token": "<end_of_image>"}  # fmt: skip
+    base.add_tokens(list(specials.values()))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", extra_special_tokens=specials,
+    )  # fmt: skip
+    tokenizer.chat_template = CHATML_GEMMA_IMAGES
+    images = hf.Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
+    processor = hf.Gemma3Processor(image_processor=images, tokenizer=tokenizer,
+                                   image_seq_length=4, chat_template=CHATML_GEMMA_IMAGES)  # fmt: skip
+    torch.manual_seed(seed)
+    ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=2)  # fmt: skip
+    text = hf.Gemma3TextConfig(
+        vocab_size=len(tokenizer), num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64,
+        sliding_window=128, max_position_embeddings=1024, bos_token_id=None,
+        eos_token_id=ends[0], pad_token_id=tokenizer.pad_token_id, **shape,
+    )  # fmt: skip
+    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in specials.items()}
+    config = hf.Gemma3Config(
+        text_config=text, vision_config=hf.SiglipVisionConfig(image_size=64, patch_size=16,
+                                                              **shape),
+        mm_tokens_per_image=4, boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
+    )  # fmt: skip
+    model = hf.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.05)
     model.generation_config.eos_token_id = ends
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval(), processor
