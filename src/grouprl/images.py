@@ -13,6 +13,7 @@ message holds one ``{"type": "image"}`` part per image before its text (what TRL
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,17 @@ from grouprl.errors import UserError
 MAX_IMAGE_PIXELS = 4096 * 4096
 #: The row columns that hold images.
 IMAGE_COLUMNS = ("image", "images")
+
+
+def directory_sees_images(directory: Any) -> bool:
+    """Whether a local model directory holds a vision-language model: its config.json has a
+    vision tower's config."""
+    import json
+
+    try:
+        return "vision_config" in json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def has_images(row: dict) -> bool:
@@ -159,3 +171,41 @@ def data_url(image: Any) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return THUMBNAIL_PREFIX + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def image_digest(value: Any) -> str:
+    """A short digest of a row's image values as stored (paths, bytes, nested lists)."""
+    digest = hashlib.blake2b(digest_size=8)
+
+    def feed(v: Any) -> None:
+        if isinstance(v, (bytes, bytearray)):
+            digest.update(bytes(v))
+        elif isinstance(v, dict):
+            for k in sorted(v):
+                feed(k)
+                feed(v[k])
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                feed(item)
+        else:
+            digest.update(repr(v).encode())
+
+    feed(value)
+    return digest.hexdigest()
+
+
+def warn_unread_image_columns(features: Any, source: str) -> None:
+    """One warning for a dataset whose images sit in a column no prompt reads (a `datasets`
+    Image feature under another name than `IMAGE_COLUMNS`)."""
+    import warnings
+
+    elsewhere = [name for name, f in features.items()
+                 if name not in IMAGE_COLUMNS and "Image" in type(getattr(f, "feature", f)).__name__]  # fmt: skip
+    if elsewhere:
+        warnings.warn(
+            f"dataset {source}: column {elsewhere[0]!r} holds images, but no prompt shows them: "
+            f"a row's images come from its {' or '.join(map(repr, IMAGE_COLUMNS))} column; "
+            "rename the column to use them",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -6,6 +6,7 @@ takes exactly the count, and `grouprl sft` fits a fresh tiny vision-language mod
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -70,3 +71,23 @@ def test_sft_fits_a_tiny_vlm_that_train_then_trains(tmp_path):
                  "--output-dir", str(run)]) == 0  # fmt: skip
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
+
+
+def test_an_image_column_of_another_name_is_warned_about():
+    """Images under another column name show no prompt anything: a warning names the column."""
+    import io
+
+    from datasets import Dataset, Image
+    from PIL import Image as Pil
+
+    from grouprl.tasks.data import RowFormat, check_schema
+
+    buffer = io.BytesIO()
+    Pil.new("RGB", (8, 8), "white").save(buffer, format="PNG")
+    table = Dataset.from_dict({"picture": [{"bytes": buffer.getvalue(), "path": None}],
+                               "prompt": ["How many dots?"]}).cast_column("picture", Image())  # fmt: skip
+    with pytest.warns(UserWarning, match="column 'picture' holds images, but no prompt shows"):
+        check_schema(table, RowFormat(), "pics")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_schema(table.rename_column("picture", "image"), RowFormat(), "pics")

@@ -14,7 +14,6 @@ torchvision installed (their video processor); without it loading one is one lin
 from __future__ import annotations
 
 import functools
-import json
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from grouprl.errors import UserError, one_line
-from grouprl.images import MAX_IMAGE_PIXELS
+from grouprl.images import MAX_IMAGE_PIXELS, directory_sees_images
 
 _PROCESSOR = "_grouprl_processor"
 _LIMIT = "_grouprl_max_image_pixels"
@@ -35,11 +34,7 @@ def config_sees_images(source: Path | str, loader: Any = None) -> bool:
     """Whether the model at `source` (a local directory, or a hub id through `loader`, the
     caller's config loader) is a vision-language model."""
     if isinstance(source, Path):
-        path = source / "config.json"
-        try:
-            return "vision_config" in json.loads(path.read_text())
-        except (OSError, ValueError):
-            return False
+        return directory_sees_images(source)
     if loader is None:
         return False
     try:

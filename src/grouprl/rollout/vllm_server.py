@@ -51,7 +51,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from grouprl.errors import UserError, one_line
-from grouprl.images import data_url
+from grouprl.images import data_url, directory_sees_images
 from grouprl.rollout.sampling import pad_token_id, stop_token_ids
 from grouprl.rollout.turns import TurnHandler
 from grouprl.rollout.types import Rollout
@@ -97,17 +97,9 @@ def server_command(
         command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if cpu:
         command += ["--enforce-eager", "--block-size", "32", "--no-enable-chunked-prefill"]
-    if _sees_images(model):  # vLLM 0.32 misses an image it has seen before with either on
+    if directory_sees_images(model):  # vLLM 0.32 misses an image seen before with either on
         command += ["--no-enable-prefix-caching", "--mm-processor-cache-gb", "0"]
     return command
-
-
-def _sees_images(model: str | Path) -> bool:
-    """Whether a local model directory holds a vision-language model."""
-    try:
-        return "vision_config" in json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
 
 
 class ServerError(UserError):

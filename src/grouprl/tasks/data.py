@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from grouprl.errors import UserError, one_line
-from grouprl.images import IMAGE_COLUMNS
+from grouprl.images import IMAGE_COLUMNS, image_digest, warn_unread_image_columns
 from grouprl.tasks.base import Task
 from grouprl.tasks.live import is_live, live_object
 
@@ -301,6 +301,7 @@ def check_schema(table: Any, fmt: RowFormat, source: str) -> bool:
             )
     if fmt.answer_column is not None:
         _feature_at(features, fmt.answer_column, source, "--answer-column")
+    warn_unread_image_columns(features, source)
     if fmt.system_prompt is not None and strings and not fmt.chat_template:
         raise UserError(
             "--system-prompt needs chat prompts: the dataset's prompts are strings; add "
@@ -434,30 +435,9 @@ def _prompt_keys(table: Any, fmt: RowFormat, source: str) -> list[str]:
         at = 0
         for batch in view.iter(batch_size=1_000):
             for row in batch.to_pylist():
-                keys[at] += "\x00" + _image_digest(row)
+                keys[at] += "\x00" + image_digest(row)
                 at += 1
     return keys
-
-
-def _image_digest(value: Any) -> str:
-    """A short digest of a row's image values as stored (paths, bytes, nested lists)."""
-    digest = hashlib.blake2b(digest_size=8)
-
-    def feed(v: Any) -> None:
-        if isinstance(v, (bytes, bytearray)):
-            digest.update(bytes(v))
-        elif isinstance(v, dict):
-            for k in sorted(v):
-                feed(k)
-                feed(v[k])
-        elif isinstance(v, (list, tuple)):
-            for item in v:
-                feed(item)
-        else:
-            digest.update(repr(v).encode())
-
-    feed(value)
-    return digest.hexdigest()
 
 
 def heldout_count(rows: int, fraction: float) -> int:
