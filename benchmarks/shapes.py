@@ -323,10 +323,10 @@ def trl_child(spec_path: str) -> int:
     return 0
 
 
-def real_model_dir(name: str, directory: Path) -> str:
+def real_model_dir(name: str, directory: Path, *, eos: bool) -> str:
     """The GGUF file of a REAL model, located without importing its package (whose __init__
     needs the llm package), loaded by grouprl and saved as a plain model directory that TRL can
-    read too."""
+    read too. eos=False: its EOS is one the model cannot emit, as `random_llama_dir` does."""
     spec = importlib.util.find_spec(f"llm_{name}")
     locations = list(spec.submodule_search_locations or []) if spec else []
     files = [Path(d) / REAL[name] for d in locations if (Path(d) / REAL[name]).is_file()]
@@ -335,8 +335,13 @@ def real_model_dir(name: str, directory: Path) -> str:
     if not (directory / "config.json").is_file():
         from grouprl.models import load_model, load_tokenizer
 
-        load_model(str(files[0])).save_pretrained(directory)
-        load_tokenizer(str(files[0])).save_pretrained(directory)
+        model, tokenizer = load_model(str(files[0])), load_tokenizer(str(files[0]))
+        if not eos:  # a token added after the model was sized has no logit
+            tokenizer.add_special_tokens({"eos_token": "<never>"})
+            model.generation_config.eos_token_id = tokenizer.eos_token_id
+            model.config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
     return str(directory)
 
 
@@ -354,13 +359,13 @@ def main(args: ShapesArgs) -> int:
     reward.write_text(REWARD)
     steps = args.warmup_steps + args.measured_steps
     models: dict[str, ModelSpec] = {}
+    suffix = "natural" if args.natural else "no-eos"
     for cell in cells:
         if cell.model in REAL and cell.model not in models:
             print(f"dequantising {REAL[cell.model]} into a model directory", flush=True)
-            path = real_model_dir(cell.model, out / f"{cell.model}-hf")
+            path = real_model_dir(cell.model, out / f"{cell.model}-{suffix}", eos=args.natural)
             models[cell.model] = model_spec(cell.model, path, f"{REAL[cell.model]}, LoRA r 8")
         if cell.model not in models:
-            suffix = "natural" if args.natural else "no-eos"
             print(f"building the {cell.model} model", flush=True)
             path = random_llama_dir(out / f"llama-{cell.model}-{suffix}", SIZES[cell.model],
                                     eos=args.natural, bpe_vocab=BPE_VOCAB.get(cell.model))  # fmt: skip

@@ -37,6 +37,7 @@ from grouprl.rollout.draws import (  # noqa: F401 (the filters and the draw are 
     top_p_filter,
 )
 from grouprl.rollout.media import Media
+from grouprl.rollout.narrow import narrow_linears
 from grouprl.rollout.stops import StopStrings
 from grouprl.rollout.turns import TurnHandler, TurnRecord, Turns
 from grouprl.rollout.types import Rollout
@@ -266,7 +267,18 @@ def _routed_decode(
     model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Settings
 ) -> Decoded:
     """`_decode`, recording the experts of every token fed (`Decoded.routes`) when the model's
-    route tap asks for the sampler's (a mixture-of-experts policy, `grouprl.rollout.routes`)."""
+    route tap asks for the sampler's (a mixture-of-experts policy, `grouprl.rollout.routes`);
+    on a CPU its linear layers fed few rows take `grouprl.rollout.narrow`'s products."""
+    if prompt_ids.device.type == "cpu":
+        with narrow_linears(model):
+            return _tapped_decode(model, prompt_ids, prompt_mask, settings)
+    return _tapped_decode(model, prompt_ids, prompt_mask, settings)
+
+
+def _tapped_decode(
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Settings
+) -> Decoded:
+    """`_decode`, with the sampler's routes recorded when the model's route tap asks for them."""
     tap = routes.tap_of(model)
     if tap is None or not tap.sampling:
         return _decode(model, prompt_ids, prompt_mask, settings)
