@@ -266,9 +266,8 @@ def sample_groups(
 def _routed_decode(
     model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Settings
 ) -> Decoded:
-    """`_decode`, recording the experts of every token fed (`Decoded.routes`) when the model's
-    route tap asks for the sampler's (a mixture-of-experts policy, `grouprl.rollout.routes`);
-    on a CPU its linear layers fed few rows take `grouprl.rollout.narrow`'s products."""
+    """`_tapped_decode`; on a CPU the model's linear layers fed few rows take
+    `grouprl.rollout.narrow`'s products (accelerators keep their own kernels)."""
     if prompt_ids.device.type == "cpu":
         with narrow_linears(model):
             return _tapped_decode(model, prompt_ids, prompt_mask, settings)
@@ -278,7 +277,8 @@ def _routed_decode(
 def _tapped_decode(
     model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: Settings
 ) -> Decoded:
-    """`_decode`, with the sampler's routes recorded when the model's route tap asks for them."""
+    """`_decode`, recording the experts of every token fed (`Decoded.routes`) when the model's
+    route tap asks for the sampler's (a mixture-of-experts policy, `grouprl.rollout.routes`)."""
     tap = routes.tap_of(model)
     if tap is None or not tap.sampling:
         return _decode(model, prompt_ids, prompt_mask, settings)
