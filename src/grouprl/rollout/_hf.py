@@ -25,6 +25,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from grouprl.rollout import prompt_pass
+
 
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter (where inputs must go)."""
@@ -412,6 +414,9 @@ def shared_prompt_attention(
 
     layers = getattr(_active, "layers", ())
     layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
+    if isinstance(layer, prompt_pass.PromptPassLayer):  # the log-prob pass's completions
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return prompt_pass.attention(layer, query, key, value, scale), None
     feed = getattr(layer, "feed", None)
     shared = isinstance(layer, SharedPromptLayer) and not layer.per_row and query.shape[2] == 1
     if feed is not None and not (shared and feed.batch is None):
@@ -425,10 +430,32 @@ def shared_prompt_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    acc = torch.promote_types(query.dtype, torch.float32)
+    bias = None
+    if feed is not None:  # rows at their own lengths: each row sees its own columns only
+        if feed.bias is None or feed.bias[0] is not attention_mask:  # once per forward
+            seen = attention_mask[:, :, :, -key.shape[2] :]  # (N, 1, 1, t) bool
+            bias = torch.zeros(seen.shape, dtype=acc, device=seen.device)
+            feed.bias = (attention_mask, bias.masked_fill_(~seen, torch.finfo(acc).min))
+        bias = feed.bias[1]
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return decode_attention(layer, query, key, value, scale, bias), None
+
+
+def decode_attention(
+    layer: SharedPromptLayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step's attention over `layer`'s shared prompt and each row's completion
+    (`shared_prompt_attention`'s sum); `bias` (N, 1, 1, t): added to the completion's scores.
+    Returns (N, 1, H, D)."""
     n, heads, _, dim = query.shape
     kv_heads, b, g = key.shape[1], layer.prompt_keys.shape[0], layer.group_size
     rep = heads // kv_heads
-    scale = dim**-0.5 if scaling is None else scaling
     q = query.reshape(n, kv_heads, rep, dim) * scale  # (N, Hkv, rep, D)
     qg = q.view(b, g, kv_heads, rep, dim).transpose(1, 2).reshape(b, kv_heads, g * rep, dim)
     # scores and softmax in fp32 whatever the cache dtype (as SDPA's kernels accumulate; a
@@ -437,12 +464,8 @@ def shared_prompt_attention(
     s_p = torch.matmul(qg, layer.prompt_keys.transpose(-1, -2)).to(acc)  # (B, Hkv, G·rep, P)
     s_p = s_p + layer.prompt_bias[:, None, None, :]
     s_c = torch.matmul(q, key.transpose(-1, -2)).to(acc)  # (N, Hkv, rep, t)
-    if feed is not None:  # rows at their own lengths: each row sees its own columns only
-        if feed.bias is None or feed.bias[0] is not attention_mask:  # once per forward
-            seen = attention_mask[:, :, :, -key.shape[2] :]  # (N, 1, 1, t) bool
-            bias = torch.zeros(seen.shape, dtype=acc, device=seen.device)
-            feed.bias = (attention_mask, bias.masked_fill_(~seen, torch.finfo(acc).min))
-        s_c = s_c + feed.bias[1]
+    if bias is not None:
+        s_c = s_c + bias
     p_width = s_p.shape[-1]
     s_p_rows = s_p.view(b, kv_heads, g, rep, p_width).transpose(1, 2)  # (B, G, Hkv, rep, P)
     m = torch.maximum(s_p_rows.amax(-1).reshape(n, kv_heads, rep), s_c.amax(-1)).unsqueeze(
@@ -457,7 +480,7 @@ def shared_prompt_attention(
     o_p = torch.matmul(e_p.to(value.dtype), layer.prompt_values)  # (B, Hkv, G·rep, D)
     o_p = o_p.view(b, kv_heads, g, rep, dim).transpose(1, 2).reshape(n, kv_heads, rep, dim)
     out = (o_p.to(acc) + torch.matmul(e_c.to(value.dtype), value).to(acc)) / z  # (N, Hkv, rep, D)
-    return out.to(query.dtype).reshape(n, 1, heads, dim), None
+    return out.to(query.dtype).reshape(n, 1, heads, dim)
 
 
 def shares_prompt_attention(model: nn.Module) -> bool:

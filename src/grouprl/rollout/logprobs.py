@@ -20,6 +20,7 @@ model by a tiny probe and take the plain path: one full forward with full logits
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from grouprl.rollout import _hf, routes
+from grouprl.rollout import _hf, prompt_pass, routes
 from grouprl.rollout.media import Media
 from grouprl.rollout.packed import packed_states, row_widths
 from grouprl.rollout.sampling import check_temperature
@@ -335,7 +336,11 @@ def _completion_hidden(
     first = out.last_hidden_state[:, -1].repeat_interleave(group_size, dim=0)  # (N, H)
     if width == 1:
         return first[:, None]
-    _hf.expand_cache(cache, group_size)
+    shared = _hf.plain_layers(cache) and _shares_prompt(decoder)
+    if shared:  # the prompt's keys and values once per group (`prompt_pass`)
+        prompt_pass.share_prompts(cache, group_size, prompt_mask)
+    else:
+        _hf.expand_cache(cache, group_size)
     attn = torch.cat(
         [
             prompt_mask.repeat_interleave(group_size, dim=0),
@@ -346,16 +351,24 @@ def _completion_hidden(
     pos = prompt_len.repeat_interleave(group_size)[:, None] + torch.arange(
         width - 1, device=prompt_ids.device
     )  # (N, T − 1)
-    rest = decoder(
-        input_ids=completion_ids[:, :-1],
-        attention_mask=attn,
-        position_ids=pos,
-        **_hf.cache_kwargs(decoder, cache),
-    ).last_hidden_state  # (N, T − 1, H)
+    with _hf.SharedPromptDecoding(decoder, cache) if shared else contextlib.nullcontext():
+        rest = decoder(
+            input_ids=completion_ids[:, :-1],
+            attention_mask=attn,
+            position_ids=pos,
+            **_hf.cache_kwargs(decoder, cache),
+        ).last_hidden_state  # (N, T − 1, H)
     if cache.get_seq_length() != prompt_ids.shape[1] + width - 1:  # the cache was not used
         return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size,
                                 images=images)  # fmt: skip
     return torch.cat([first[:, None], rest], dim=1)
+
+
+def _shares_prompt(decoder: nn.Module) -> bool:
+    """Whether the completions' forward can attend through `prompt_pass` (a plain attention
+    architecture, `_hf.shares_prompt_attention`, without attention dropout acting)."""
+    dropout = getattr(decoder.config, "attention_dropout", 0.0) if decoder.training else 0.0
+    return _hf.shares_prompt_attention(decoder) and not dropout
 
 
 def _bucket_widths(

@@ -36,6 +36,7 @@ from grouprl.rollout.draws import (  # noqa: F401 (the filters and the draw are 
     top_k_filter,
     top_p_filter,
 )
+from grouprl.rollout.llama_decode import llama_step
 from grouprl.rollout.media import Media
 from grouprl.rollout.narrow import narrow_linears
 from grouprl.rollout.stops import StopStrings
@@ -326,6 +327,7 @@ def _decode(
     next_pos = prompt_mask.sum(-1).repeat_interleave(s.group_size)  # (n,) position of token 0
     done = torch.zeros(n, dtype=torch.bool, device=device)  # (n,)
     rows: torch.Tensor | None = None
+    fast = llama_step(model) if device.type == "cpu" and s.media is None else None
 
     with _hf.SharedPromptDecoding(model, cache) if shared else contextlib.nullcontext():
         for t in range(max_new):
@@ -342,14 +344,15 @@ def _decode(
                     cache.batch_select_indices(keep)
                     rows = keep if rows is None else rows[keep]
                     done, attn, next_pos, tok = done[keep], attn[keep], next_pos[keep], tok[keep]
-            position = (next_pos + t)[:, None]  # (n, 1)
+            position, seen = (next_pos + t)[:, None], attn[:, : prompt_width + t + 1]  # (n, 1)
+            if fast is not None and fast.takes(len(tok), device):  # a Llama's leaner step
+                logits = fast.step(tok, position, seen, cache)  # (n, V)
+                continue
             with (
                 routes.feeding(position, rows=_batch_rows(rows, len(tok), device))
                 if routes.active() else contextlib.nullcontext()
             ):  # fmt: skip
-                logits = _hf.forward_last(
-                    model, tok[:, None], attn[:, : prompt_width + t + 1], position, cache
-                )  # (n, V)
+                logits = _hf.forward_last(model, tok[:, None], seen, position, cache)  # (n, V)
     return out
 
 

@@ -38,6 +38,7 @@ from grouprl.models import activation_checkpointing as checkpointing
 from grouprl.models.lora import adapter_dropout
 from grouprl.models.precision import autocast
 from grouprl.rollout import Rollout, model_device, routes
+from grouprl.rollout.narrow import folded_adapters
 from grouprl.train.batch import Batch
 from grouprl.train.entropy import EntropyTerms, high_entropy_tokens
 from grouprl.train.groups import TokenWatch
@@ -518,11 +519,12 @@ def optimizer_step(
 
 
 def _recomputing(cfg: ComputeOptions, policy: nn.Module) -> contextlib.AbstractContextManager:
-    return (
-        checkpointing.recomputing(policy)
-        if cfg.gradient_checkpointing
-        else contextlib.nullcontext()
-    )
+    """Gradient checkpointing's recompute; without it, LoRA layers' adapters folded into their
+    base products (`folded_adapters`; not under checkpointing, whose recompute in backward
+    must run the forward the pass ran)."""
+    if cfg.gradient_checkpointing:
+        return checkpointing.recomputing(policy)
+    return folded_adapters(policy)
 
 
 def grad_scaler(dtype: torch.dtype | None, device: torch.device) -> torch.amp.GradScaler | None:
