@@ -157,6 +157,14 @@ def test_the_log_prob_pass_attends_through_the_shared_prompt(make_model, tokeniz
     for name, grad in grads.items():
         assert_same_f64(grad, want_grads[name])
     model.zero_grad()
+    # completions wider than the prompts (16 > 10 columns): SDPA, whose scores are tiled
+    monkeypatch.undo()
+    monkeypatch.setattr(prompt_pass, "attention", lambda *a: calls.append(1) or real(*a))
+    wide = sample_groups(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=16, seed=1)
+    assert int(wide.mask.sum(-1).max()) > wide.prompt_ids.shape[1]
+    with torch.no_grad():
+        completion_logprobs(model, wide)
+    assert len(calls) == model.config.num_hidden_layers
 
 
 def test_folded_adapters_are_peft_sum_in_one_product(make_model, monkeypatch):

@@ -336,8 +336,11 @@ def _completion_hidden(
     first = out.last_hidden_state[:, -1].repeat_interleave(group_size, dim=0)  # (N, H)
     if width == 1:
         return first[:, None]
-    shared = _hf.plain_layers(cache) and _shares_prompt(decoder)
-    if shared:  # the prompt's keys and values once per group (`prompt_pass`)
+    # the prompt's keys and values once per group (`prompt_pass`) where the prompt is at least
+    # as wide as the completions: its scores are materialised, (N, H, w, P + w) a layer, where
+    # SDPA tiles them; the built-in task's 10-token prompts and 12-38-token completions keep SDPA
+    shared = _hf.plain_layers(cache) and _shares_prompt(decoder) and prompt_ids.shape[1] >= width
+    if shared:
         prompt_pass.share_prompts(cache, group_size, prompt_mask)
     else:
         _hf.expand_cache(cache, group_size)

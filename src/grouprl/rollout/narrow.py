@@ -77,7 +77,7 @@ def lora_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     inside `folded_adapters`, `_folded`)."""
     x_t = _narrow(x)
     if x_t is None or not plain_adapters(layer, x.dtype):
-        if getattr(_local, "fold", False) and plain_adapters(layer, x.dtype):
+        if _folding(x) and plain_adapters(layer, x.dtype):
             return _folded(layer, x)
         return type(layer).forward(layer, x)
     out = _product(layer.base_layer, x_t)
@@ -85,6 +85,13 @@ def lora_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         a, b = layer.lora_A[name], layer.lora_B[name]
         out = out + _product(b, _product(a, x_t)) * layer.scaling[name]
     return _rows(out, x)
+
+
+def _folding(x: torch.Tensor) -> bool:
+    """Whether this thread folds LoRA adapters (`folded_adapters`, or a decode block's forwards
+    outside the band: its prefill) for x, not under autocast (peft's forward casts)."""
+    inside = getattr(_local, "fold", False) or getattr(_local, "active", False)
+    return inside and not torch.is_autocast_enabled(x.device.type)
 
 
 def _folded(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -158,9 +165,6 @@ def folded_adapters(model: nn.Module) -> Iterator[None]:
     sum in another order, with or without gradients. Measured on SmolLM2-135M + LoRA r 8 (32
     rows of 15 tokens over 4 prompts, forward and backward, 2 threads): the adapters' scaling
     and sum were about 0.2 s of 2.6 s. Under autocast, peft's own forward (its casts)."""
-    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-        yield
-        return
     with _overrides(model), _flag("fold"):
         yield
 
