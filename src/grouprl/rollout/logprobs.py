@@ -336,10 +336,16 @@ def _completion_hidden(
     first = out.last_hidden_state[:, -1].repeat_interleave(group_size, dim=0)  # (N, H)
     if width == 1:
         return first[:, None]
-    # the prompt's keys and values once per group (`prompt_pass`) where the prompt is at least
-    # as wide as the completions: its scores are materialised, (N, H, w, P + w) a layer, where
-    # SDPA tiles them; the built-in task's 10-token prompts and 12-38-token completions keep SDPA
-    shared = _hf.plain_layers(cache) and _shares_prompt(decoder) and prompt_ids.shape[1] >= width
+    # the prompt's keys and values once per group (`prompt_pass`) on a CPU (where it was
+    # measured) and where the prompt is at least as wide as the completions: its scores are
+    # materialised, (N, H, w, P + w) a layer, where SDPA tiles them; the built-in task's 10-token
+    # prompts and 12-38-token completions keep SDPA
+    shared = (
+        prompt_ids.device.type == "cpu"
+        and prompt_ids.shape[1] >= width
+        and _hf.plain_layers(cache)
+        and _shares_prompt(decoder)
+    )
     if shared:
         prompt_pass.share_prompts(cache, group_size, prompt_mask)
     else:
