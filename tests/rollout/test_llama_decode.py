@@ -110,6 +110,9 @@ def test_sampling_takes_the_lean_step_in_the_band_and_samples_the_same(
     )
     sample(1)
     assert len(steps) == 5  # 3 rows: the model's forward
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sample(4)
+    assert len(steps) == 5  # autocast's lower-precision forward is the model's
 
 
 def test_only_plain_llamas_get_a_lean_step(make_model, monkeypatch):

@@ -15,8 +15,8 @@ Only the head's logits are transposed back, once a step. The attention is the ca
 shared-prompt attention of `grouprl.rollout._hf` over a `SharedPromptLayer`, else SDPA over the
 row's keys with its padding masked.
 
-It takes a step only where the sampler would: float32 on a CPU without gradients, rows in the
-narrow band, a Llama of the plain shape (no biases, SiLU, its own rotary module), plain linear
+It takes a step only where the sampler would: float32 on a CPU without gradients or autocast,
+rows in the narrow band, a Llama of the plain shape (no biases, SiLU, its own rotary module), plain linear
 layers or plain LoRA adapters over them, no hooks; anything else is the model's forward.
 """
 
@@ -43,8 +43,14 @@ class LlamaStep:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
 
     def takes(self, rows: int, device: torch.device) -> bool:
-        """Whether a step of `rows` rows goes this way (else the model's forward)."""
-        return MIN_ROWS <= rows <= MAX_ROWS and device.type == "cpu" and not torch.is_grad_enabled()
+        """Whether a step of `rows` rows goes this way (else the model's forward): not under
+        autocast, whose lower-precision forward is the model's to compute."""
+        return (
+            MIN_ROWS <= rows <= MAX_ROWS
+            and device.type == "cpu"
+            and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled(device.type)
+        )
 
     def _linears(self) -> list[nn.Module]:
         out = []
