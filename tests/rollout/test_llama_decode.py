@@ -55,7 +55,7 @@ def test_the_lean_step_computes_the_models_forward(make_model, tokenizer, shared
     with torch.no_grad():
         caches = [_prefilled(model, tokenizer, g, shared) for _ in range(2)]
         (want_cache, first, mask), (got_cache, _, _) = caches
-        step = LlamaStep(model, base)
+        step = LlamaStep(base)
         tokens = torch.randint(
             4, len(tokenizer), (2, len(first)), generator=torch.Generator().manual_seed(0)
         )

@@ -15,9 +15,10 @@ Only the head's logits are transposed back, once a step. The attention is the ca
 shared-prompt attention of `grouprl.rollout._hf` over a `SharedPromptLayer`, else SDPA over the
 row's keys with its padding masked.
 
-It takes a step only where the sampler would: float32 on a CPU without gradients or autocast,
-rows in the narrow band, a Llama of the plain shape (no biases, SiLU, its own rotary module), plain linear
-layers or plain LoRA adapters over them, no hooks; anything else is the model's forward.
+It takes a step only where the sampler would: float32 on a CPU without gradients or
+autocast, rows in the narrow band, a Llama of the plain shape (no biases, SiLU, its own rotary
+module), plain linear layers or plain LoRA adapters over them, no hooks; anything else is the
+model's forward.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from grouprl.rollout.narrow import MAX_ROWS, MIN_FEATURES, MIN_ROWS, is_lora_lin
 
 
 class LlamaStep:
-    """The decode step of `model` (a `LlamaForCausalLM`, or a peft model over one), built by
+    """The decode step of `base` (a `LlamaForCausalLM`, the one inside a peft model), built by
     `llama_step`; `step(tokens, positions, mask, cache)` returns the (R, V) logits."""
 
-    def __init__(self, model: nn.Module, base: nn.Module) -> None:
-        self.model, self.decoder, self.head = model, base.model, base.lm_head
+    def __init__(self, base: nn.Module) -> None:
+        self.decoder, self.head = base.model, base.lm_head
         config = base.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -70,9 +71,9 @@ class LlamaStep:
         cos, sin = self.decoder.rotary_emb(x, positions)  # (R, 1, Dh) each
         cos = cos.view(rows, self.head_dim).T.contiguous()  # (Dh, R)
         sin = sin.view(rows, self.head_dim).T.contiguous()
-        bias = mask[:, None, None, :]  # (R, 1, 1, L) for SDPA over per-row keys
+        seen = mask[:, None, None, :]  # (R, 1, 1, L) for SDPA over per-row keys
         for i, layer in enumerate(self.decoder.layers):
-            x = self._layer(layer, cache.layers[i], x, cos, sin, bias)
+            x = self._layer(layer, cache.layers[i], x, cos, sin, seen)
         y = _rms_norm(self.decoder.norm, x)
         logits = _product(self.head, y).T.contiguous()  # (R, V)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -84,7 +85,7 @@ class LlamaStep:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        bias: torch.Tensor,
+        seen: torch.Tensor,
     ) -> torch.Tensor:
         """One decoder layer on x (D, R); returns the next (D, R)."""
         attn, mlp = layer.self_attn, layer.mlp
@@ -99,7 +100,7 @@ class LlamaStep:
             o = _hf.decode_attention(cache_layer, q, keys, values, attn.scaling)
         else:
             o = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=bias, scale=attn.scaling, enable_gqa=True
+                q, keys, values, attn_mask=seen, scale=attn.scaling, enable_gqa=True
             ).transpose(1, 2)  # (R, 1, H, Dh)
         x = x + _product(attn.o_proj, o.reshape(rows, h * dh).T)
         y = _rms_norm(layer.post_attention_layernorm, x)
@@ -138,7 +139,7 @@ def llama_step(model: nn.Module) -> LlamaStep | None:
     head = base.lm_head
     if type(head) is not nn.Linear or type(head.weight) is not nn.Parameter:
         return None
-    step = LlamaStep(model, base)
+    step = LlamaStep(base)
     return step if all(_plain(layer) for layer in step._linears()) else None
 
 

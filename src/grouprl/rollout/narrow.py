@@ -76,9 +76,9 @@ def lora_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     the narrow band, without dropout (eval mode) or variants (DoRA); else peft's forward (or,
     inside `folded_adapters`, `_folded`)."""
     x_t = _narrow(x)
+    if x_t is None and _folding(x) and plain_adapters(layer, x.dtype):
+        return _folded(layer, x)
     if x_t is None or not plain_adapters(layer, x.dtype):
-        if _folding(x) and plain_adapters(layer, x.dtype):
-            return _folded(layer, x)
         return type(layer).forward(layer, x)
     out = _product(layer.base_layer, x_t)
     for name in layer.active_adapters:

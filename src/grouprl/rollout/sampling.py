@@ -344,7 +344,10 @@ def _decode(
                     cache.batch_select_indices(keep)
                     rows = keep if rows is None else rows[keep]
                     done, attn, next_pos, tok = done[keep], attn[keep], next_pos[keep], tok[keep]
-            position, seen = (next_pos + t)[:, None], attn[:, : prompt_width + t + 1]  # (n, 1)
+            position, seen = (
+                (next_pos + t)[:, None],
+                attn[:, : prompt_width + t + 1],
+            )  # (n, 1), (n, L)
             if fast is not None and fast.takes(len(tok), device):  # a Llama's leaner step
                 logits = fast.step(tok, position, seen, cache)  # (n, V)
                 continue
