@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from grouprl.rollout import _hf, prompt_pass, routes
+from grouprl.rollout import _hf, prefix, prompt_pass, routes
 from grouprl.rollout.media import Media
 from grouprl.rollout.packed import packed_states, row_widths
 from grouprl.rollout.sampling import check_temperature
@@ -318,16 +318,24 @@ def _completion_hidden(
                                 images=images)  # fmt: skip
 
     cache = _hf.new_cache(decoder)
-    prompt_module = decoder if images is None else images.base
-    out = prompt_module(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        position_ids=prompt_pos,
-        **_hf.cache_kwargs(prompt_module, cache),
-        **({} if images is None else images.inputs(prompt_ids)),
-    )
+    split = None  # with images the prompt forward is the base's, whole
+    if images is None:
+        split = prefix.run_prefix(decoder, prompt_ids, prompt_mask, cache)
+    layout = prompt_mask if split is None else split.mask  # (B, P) the cache's prompt columns
+    if split is not None:  # the prompts' common prefix ran once: their remainders against it
+        out = decoder(input_ids=split.ids, attention_mask=layout, position_ids=split.positions,
+                      **_hf.cache_kwargs(decoder, cache))  # fmt: skip
+    else:
+        prompt_module = decoder if images is None else images.base
+        out = prompt_module(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=prompt_pos,
+            **_hf.cache_kwargs(prompt_module, cache),
+            **({} if images is None else images.inputs(prompt_ids)),
+        )
     if buckets is not None and len(buckets) > 1 and _hf.plain_layers(cache):
-        hidden = _bucketed_hidden(decoder, out.last_hidden_state[:, -1], cache, prompt_mask,
+        hidden = _bucketed_hidden(decoder, out.last_hidden_state[:, -1], cache, layout,
                                   completion_ids, group_size, buckets)  # fmt: skip
         if hidden is not None:
             return hidden
@@ -347,13 +355,13 @@ def _completion_hidden(
         and _shares_prompt(decoder)
     )
     if shared:
-        prompt_pass.share_prompts(cache, group_size, prompt_mask)
+        prompt_pass.share_prompts(cache, group_size, layout)
     else:
         _hf.expand_cache(cache, group_size)
     attn = torch.cat(
         [
-            prompt_mask.repeat_interleave(group_size, dim=0),
-            prompt_mask.new_ones(completion_ids.shape[0], width - 1),
+            layout.repeat_interleave(group_size, dim=0),
+            layout.new_ones(completion_ids.shape[0], width - 1),
         ],
         dim=1,
     )  # (N, P + T − 1)

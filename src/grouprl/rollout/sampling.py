@@ -28,7 +28,7 @@ from torch import nn
 
 from grouprl.errors import UserError
 from grouprl.messages import is_conversational
-from grouprl.rollout import _hf, chunks, routes
+from grouprl.rollout import _hf, chunks, prefix, routes
 from grouprl.rollout.decoding import Decoded, Settings, stop_or_keep
 from grouprl.rollout.draws import (  # noqa: F401 (the filters and the draw are public here)
     pick,
@@ -314,8 +314,8 @@ def _decode(
 
     # 1-3. Prefill each prompt once, broadcast its cache to its group.
     inputs = None if s.media is None else s.media.inputs(prompt_width, device)
-    cache, logits, shared = _prefill(model, prompt_ids, prompt_mask, s.group_size, max_new,
-                                     inputs)  # fmt: skip
+    cache, logits, shared, prompt_mask = _prefill(model, prompt_ids, prompt_mask, s.group_size,
+                                                  max_new, inputs)  # fmt: skip
     # Batch state below is per *batch* row; `rows` maps batch rows to output rows once
     # compaction has dropped some (None = identity).
     logits = logits.repeat_interleave(s.group_size, dim=0)  # (n, V)
@@ -404,10 +404,12 @@ def _prefill(
     group_size: int,
     max_new_tokens: int,
     inputs: dict[str, torch.Tensor] | None = None,
-) -> tuple[Any, torch.Tensor, bool]:
+) -> tuple[Any, torch.Tensor, bool, torch.Tensor]:
     """Run the B prompts once and broadcast each one's KV cache to its G rows, with room for
-    `max_new_tokens` more positions; `inputs`: the prompts' images' tensors. Returns the cache, the (B, V) logits of the prompts' last
-    positions, and whether the cache keeps one copy of each prompt per group.
+    `max_new_tokens` more positions; `inputs`: the prompts' images' tensors. Returns the cache,
+    the (B, V) logits of the prompts' last positions, whether the cache keeps one copy of each
+    prompt per group, and the (B, P) mask of the cache's prompt columns: `prompt_mask`, or with
+    the prompts' common prefix run once (`grouprl.rollout.prefix`) its layout.
 
     One copy per group where the architecture allows and the prompts are long enough for the
     copies to matter (measured, 2 CPU threads: 150-token prompts, G = 8, 128 new tokens on a 20M
@@ -416,10 +418,17 @@ def _prefill(
     prompt_pos = _hf.left_pad_positions(prompt_mask)  # (B, P)
     cache = _hf.new_cache(model)
     first = torch.arange(len(prompt_ids), device=prompt_ids.device) * group_size  # (B,)
-    with routes.feeding(prompt_pos, prompt_mask, first):  # each group's first row: copied below
-        logits = _hf.forward_last(
-            model, prompt_ids, prompt_mask, prompt_pos, cache, inputs
-        )  # (B, V) fmt: skip
+    split = None
+    if inputs is None and not routes.active():  # the prompts' common prefix run once
+        split = prefix.run_prefix(model, prompt_ids, prompt_mask, cache)
+    if split is not None:
+        prompt_mask = split.mask  # the cache's layout from here on
+        logits = _hf.forward_last(model, split.ids, split.mask, split.positions, cache)
+    else:
+        with routes.feeding(prompt_pos, prompt_mask, first):  # each group's first row: copied
+            logits = _hf.forward_last(
+                model, prompt_ids, prompt_mask, prompt_pos, cache, inputs
+            )  # (B, V) fmt: skip
     routes.share_prompts(group_size, int(prompt_mask.sum(-1).max()))
     shared = (
         group_size > 1
@@ -429,7 +438,7 @@ def _prefill(
     _hf.expand_cache(
         cache, group_size, extra=max_new_tokens, prompt_mask=prompt_mask if shared else None
     )
-    return cache, logits, shared
+    return cache, logits, shared, prompt_mask
 
 
 def _texts(
