@@ -6,7 +6,9 @@ dataset file through their normal data paths (grouprl: `grouprl train --dataset 
 FILE.py:fn`; TRL: `datasets.load_dataset("json")` and the same function) and run in their own
 child processes, alternating, `warmup + measured` steps each, fp32 (or `--bf16`), the same
 threads. Equal work (the default): the model directory's EOS is a token the model cannot emit,
-so every completion runs to the budget in both; `--natural` keeps a real EOS. Reported per cell
+so every completion runs to the budget in both; `--natural` keeps a real EOS. grouprl's
+diagnostics that TRL does not compute are off (the ratio probe, the doctor, the viewer's
+groups, evaluation). Reported per cell
 and system: median step seconds split into generation (grouprl's includes scoring) and the
 rest (the update), completion tokens per step-second, peak RSS, and the step as a multiple of
 the FLOP floor (2·P·generated + 6·P·trained) / the best measured fp32 GEMM rate, with each
@@ -236,8 +238,11 @@ def run_grouprl(cell: Cell, args: ShapesArgs, model: ModelSpec, data: Path, rewa
     if cell.model in REAL:
         cmd += ["--lora-r", str(LORA_R), "--lora-alpha", str(LORA_ALPHA)]
     cmd += ["--lr", "1e-5", "--warmup-steps", "0", "--threads", str(args.threads), "--seed", "0"]
-    # equal work: TRL trains every completion, so grouprl does too
+    # equal work: TRL trains every completion, so grouprl does too; grouprl's diagnostics that
+    # TRL does not compute are off (the ratio probe, the doctor, and the viewer's groups, whose
+    # logged steps run one more no-grad forward for the log-probs after the step)
     cmd += ["--no-skip-zero-advantage", "--log-ratios", "0", "--no-doctor", "--no-progress"]
+    cmd += ["--log-groups", "0"]
     cmd += ["--eval-every", "0", "--eval-size", "1", "--eval-samples", "1"]
     cmd += ["--save-every", str(steps), "--output-dir", str(run_dir)]
     if cell.micro_batch_size:
