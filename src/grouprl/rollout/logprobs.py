@@ -34,6 +34,7 @@ from grouprl.rollout import _hf, prefix, prompt_pass, routes
 from grouprl.rollout.media import Media
 from grouprl.rollout.packed import packed_states, row_widths
 from grouprl.rollout.sampling import check_temperature
+from grouprl.rollout.selected import selected_logp
 
 # Elements of (tokens × vocab) logits materialised at once: 2^25 fp32 = 128 MiB.
 _LOGIT_CHUNK_ELEMENTS = 1 << 25
@@ -250,8 +251,11 @@ def _token_logp(
     start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """logits (M, V), targets (M,) → log-prob (M,) float32 (float64 logits stay float64),
-    entropy (M,) or None, and `divergence` of the positions from `start` on (M,) or None."""
+    entropy (M,) or None, and `divergence` of the positions from `start` on (M,) or None.
+    The log-probs alone skip the (M, V) log-softmax (`grouprl.rollout.selected`)."""
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if not with_entropy and divergence is None:
+        return selected_logp(scores, targets, temperature), None, None
     if temperature != 1.0:
         scores = scores / temperature
     logp_all = F.log_softmax(scores, dim=-1)  # (M, V)
