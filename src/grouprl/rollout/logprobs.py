@@ -322,22 +322,7 @@ def _completion_hidden(
                                 images=images)  # fmt: skip
 
     cache = _hf.new_cache(decoder)
-    split = None  # with images the prompt forward is the base's, whole
-    if images is None:
-        split = prefix.run_prefix(decoder, prompt_ids, prompt_mask, cache)
-    layout = prompt_mask if split is None else split.mask  # (B, P) the cache's prompt columns
-    if split is not None:  # the prompts' common prefix ran once: their remainders against it
-        out = decoder(input_ids=split.ids, attention_mask=layout, position_ids=split.positions,
-                      **_hf.cache_kwargs(decoder, cache))  # fmt: skip
-    else:
-        prompt_module = decoder if images is None else images.base
-        out = prompt_module(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            position_ids=prompt_pos,
-            **_hf.cache_kwargs(prompt_module, cache),
-            **({} if images is None else images.inputs(prompt_ids)),
-        )
+    out, layout = _prompt_forward(decoder, prompt_ids, prompt_mask, prompt_pos, cache, images)
     if buckets is not None and len(buckets) > 1 and _hf.plain_layers(cache):
         hidden = _bucketed_hidden(decoder, out.last_hidden_state[:, -1], cache, layout,
                                   completion_ids, group_size, buckets)  # fmt: skip
@@ -383,6 +368,36 @@ def _completion_hidden(
         return _unshared_hidden(decoder, prompt_ids, prompt_mask, completion_ids, group_size,
                                 images=images)  # fmt: skip
     return torch.cat([first[:, None], rest], dim=1)
+
+
+def _prompt_forward(
+    decoder: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    prompt_pos: torch.Tensor,
+    cache: Any,
+    images: _Images | None,
+) -> tuple[Any, torch.Tensor]:
+    """The B prompts' forward into `cache` (empty): their common prefix once and each one's
+    remainder against it (`grouprl.rollout.prefix`), or whole (with images through the base).
+    Returns the decoder's output (its last position is each prompt's last token) and the (B, P)
+    mask of the cache's prompt columns."""
+    split = None  # with images the prompt forward is the base's, whole
+    if images is None:
+        split = prefix.run_prefix(decoder, prompt_ids, prompt_mask, cache)
+    if split is not None:
+        out = decoder(input_ids=split.ids, attention_mask=split.mask,
+                      position_ids=split.positions, **_hf.cache_kwargs(decoder, cache))  # fmt: skip
+        return out, split.mask
+    module = decoder if images is None else images.base
+    out = module(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=prompt_pos,
+        **_hf.cache_kwargs(module, cache),
+        **({} if images is None else images.inputs(prompt_ids)),
+    )
+    return out, prompt_mask
 
 
 def _shares_prompt(decoder: nn.Module) -> bool:
