@@ -44,9 +44,12 @@ def _prefilled(model, tokenizer, group_size, shared):
 @pytest.mark.numerics
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-prompt", "per-row"])
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
-def test_the_lean_step_computes_the_models_forward(make_model, tokenizer, shared, lora):
+def test_the_lean_step_computes_the_models_forward(
+    make_model, tokenizer, shared, lora, monkeypatch
+):
     # float64: the same function up to the order of sums (F64_SAME), two decode steps in a row
-    # (the second reads the key the first wrote)
+    # (the second reads the key the first wrote); the head in blocks of 16 of its 52 rows
+    monkeypatch.setattr(llama_decode, "HEAD_ROWS", 16)
     model = make_model("llama", dtype=torch.float64)
     if lora:
         model = _random_adapters(apply_lora(model, r=4, alpha=6.0))  # scaling 1.5

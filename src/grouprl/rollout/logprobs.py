@@ -34,7 +34,7 @@ from grouprl.rollout import _hf, prefix, prompt_pass, routes
 from grouprl.rollout.media import Media
 from grouprl.rollout.packed import packed_states, row_widths
 from grouprl.rollout.sampling import check_temperature
-from grouprl.rollout.selected import selected_logp
+from grouprl.rollout.selected import selected_head_logp, selected_logp
 
 # Elements of (tokens × vocab) logits materialised at once: 2^25 fp32 = 128 MiB.
 _LOGIT_CHUNK_ELEMENTS = 1 << 25
@@ -279,8 +279,11 @@ def _chunk_logp(
     not kept for backward."""
 
     def run(h_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        lp, ent, div = _token_logp(head(h_), targets, temperature, with_entropy, divergence,
-                                   start)  # fmt: skip
+        if not with_entropy and divergence is None and _blocked_head(head, h_):
+            lp, ent, div = selected_head_logp(h_, head.weight, targets, temperature), None, None
+        else:
+            lp, ent, div = _token_logp(head(h_), targets, temperature, with_entropy, divergence,
+                                       start)  # fmt: skip
         none = lp.new_zeros(())
         return lp, (none if ent is None else ent), (none if div is None else div)
 
@@ -293,6 +296,21 @@ def _chunk_logp(
     else:
         lp, ent, div = run(h)
     return lp, (ent if with_entropy else None), (div if divergence is not None else None)
+
+
+def _blocked_head(head: nn.Module, h: torch.Tensor) -> bool:
+    """Whether the head's log-probs go block by block (`selected_head_logp`): a plain
+    nn.Linear without bias of h's dtype, no hooks, on a CPU (where it was measured) without
+    autocast."""
+    return (
+        type(head) is nn.Linear
+        and head.bias is None
+        and type(head.weight) is nn.Parameter
+        and head.weight.dtype == h.dtype
+        and h.device.type == "cpu"
+        and not torch.is_autocast_enabled(h.device.type)
+        and not (head._forward_hooks or head._forward_pre_hooks)
+    )
 
 
 def _completion_hidden(

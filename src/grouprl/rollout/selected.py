@@ -8,6 +8,10 @@ backward over it: at SmolLM2's 49k vocabulary and 512 positions, about 0.3 s of 
 on 2 CPU threads (100 MB a pass). Here the forward keeps the logits and lse = log Σ_v exp(z_v / τ)
 and returns z_y / τ − lse; the backward writes ∂/∂z = (onehot(y) − softmax(z / τ)) · g / τ
 into one (M, V) buffer: exp((z − τ·lse) / τ), scaled by −g / τ, then g / τ added at y.
+
+`selected_head_logp` computes the same from the head's input, its logits made block by block of
+the vocabulary: each pass over a block runs while it is in cache, and the head's product in blocks
+ran faster than in one call (about a third off the head and its loss on SmolLM2).
 """
 
 from __future__ import annotations
@@ -39,3 +43,77 @@ def selected_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     """log softmax(logits / temperature)[targets] (M,) for logits (M, V) and targets (M,), with
     its gradient to the logits (see the module docstring)."""
     return _SelectedLogProb.apply(logits, targets, float(temperature))
+
+
+# vocabulary rows of the head per block in `selected_head_logp`: SmolLM2's head and loss over 512
+# positions, forward and backward, took 673 ms whole and 474 / 458 / 486 ms in blocks of
+# 512 / 1024 / 2048 (medians of 10, torch 2.13, 2 threads of a Xeon with AVX-512)
+HEAD_BLOCK = 1024
+
+
+class _SelectedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                temperature: float):  # fmt: skip
+        inverse, rows = 1.0 / temperature, h.shape[0]
+        top = h.new_full((rows,), -float("inf"))  # running max of z
+        total = h.new_zeros(rows)  # running Σ exp((z − top) / τ)
+        chosen = h.new_empty(rows)  # z_y
+        blocks = []
+        for start in range(0, weight.shape[0], HEAD_BLOCK):
+            z = torch.mm(h, weight[start : start + HEAD_BLOCK].T)  # (M, C), kept for backward
+            blocks.append(z)
+            block_top = z.amax(1)
+            block_total = torch.sub(z, block_top[:, None]).mul_(inverse).exp_().sum(1)
+            new_top = torch.maximum(top, block_top)
+            total = total * torch.exp((top - new_top) * inverse) + block_total * torch.exp(
+                (block_top - new_top) * inverse
+            )
+            top = new_top
+            rows_in, columns = _targets_in(targets, start, z.shape[1])
+            chosen[rows_in] = z[rows_in, columns]
+        lse = top * inverse + total.log()  # log Σ_v exp(z_v / τ)
+        ctx.save_for_backward(h, weight, targets, lse, *blocks)
+        ctx.temperature = temperature
+        return chosen * inverse - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, weight, targets, lse, *blocks = ctx.saved_tensors
+        temperature = ctx.temperature
+        inverse = 1.0 / temperature
+        scaled = grad * inverse  # (M,) g / τ
+        grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        for k, z in enumerate(blocks):
+            start = k * HEAD_BLOCK
+            rows = slice(start, start + z.shape[1])
+            # (onehot(y) − softmax(z / τ)) · g / τ on this block, while it is in cache
+            block = torch.sub(z, lse[:, None], alpha=temperature).mul_(inverse).exp_()
+            block.mul_(-scaled[:, None])
+            rows_in, columns = _targets_in(targets, start, z.shape[1])
+            block[rows_in, columns] += scaled[rows_in]
+            if grad_h is not None:
+                grad_h.addmm_(block, weight[rows])
+            if grad_w is not None:
+                torch.mm(block.T, h, out=grad_w[rows])
+        return grad_h, grad_w, None, None
+
+
+def _targets_in(targets: torch.Tensor, start: int, width: int):
+    """The rows whose target is among vocabulary rows [start, start + width), and its column
+    in that block."""
+    rows = ((targets >= start) & (targets < start + width)).nonzero().squeeze(1)
+    return rows, targets[rows] - start
+
+
+def selected_head_logp(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log softmax(h·Wᵀ / temperature)[targets] (M,) for hidden states h (M, H), a head
+    weight W (V, H) and targets (M,): `selected_logp` of the head's logits, computed
+    HEAD_BLOCK vocabulary rows at a time. Each block's logits are made, reduced into a running
+    log-sum-exp and, in backward, turned into their gradient and multiplied back while they are
+    in cache, instead of whole (M, V) passes; the logits are kept for backward as
+    `selected_logp` keeps them. Gradients to h and to W (where W requires grad)."""
+    return _SelectedHead.apply(h, weight, targets, float(temperature))
