@@ -1,5 +1,6 @@
 """The batch's common prompt prefix run once (`grouprl.rollout.prefix`): where the prompts split,
-and that the sampler and the log-prob pass compute what the whole prompts' forward does."""
+the packed line of the prefix and the remainders, and that the sampler and the log-prob pass
+compute what the whole prompts' forward does, packed in one forward or in two."""
 
 from __future__ import annotations
 
@@ -49,34 +50,67 @@ def test_a_split_moves_each_rows_padding_after_the_prefix(monkeypatch):
     assert prefix_split(ids, mask) is None  # 3 shared tokens: under the floor
 
 
-def _spy(monkeypatch) -> list[int | None]:
-    taken: list[int | None] = []
-    real = prefix.run_prefix
+def test_the_packed_line_of_a_split(monkeypatch):
+    # prompts [5 6 7 | 8 9] and [5 6 7 | 1 2 3 4]: the prefix once, then each remainder; a
+    # remainder sees the prefix and itself, never the other; the cache's columns in the split's
+    # layout [prefix | padding | rest] point into the line (padding at 0, masked)
+    monkeypatch.setattr(prefix, "MIN_PREFIX_TOKENS", 2)
+    ids, mask = _padded([[5, 6, 7, 8, 9], [5, 6, 7, 1, 2, 3, 4]])
+    split = prefix_split(ids, mask)
+    line, positions, allowed, columns = prefix._line(ids, mask, split)
+    assert line.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5, 6]]
+    assert columns.tolist() == [[0, 1, 2, 0, 0, 3, 4], [0, 1, 2, 5, 6, 7, 8]]
+    seen = allowed[0, 0]
+    assert seen.shape == (9, 9)
+    assert seen[4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]  # "9": prefix, "8", itself
+    assert seen[6].nonzero().flatten().tolist() == [0, 1, 2, 5, 6]  # "2": prefix, "1", itself
+    assert seen[2].nonzero().flatten().tolist() == [0, 1, 2]  # the prefix: causal
 
-    def spy(*args):
-        split = real(*args)
-        taken.append(None if split is None else split.length)
+
+def _spy(monkeypatch) -> list[tuple[str, int] | None]:
+    """Which way each prompt forward went: ("packed", C), ("two", C) or None (whole)."""
+    taken: list[tuple[str, int] | None] = []
+    packed, two = prefix.run_packed, prefix.run_prefix
+
+    def spy_packed(*args):
+        out = packed(*args)
+        if out is not None:
+            taken.append(("packed", out[0].length))
+        return out
+
+    def spy_two(*args):
+        split = two(*args)
+        taken.append(None if split is None else ("two", split.length))
         return split
 
-    monkeypatch.setattr(prefix, "run_prefix", spy)
+    monkeypatch.setattr(prefix, "run_packed", spy_packed)
+    monkeypatch.setattr(prefix, "run_prefix", spy_two)
     return taken
 
 
+def _way(monkeypatch, way: str) -> None:
+    if way == "two":  # a line over the limit: the prefix, then the remainders against it
+        monkeypatch.setattr(prefix, "MAX_PACKED_TOKENS", 0)
+
+
 @pytest.mark.numerics
+@pytest.mark.parametrize("way", ["packed", "two"])
 @pytest.mark.parametrize("group_size", [4, 1], ids=["shared-prompt", "per-row"])
 def test_sampling_with_the_prefix_run_once_samples_the_same(make_model, tokenizer, monkeypatch,
-                                                            group_size):  # fmt: skip
+                                                            group_size, way):  # fmt: skip
     # float64: the same function up to the order of sums, so the same tokens and log-probs
     # within F64_SAME; G 4 keeps one prompt copy per group while decoding, G 1 per-row copies
     model = make_model("llama", dtype=torch.float64)
     taken = _spy(monkeypatch)
+    _way(monkeypatch, way)
 
     def sample():
         return sample_groups(model, tokenizer, PROMPTS, group_size=group_size, max_new_tokens=6,
                              temperature=1.0, seed=3)  # fmt: skip
 
     got = sample()
-    assert taken == [len(HEADER) + 1]  # <bos> and the header: the shortest prompt keeps "x"
+    assert taken == [(way, len(HEADER) + 1)]  # <bos> and the header: the shortest keeps "x"
     monkeypatch.setattr(prefix, "MIN_PREFIX_TOKENS", 10**6)
     want = sample()
     assert taken[-1] is None
@@ -85,9 +119,10 @@ def test_sampling_with_the_prefix_run_once_samples_the_same(make_model, tokenize
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("way", ["packed", "two"])
 @pytest.mark.parametrize("new_tokens", [7, 40], ids=["prompt-pass", "expanded-cache"])
 def test_the_log_prob_pass_with_the_prefix_run_once(make_model, tokenizer, monkeypatch,
-                                                    new_tokens):  # fmt: skip
+                                                    new_tokens, way):  # fmt: skip
     # float64, LoRA: values and gradients against the whole prompts' forward, through the
     # per-group prompt attention (completions narrower than the prompts) and the expanded cache
     model = apply_lora(make_model("llama", dtype=torch.float64), r=4, alpha=8.0)
@@ -100,6 +135,7 @@ def test_the_log_prob_pass_with_the_prefix_run_once(make_model, tokenizer, monke
     wide = int(rollout.mask.sum(-1).max()) > rollout.prompt_ids.shape[1]
     assert wide == (new_tokens == 40)  # the cache expanded per row: SDPA over the copies
     taken = _spy(monkeypatch)
+    _way(monkeypatch, way)
 
     def run():
         model.zero_grad()
@@ -110,7 +146,7 @@ def test_the_log_prob_pass_with_the_prefix_run_once(make_model, tokenizer, monke
         return logp.detach() * rollout.mask, grads
 
     logp, grads = run()
-    assert taken == [len(HEADER) + 1]
+    assert taken == [(way, len(HEADER) + 1)]
     monkeypatch.setattr(prefix, "MIN_PREFIX_TOKENS", 10**6)
     want, want_grads = run()
     assert taken[-1] is None
@@ -131,3 +167,10 @@ def test_the_prefix_is_not_split_where_it_does_not_apply(make_model, tokenizer):
     with torch.no_grad():
         _hf.forward_last(llama, ids, mask, _hf.left_pad_positions(mask), cache)
     assert not prefix.shares_prefix(llama, cache)  # a cache that holds positions already
+    assert prefix.packs_prompts(llama, _hf.new_cache(llama))
+    llama.config._attn_implementation = "eager"  # a mask it would add, not take: two forwards
+    try:
+        assert not prefix.packs_prompts(llama, _hf.new_cache(llama))
+        assert prefix.shares_prefix(llama, _hf.new_cache(llama))
+    finally:
+        llama.config._attn_implementation = "sdpa"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -396,12 +397,17 @@ def _prompt_forward(
     cache: Any,
     images: _Images | None,
 ) -> tuple[Any, torch.Tensor]:
-    """The B prompts' forward into `cache` (empty): their common prefix once and each one's
-    remainder against it (`grouprl.rollout.prefix`), or whole (with images through the base).
+    """The B prompts' forward into `cache` (empty): their common prefix and remainders packed in
+    one forward, or the prefix once and each one's remainder against it
+    (`grouprl.rollout.prefix`), or whole (with images through the base).
     Returns the decoder's output (its last position is each prompt's last token) and the (B, P)
     mask of the cache's prompt columns."""
     split = None  # with images the prompt forward is the base's, whole
     if images is None:
+        packed = prefix.run_packed(decoder, prompt_ids, prompt_mask, cache)  # one forward
+        if packed is not None:
+            split, last = packed
+            return SimpleNamespace(last_hidden_state=last[:, None]), split.mask
         split = prefix.run_prefix(decoder, prompt_ids, prompt_mask, cache)
     if split is not None:
         out = decoder(input_ids=split.ids, attention_mask=split.mask,

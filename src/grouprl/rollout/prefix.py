@@ -116,3 +116,81 @@ def run_prefix(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Te
         layer.keys = layer.keys.expand(rows, -1, -1, -1)
         layer.values = layer.values.expand(rows, -1, -1, -1)
     return split
+
+
+def packs_prompts(model: nn.Module, cache: Any) -> bool:
+    """Whether the prompts' forward can be one packed line (`run_packed`): where the prefix
+    splits (`shares_prefix`), on a plain full-attention architecture whose SDPA takes the
+    line's (1, 1, L, L) boolean mask as it is (`_hf.shares_prompt_attention`)."""
+    config = getattr(model, "config", None)
+    return (
+        shares_prefix(model, cache)
+        and _hf.shares_prompt_attention(model)
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+    )
+
+
+def run_packed(module: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+               cache: Any) -> tuple[Split, torch.Tensor] | None:  # fmt: skip
+    """The batch's common prefix and each prompt's remainder in one forward of `module` (a
+    model with its head, or its decoder): one line [prefix | rest of prompt 0 | rest of prompt
+    1 | ...], a remainder attending to the prefix and to itself (causally). Its keys and values
+    fill `cache` (empty) in the split's layout [prefix | padding | rest of prompt i], as
+    `run_prefix` and the remainder's forward leave it. One pass over the weights for the C + Σ
+    (len_i − C) tokens instead of two (measured on SmolLM2-135M + LoRA, 2 CPU threads, 27 + 4 ×
+    18-20 tokens: the prefill 0.47 -> 0.36 s, the update's forward and backward 3.91 -> 3.53 s).
+
+    Returns the split and the output at each prompt's last token: (B, V) logits in float32 or
+    wider from a model with a head, else (B, H) states. None (nothing run) where it does not
+    apply (`prefix_split`, `packs_prompts`) or the line is longer than `MAX_PACKED_TOKENS`."""
+    split = prefix_split(prompt_ids, prompt_mask) if packs_prompts(module, cache) else None
+    if split is None:
+        return None
+    line, positions, allowed, columns = _line(prompt_ids, prompt_mask, split)
+    if line.shape[1] > MAX_PACKED_TOKENS:
+        return None
+    keep = columns[:, -1]  # (B,) each prompt's last token in the line
+    extra = {"logits_to_keep": keep} if "logits_to_keep" in _hf.forward_params(module) else {}
+    packed = _hf.new_cache(module)
+    out = module(input_ids=line, attention_mask=allowed, position_ids=positions,
+                 **_hf.cache_kwargs(module, packed), **extra)  # fmt: skip
+    rows, width = columns.shape
+    flat = columns.reshape(-1)
+    for i, layer in enumerate(packed.layers):  # (1, Hkv, L, D) -> (B, Hkv, P, D)
+        keys, values = (
+            t[0].index_select(1, flat).view(t.shape[1], rows, width, -1).transpose(0, 1)
+            for t in (layer.keys, layer.values)
+        )
+        cache.update(keys.contiguous(), values.contiguous(), i)
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        return split, out.last_hidden_state[0, keep]
+    logits = logits[0] if extra else logits[0, keep]
+    return split, logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+#: The longest packed line. Its mask and attention are dense, (L, L) a layer: at 512 tokens
+#: SmolLM2-135M's attention would be ~1/6 of the line's products (the useful part a fraction of
+#: that); longer batches keep `run_prefix`'s two forwards, whose remainder pass is wide enough.
+MAX_PACKED_TOKENS = 512
+
+
+def _line(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, split: Split):
+    """The packed line of `split`: ids (1, L), positions (1, L), the (1, 1, L, L) boolean
+    mask (True: attends) and, per prompt, the line index of each of the cache's P columns
+    (B, P): the prefix's, then padding (index 0, masked), then its remainder's."""
+    length, device = split.length, prompt_ids.device
+    rows = len(prompt_ids)
+    start = int(prompt_ids.shape[1] - prompt_mask[0].sum())  # row 0's first column
+    rest = split.mask[:, length:].bool()  # (B, P - C) the remainders' real tokens
+    line = torch.cat([prompt_ids[0, start : start + length], split.ids[rest]])[None]
+    positions = torch.cat([torch.arange(length, device=device), split.positions[rest]])[None]
+    owner = torch.arange(1, rows + 1, device=device)[:, None].expand_as(rest)[rest]  # 0: prefix
+    segment = torch.cat([owner.new_zeros(length), owner])  # (L,)
+    size = segment.shape[0]
+    causal = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+    allowed = causal & ((segment[:, None] == segment[None, :]) | (segment[None, :] == 0))
+    index = length + rest.reshape(-1).long().cumsum(0).view_as(rest) - 1  # (B, P - C)
+    prefix_columns = torch.arange(length, device=device).expand(rows, length)
+    columns = torch.cat([prefix_columns, torch.where(rest, index, 0)], dim=1)  # (B, P)
+    return line, positions, allowed[None, None], columns
