@@ -56,42 +56,37 @@ class _SelectedHead(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 temperature: float):  # fmt: skip
         inverse, rows = 1.0 / temperature, h.shape[0]
-        top = h.new_full((rows,), -float("inf"))  # running max of z
-        total = h.new_zeros(rows)  # running Σ exp((z − top) / τ)
-        chosen = h.new_empty(rows)  # z_y
-        blocks = []
+        tops, totals, chosen, blocks = [], [], h.new_empty(rows), []
         for start in range(0, weight.shape[0], HEAD_BLOCK):
-            z = torch.mm(h, weight[start : start + HEAD_BLOCK].T)  # (M, C), kept for backward
-            blocks.append(z)
-            block_top = z.amax(1)
-            block_total = torch.sub(z, block_top[:, None]).mul_(inverse).exp_().sum(1)
-            new_top = torch.maximum(top, block_top)
-            total = total * torch.exp((top - new_top) * inverse) + block_total * torch.exp(
-                (block_top - new_top) * inverse
-            )
-            top = new_top
+            z = torch.mm(h, weight[start : start + HEAD_BLOCK].T)  # (M, C) logits
             rows_in, columns = _targets_in(targets, start, z.shape[1])
             chosen[rows_in] = z[rows_in, columns]
-        lse = top * inverse + total.log()  # log Σ_v exp(z_v / τ)
-        ctx.save_for_backward(h, weight, targets, lse, *blocks)
+            top = z.amax(1)  # (M,)
+            z.sub_(top[:, None]).mul_(inverse).exp_()  # exp((z − top) / τ), kept for backward
+            blocks.append(z)
+            tops.append(top)
+            totals.append(z.sum(1))
+        top = torch.stack(tops)  # (K, M) each block's max
+        high = top.amax(0)  # (M,)
+        scale = torch.exp((top - high) * inverse)  # (K, M)
+        lse = high * inverse + (torch.stack(totals) * scale).sum(0).log()  # log Σ exp(z / τ)
+        ctx.save_for_backward(h, weight, targets, scale, lse - high * inverse, *blocks)
         ctx.temperature = temperature
         return chosen * inverse - lse
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        h, weight, targets, lse, *blocks = ctx.saved_tensors
-        temperature = ctx.temperature
-        inverse = 1.0 / temperature
-        scaled = grad * inverse  # (M,) g / τ
+        h, weight, targets, scale, rest, *blocks = ctx.saved_tensors
+        scaled = grad / ctx.temperature  # (M,) g / τ
+        # softmax(z / τ) on block k = its exp((z − top_k) / τ) · exp((top_k − high) / τ − rest)
+        factors = scale * torch.exp(-rest) * -scaled  # (K, M)
         grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-        for k, z in enumerate(blocks):
+        for k, e in enumerate(blocks):
             start = k * HEAD_BLOCK
-            rows = slice(start, start + z.shape[1])
-            # (onehot(y) − softmax(z / τ)) · g / τ on this block, while it is in cache
-            block = torch.sub(z, lse[:, None], alpha=temperature).mul_(inverse).exp_()
-            block.mul_(-scaled[:, None])
-            rows_in, columns = _targets_in(targets, start, z.shape[1])
+            rows = slice(start, start + e.shape[1])
+            block = e * factors[k][:, None]  # (onehot(y) − softmax(z / τ)) · g / τ, one pass
+            rows_in, columns = _targets_in(targets, start, e.shape[1])
             block[rows_in, columns] += scaled[rows_in]
             if grad_h is not None:
                 grad_h.addmm_(block, weight[rows])
@@ -112,8 +107,9 @@ def selected_head_logp(
 ) -> torch.Tensor:
     """log softmax(h·Wᵀ / temperature)[targets] (M,) for hidden states h (M, H), a head
     weight W (V, H) and targets (M,): `selected_logp` of the head's logits, computed
-    HEAD_BLOCK vocabulary rows at a time. Each block's logits are made, reduced into a running
-    log-sum-exp and, in backward, turned into their gradient and multiplied back while they are
-    in cache, instead of whole (M, V) passes; the logits are kept for backward as
-    `selected_logp` keeps them. Gradients to h and to W (where W requires grad)."""
+    HEAD_BLOCK vocabulary rows at a time. Each block's logits are made and turned into
+    exp((z − max) / τ) in place while they are in cache, and in backward into their gradient
+    in one pass and multiplied back, instead of whole (M, V) passes; the block exponentials are
+    kept for backward (the (M, V) that `selected_logp` keeps as logits). Gradients to h and to
+    W (where W requires grad)."""
     return _SelectedHead.apply(h, weight, targets, float(temperature))
