@@ -37,7 +37,8 @@ from grouprl.rollout.fused import Fused
 from grouprl.rollout.narrow import MAX_ROWS, MIN_FEATURES, MIN_ROWS, is_lora_linear, plain_adapters
 
 # vocabulary rows of the head per product: the 49k-row (49152, 576) product against 32 rows took
-# 29 ms in one call and 21.5-22.6 ms in blocks of 512-2048 rows (torch 2.13, 2 threads, AVX-512)
+# 29 ms in one call and 21.5-22.6 ms in blocks of 512-2048 rows (torch 2.13, 2 cores of an AMD
+# EPYC, Zen 3)
 HEAD_ROWS = 1024
 
 _FUSED: weakref.WeakKeyDictionary[nn.Module, list[tuple[Fused, Fused]]] = (

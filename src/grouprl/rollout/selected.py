@@ -47,7 +47,7 @@ def selected_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
 
 # vocabulary rows of the head per block in `selected_head_logp`: SmolLM2's head and loss over 512
 # positions, forward and backward, took 673 ms whole and 474 / 458 / 486 ms in blocks of
-# 512 / 1024 / 2048 (medians of 10, torch 2.13, 2 threads of a Xeon with AVX-512)
+# 512 / 1024 / 2048 (medians of 10, torch 2.13, 2 cores of an AMD EPYC, Zen 3)
 HEAD_BLOCK = 1024
 
 
