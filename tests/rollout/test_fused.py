@@ -57,25 +57,47 @@ def test_one_product_is_the_layers_outputs_stacked(lora):
 
 
 @pytest.mark.numerics
-def test_the_stacked_copy_follows_every_change_of_a_weight():
+def test_the_stacked_copy_follows_every_change_of_a_frozen_weight():
+    # LoRA: the base is frozen and stacked; changed in place (a checkpoint's load) or replaced,
+    # the copy is made again; the adapters train under torch's fused AdamW, which does not move
+    # their version counters, and are read as they are
     model, layers = _layers(lora=True)
     y_t = torch.randn(16, 5, dtype=torch.float64)
     fused = Fused(layers)
+    weights = [layer.base_layer.weight if hasattr(layer, "base_layer") else layer.weight
+               for layer in layers]  # fmt: skip
     with torch.no_grad():
         fused.product(y_t)
-        kept = fused._current()
-        assert fused._current() is kept  # nothing changed: no copy made
-        layers[1].weight.mul_(2.0)  # a plain base weight, in place (a checkpoint's load)
+        kept = fused._current(weights)
+        assert kept is not None and fused._current(weights) is kept  # unchanged: no new copy
+        layers[1].weight.mul_(2.0)  # in place
         assert_same_f64(fused.product(y_t), _separate(layers, y_t))
-    # an optimizer step on the adapters: A and B move in place
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        layers[1].weight.data = layers[1].weight.detach() * 3.0  # a new tensor under it
+        assert_same_f64(fused.product(y_t), _separate(layers, y_t))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=0.5, fused=True)
+    before = [p._version for p in trained]
     model(torch.randn(3, 16, dtype=torch.float64)).square().sum().backward()
     optimizer.step()
+    assert [p._version for p in trained] == before  # why the adapters are never copied
     with torch.no_grad():
         assert_same_f64(fused.product(y_t), _separate(layers, y_t))
-        model.set_adapter("default")  # the same adapter again: the copy is kept
-        kept = fused._current()
-        assert fused._current() is kept
+
+
+@pytest.mark.numerics
+def test_weights_that_train_run_one_product_each():
+    # full fine-tuning under fused AdamW: nothing is stacked, each step's weights are read
+    model, layers = _layers(lora=False)
+    y_t = torch.randn(16, 5, dtype=torch.float64)
+    fused = Fused(layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
+    for _ in range(2):
+        with torch.no_grad():
+            assert_same_f64(fused.product(y_t), _separate(layers, y_t))
+        assert fused._current([layer.weight for layer in layers]) is None
+        model(torch.randn(3, 16, dtype=torch.float64)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def test_a_llama_keeps_its_fused_layers_between_sampling_calls(make_model):

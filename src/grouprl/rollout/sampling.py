@@ -418,16 +418,15 @@ def _prefill(
     prompt_pos = _hf.left_pad_positions(prompt_mask)  # (B, P)
     cache = _hf.new_cache(model)
     first = torch.arange(len(prompt_ids), device=prompt_ids.device) * group_size  # (B,)
-    split, packed = None, None
+    split = None
     if inputs is None and not routes.active():  # the prompts' common prefix run once
         packed = prefix.run_packed(model, prompt_ids, prompt_mask, cache)  # with the rest
-        split = packed[0] if packed else prefix.run_prefix(model, prompt_ids, prompt_mask, cache)
-    if packed is not None:
-        split, logits = packed
+        if packed is not None:
+            split, logits = packed
+        elif (split := prefix.run_prefix(model, prompt_ids, prompt_mask, cache)) is not None:
+            logits = _hf.forward_last(model, split.ids, split.mask, split.positions, cache)
+    if split is not None:
         prompt_mask = split.mask  # the cache's layout from here on
-    elif split is not None:
-        prompt_mask = split.mask
-        logits = _hf.forward_last(model, split.ids, split.mask, split.positions, cache)
     else:
         with routes.feeding(prompt_pos, prompt_mask, first):  # each group's first row: copied
             logits = _hf.forward_last(
