@@ -44,6 +44,8 @@ class Fused:
     def __init__(self, layers: list[nn.Module]) -> None:
         self.layers = layers
         self.sizes = [_base(layer).weight.shape[0] for layer in layers]
+        ends = list(itertools.accumulate(self.sizes))
+        self.rows = [slice(end - size, end) for end, size in zip(ends, self.sizes)]
         self._stacked: _Stacked | None = None
         self._lock = threading.Lock()  # two samplers may share a model
 
@@ -55,16 +57,12 @@ class Fused:
             out = torch.mm(stacked.weight, y_t)
         else:  # weights that train: one product each
             out = y_t.new_empty(sum(self.sizes), y_t.shape[1])
-            for w, rows in zip(weights, self._rows()):
+            for w, rows in zip(weights, self.rows):
                 torch.mm(w, y_t, out=out[rows])
-        for layer, rows in zip(self.layers, self._rows()):
+        for layer, rows in zip(self.layers, self.rows):
             for a, b, scaling in _adapters(layer):
                 out[rows].addmm_(b, torch.mm(a, y_t), alpha=scaling)
         return out
-
-    def _rows(self) -> list[slice]:
-        ends = list(itertools.accumulate(self.sizes))
-        return [slice(end - size, end) for end, size in zip(ends, self.sizes)]
 
     def _current(self, weights: list[torch.Tensor]) -> _Stacked | None:
         """The stacked copy of `weights` as they are now, or None where any of them trains."""

@@ -144,11 +144,9 @@ def run_packed(module: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.T
     wider from a model with a head, else (B, H) states. None (nothing run) where it does not
     apply (`prefix_split`, `packs_prompts`) or the line is longer than `MAX_PACKED_TOKENS`."""
     split = prefix_split(prompt_ids, prompt_mask) if packs_prompts(module, cache) else None
-    if split is None:
+    if split is None or split.length + int(split.mask[:, split.length :].sum()) > MAX_PACKED_TOKENS:
         return None
     line, positions, allowed, columns = _line(prompt_ids, prompt_mask, split)
-    if line.shape[1] > MAX_PACKED_TOKENS:
-        return None
     keep = columns[:, -1]  # (B,) each prompt's last token in the line
     extra = {"logits_to_keep": keep} if "logits_to_keep" in _hf.forward_params(module) else {}
     packed = _hf.new_cache(module)
